@@ -1,0 +1,450 @@
+"""Empirical lower bounds on the privacy parameter epsilon from membership-inference scores.
+
+Convention: a *higher* score means "more likely a member" (the canary was IN the training set).
+All score arrays are 1-D floats; epsilon is in nats (natural log); delta and alpha are
+probabilities in (0, 1). Every bound returned holds with probability >= 1 - alpha over the
+randomness of the audit (the sampling of scores / canary inclusion), under the stated model.
+
+Two audits:
+
+* :func:`epsilon_lower_bound` - many-run (or many-canary) hypothesis-testing audit from samples of
+  IN and OUT scores: Clopper-Pearson bounds on FPR/FNR of a threshold test, turned into an
+  (eps, delta) bound directly or via the tightest Gaussian-DP curve (Nasr et al. 2023).
+* :func:`epsilon_one_run` - the one-training-run audit of Steinke, Nasr & Jagielski (2023).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import optimize, special, stats
+
+__all__ = [
+    "clopper_pearson_upper",
+    "gdp_delta",
+    "gdp_epsilon",
+    "epsilon_lower_bound",
+    "one_run_p_value",
+    "epsilon_one_run",
+]
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+
+def _check_prob(name: str, value: float) -> float:
+    v = float(value)
+    if not (0.0 < v < 1.0) or math.isnan(v):
+        raise ValueError(f"{name} must be in the open interval (0, 1), got {value}")
+    return v
+
+
+def _check_scores(name: str, x) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float64)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size == 0:
+        raise ValueError(f"{name} is empty")
+    n_nan, n_inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+    if n_nan or n_inf:
+        raise ValueError(f"{name} must be finite: found {n_nan} NaN and {n_inf} Inf values")
+    return a
+
+
+# --------------------------------------------------------------------------- Clopper-Pearson
+
+
+def clopper_pearson_upper(k, n, alpha: float) -> np.ndarray:
+    """One-sided Clopper-Pearson upper confidence bound for a binomial proportion.
+
+    Args:
+        k: successes, int or array of ints with 0 <= k <= n.
+        n: trials (> 0), int or broadcastable array.
+        alpha: one-sided error; P(p > bound) <= alpha for every true p.
+
+    Returns:
+        Upper bound(s) in [0, 1], same shape as broadcast(k, n); 1 where k == n.
+    """
+    k = np.asarray(k, dtype=np.float64)
+    n = np.asarray(n, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        ub = stats.beta.ppf(1.0 - alpha, k + 1.0, np.maximum(n - k, 1e-300))
+    return np.where(k >= n, 1.0, ub)
+
+
+# --------------------------------------------------------------------------- Gaussian DP
+
+
+def gdp_delta(mu: float, eps: float) -> float:
+    """delta(eps) of mu-GDP (Dong, Roth & Su 2019, Cor. 2.13).
+
+    delta(eps) = Phi(-eps/mu + mu/2) - e^eps * Phi(-eps/mu - mu/2), evaluated in log space for
+    the second term so large eps does not overflow.
+
+    Args:
+        mu: GDP parameter (>= 0).
+        eps: epsilon in nats (>= 0).
+
+    Returns:
+        delta in [0, 1].
+    """
+    mu, eps = float(mu), float(eps)
+    if mu < 0 or eps < 0 or math.isnan(mu) or math.isnan(eps):
+        raise ValueError(f"mu and eps must be >= 0, got mu={mu}, eps={eps}")
+    if mu == 0.0:
+        return 0.0
+    a = stats.norm.cdf(-eps / mu + mu / 2)
+    b = math.exp(eps + stats.norm.logcdf(-eps / mu - mu / 2))
+    return float(min(max(a - b, 0.0), 1.0))
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """Smallest eps such that mu-GDP implies (eps, delta)-DP (inverse of :func:`gdp_delta`).
+
+    delta(eps) is strictly decreasing in eps, so the root is bracketed by doubling an upper
+    end and refined with a bracketing solver (Brent's method = safeguarded bisection).
+
+    Args:
+        mu: GDP parameter (>= 0).
+        delta: target delta in (0, 1).
+
+    Returns:
+        eps in nats (0.0 if delta(0) <= delta already).
+    """
+    delta = _check_prob("delta", delta)
+    mu = float(mu)
+    if mu < 0 or math.isnan(mu):
+        raise ValueError(f"mu must be >= 0, got {mu}")
+    if mu == 0.0 or gdp_delta(mu, 0.0) <= delta:
+        return 0.0
+    hi = max(1.0, mu)
+    while gdp_delta(mu, hi) > delta:
+        hi *= 2.0
+    return float(
+        optimize.brentq(lambda e: gdp_delta(mu, e) - delta, 0.0, hi, xtol=1e-12, rtol=1e-12)
+    )
+
+
+def _gdp_mu_from_rates(fpr_ub: np.ndarray, fnr_ub: np.ndarray) -> np.ndarray:
+    """Smallest mu whose trade-off curve passes through/below the point (fpr_ub, fnr_ub).
+
+    mu-GDP requires FNR >= f_mu(FPR) = Phi(Phi^-1(1 - FPR) - mu) for every test. f_mu is
+    decreasing in both FPR and mu, so from FPR <= fpr_ub and FNR <= fnr_ub we get
+    f_mu(fpr_ub) <= fnr_ub, i.e. mu >= Phi^-1(1 - fpr_ub) + Phi^-1(1 - fnr_ub) (closed form; the
+    curve is symmetric so the other tail gives the same value). Clipped at 0.
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mu = special.ndtri(1.0 - fpr_ub) + special.ndtri(1.0 - fnr_ub)
+    return np.nan_to_num(np.maximum(mu, 0.0), nan=0.0, posinf=0.0)
+
+
+# --------------------------------------------------------------------------- threshold audit
+
+
+def _counts(in_sorted: np.ndarray, out_sorted: np.ndarray, thr: np.ndarray):
+    """False-positive and false-negative counts of the test "member iff score >= thr"."""
+    fp = out_sorted.size - np.searchsorted(out_sorted, thr, side="left")  # out >= t
+    fn = np.searchsorted(in_sorted, thr, side="left")  # in < t
+    return fp, fn
+
+
+def _eps_from_rates(fpr_ub: np.ndarray, fnr_ub: np.ndarray, delta: float) -> np.ndarray:
+    """(eps, delta)-DP implies FPR + e^eps FNR >= 1 - delta and FNR + e^eps FPR >= 1 - delta.
+
+    Both left-hand sides grow with FPR and FNR, so plugging in upper bounds stays valid.
+    Returns max(0, both tails), shape of broadcast input.
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):
+        e1 = np.log((1.0 - delta - fnr_ub) / fpr_ub)
+        e2 = np.log((1.0 - delta - fpr_ub) / fnr_ub)
+    e = np.fmax(np.nan_to_num(e1, nan=0.0, posinf=0.0), np.nan_to_num(e2, nan=0.0, posinf=0.0))
+    return np.maximum(e, 0.0)
+
+
+def _threshold_grid(pooled: np.ndarray, n_thresholds: int) -> np.ndarray:
+    """Candidate thresholds: pooled-score order statistics at a bounded set of quantile levels.
+
+    Half the levels are linear, the rest log-spaced into each tail, because tight epsilon bounds
+    come from extreme thresholds (tiny FPR or FNR). Returns <= n_thresholds unique values.
+    """
+    s = np.sort(pooled)
+    n = s.size
+    n_lin = max(n_thresholds // 2, 2)
+    n_tail = max((n_thresholds - n_lin) // 2, 1)
+    tail = np.geomspace(1.0 / n, 0.5, n_tail)
+    levels = np.concatenate((np.linspace(0.0, 1.0, n_lin), tail, 1.0 - tail))
+    idx = np.clip(np.round(levels * (n - 1)).astype(np.intp), 0, n - 1)
+    return np.unique(s[idx])
+
+
+def _bound_at(in_sorted, out_sorted, thr, delta, a_each, method):
+    """Per-threshold bound: returns (value to maximise, eps, fpr_ub, fnr_ub, mu)."""
+    fp, fn = _counts(in_sorted, out_sorted, thr)
+    fpr_ub = clopper_pearson_upper(fp, out_sorted.size, a_each)
+    fnr_ub = clopper_pearson_upper(fn, in_sorted.size, a_each)
+    if method == "gdp":
+        mu = _gdp_mu_from_rates(fpr_ub, fnr_ub)
+        return mu, None, fpr_ub, fnr_ub, mu
+    eps = _eps_from_rates(fpr_ub, fnr_ub, delta)
+    return eps, eps, fpr_ub, fnr_ub, None
+
+
+def epsilon_lower_bound(
+    in_scores,
+    out_scores,
+    delta: float,
+    alpha: float = 0.05,
+    method: str = "clopper_pearson",
+    threshold_selection: str = "split",
+    seed: int = 0,
+    n_thresholds: int = 100,
+) -> dict:
+    """Empirical epsilon lower bound from a threshold membership test.
+
+    The test says "member" iff score >= t. For a DP mechanism, FPR(t) = P(out >= t) and
+    FNR(t) = P(in < t) must satisfy FPR + e^eps FNR >= 1 - delta and FNR + e^eps FPR >= 1 - delta.
+    One-sided Clopper-Pearson upper bounds FPR_hi, FNR_hi (each at level alpha/2, or
+    alpha/(2K) with Bonferroni) then give, with probability >= 1 - alpha,
+
+        eps >= max(ln((1 - delta - FNR_hi) / FPR_hi), ln((1 - delta - FPR_hi) / FNR_hi), 0).
+
+    ``method="gdp"`` instead converts (FPR_hi, FNR_hi) to the smallest consistent mu of mu-GDP,
+    mu_lb = Phi^-1(1 - FPR_hi) + Phi^-1(1 - FNR_hi), and reports eps_lb = gdp_epsilon(mu_lb, delta)
+    (Nasr et al. 2023, "Tight auditing of DP-SGD"). This is a valid bound on eps(delta) *if the
+    mechanism's privacy profile is Gaussian* (e.g. the Gaussian mechanism / DP-SGD in the
+    final-model threat model is well approximated by it); for arbitrary mechanisms it is a
+    heuristic, while ``clopper_pearson`` is assumption-free.
+
+    Threshold choice is data-dependent, so it is corrected:
+      * ``"split"``: the in/out samples are each randomly halved; t maximises the bound on the
+        first half, and the bound is evaluated on the second (independent) half at alpha/2 per
+        rate bound.
+      * ``"bonferroni"``: all K candidate thresholds (<= n_thresholds pooled-score quantiles,
+        dense in both tails) are evaluated on the full data with alpha/(2K) per rate bound.
+
+    Args:
+        in_scores: shape (n_in,), scores of canaries that were in the training set.
+        out_scores: shape (n_out,), scores of canaries that were not.
+        delta: target delta in (0, 1).
+        alpha: the bound fails with probability <= alpha; in (0, 1).
+        method: "clopper_pearson" or "gdp".
+        threshold_selection: "split" or "bonferroni".
+        seed: seed of the Generator used by "split".
+        n_thresholds: size of the candidate grid (>= 1).
+
+    Returns:
+        dict with ``epsilon_lb`` (nats), ``method``, ``threshold_selection``, ``alpha``, ``delta``,
+        ``threshold`` (chosen t), ``fpr_ub``, ``fnr_ub`` (Clopper-Pearson upper bounds at t on
+        the evaluation data), ``fpr_hat``, ``fnr_hat`` (empirical rates there), ``n_in``,
+        ``n_out`` (inputs), ``n_in_eval``, ``n_out_eval`` (samples the bound was computed on),
+        ``n_candidates`` (K), ``alpha_per_bound``, and for gdp ``mu_lb``.
+
+    Raises:
+        ValueError: naming the problem, for NaN/Inf/empty/non-1-D scores, delta or alpha outside
+            (0, 1), unknown method/threshold_selection, split with fewer than 2 scores per class.
+    """
+    x_in = _check_scores("in_scores", in_scores)
+    x_out = _check_scores("out_scores", out_scores)
+    delta = _check_prob("delta", delta)
+    alpha = _check_prob("alpha", alpha)
+    if method not in ("clopper_pearson", "gdp"):
+        raise ValueError(f"method must be 'clopper_pearson' or 'gdp', got {method!r}")
+    if threshold_selection not in ("split", "bonferroni"):
+        raise ValueError(
+            f"threshold_selection must be 'split' or 'bonferroni', got {threshold_selection!r}"
+        )
+    if int(n_thresholds) < 1:
+        raise ValueError(f"n_thresholds must be >= 1, got {n_thresholds}")
+
+    if threshold_selection == "split":
+        if x_in.size < 2 or x_out.size < 2:
+            raise ValueError(
+                "split threshold selection needs at least 2 in_scores and 2 out_scores"
+            )
+        rng = np.random.default_rng(seed)
+        p_in, p_out = rng.permutation(x_in), rng.permutation(x_out)
+        sel_in, ev_in = np.sort(p_in[: x_in.size // 2]), np.sort(p_in[x_in.size // 2 :])
+        sel_out, ev_out = np.sort(p_out[: x_out.size // 2]), np.sort(p_out[x_out.size // 2 :])
+        cand = _threshold_grid(np.concatenate((sel_in, sel_out)), int(n_thresholds))
+        # Selection half: any rule is valid since evaluation data is independent; use the
+        # same bound so the chosen t is the one most likely to certify on fresh data.
+        crit, *_ = _bound_at(sel_in, sel_out, cand, delta, alpha / 2, method)
+        cand = cand[[int(np.argmax(crit))]]
+        a_each = alpha / 2
+    else:
+        ev_in, ev_out = np.sort(x_in), np.sort(x_out)
+        cand = _threshold_grid(np.concatenate((ev_in, ev_out)), int(n_thresholds))
+        a_each = alpha / (2 * cand.size)
+
+    crit, eps, fpr_ub, fnr_ub, mu = _bound_at(ev_in, ev_out, cand, delta, a_each, method)
+    j = int(np.argmax(crit))
+    fp, fn = _counts(ev_in, ev_out, cand[j : j + 1])
+    out = {
+        "method": method,
+        "threshold_selection": threshold_selection,
+        "alpha": alpha,
+        "delta": delta,
+        "threshold": float(cand[j]),
+        "fpr_ub": float(fpr_ub[j]),
+        "fnr_ub": float(fnr_ub[j]),
+        "fpr_hat": float(fp[0] / ev_out.size),
+        "fnr_hat": float(fn[0] / ev_in.size),
+        "n_in": int(x_in.size),
+        "n_out": int(x_out.size),
+        "n_in_eval": int(ev_in.size),
+        "n_out_eval": int(ev_out.size),
+        "n_candidates": int(cand.size) if threshold_selection == "bonferroni" else 1,
+        "alpha_per_bound": float(a_each),
+    }
+    if method == "gdp":
+        out["mu_lb"] = float(mu[j])
+        out["epsilon_lb"] = gdp_epsilon(float(mu[j]), delta) if mu[j] > 0 else 0.0
+    else:
+        out["epsilon_lb"] = float(eps[j])
+    return out
+
+
+# --------------------------------------------------------------------------- one-run audit
+
+
+def one_run_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
+    """p-value of >= v correct guesses out of r under (eps, delta)-DP, m canaries.
+
+    Steinke, Nasr & Jagielski (2023), "Privacy Auditing with One (1) Training Run", Thm 3.1 /
+    their reference code: with q = e^eps / (1 + e^eps) and B ~ Binomial(r, q),
+
+        p = P[B >= v] + 2 m delta * max_{i = 1..v} P[v - i <= B < v] / i,
+
+    capped at 1. For delta = 0 this is exactly the Binomial(r, q) upper tail (the guesses are
+    stochastically dominated by randomized response); the second term is the paper's delta
+    correction, which charges 2*m*delta spread over the cheapest way of "buying" i extra
+    correct guesses.
+
+    Args:
+        m: number of canaries (each included independently with probability 1/2).
+        r: number of guesses made (abstentions excluded), 0 <= r <= m.
+        v: number of correct guesses, 0 <= v <= r.
+        eps: epsilon (nats, >= 0) of the null hypothesis.
+        delta: delta in [0, 1] of the null hypothesis.
+
+    Returns:
+        p-value in [0, 1].
+    """
+    if not (0 <= v <= r <= m):
+        raise ValueError(f"need 0 <= v <= r <= m, got m={m}, r={r}, v={v}")
+    q = special.expit(eps)  # accuracy of eps-DP randomized response
+    tail = float(stats.binom.sf(v - 1, r, q))  # P[B >= v]
+    corr = 0.0
+    if delta > 0 and v > 0:
+        # cumsum over i of pmf(v - i) is P[v - i <= B < v]; divide by i, take the max.
+        pm = stats.binom.pmf(np.arange(v - 1, -1, -1), r, q)
+        corr = float(np.max(np.cumsum(pm) / np.arange(1, v + 1)))
+    return min(tail + 2.0 * m * delta * corr, 1.0)
+
+
+def _eps_one_run_single(m: int, r: int, v: int, delta: float, alpha: float) -> float:
+    """Largest eps with p-value < alpha, i.e. sup{eps : P_eps[>= v correct] < alpha} (>= 0).
+
+    The p-value is continuous and non-decreasing in eps, so bracket then root-find.
+    """
+    if r == 0 or one_run_p_value(m, r, v, 0.0, delta) >= alpha:
+        return 0.0
+    hi = 1.0
+    while one_run_p_value(m, r, v, hi, delta) < alpha:
+        hi *= 2.0
+        if hi > 1e4:  # p never reaches alpha (cannot happen for v <= r); guard anyway
+            return float("inf")
+    return float(
+        optimize.brentq(lambda e: one_run_p_value(m, r, v, e, delta) - alpha, 0.0, hi, xtol=1e-10)
+    )
+
+
+def _default_k_grid(m: int) -> list[tuple[int, int]]:
+    """Symmetric (k_pos = k_neg) guess counts covering 2%..100% of the canaries."""
+    grid = []
+    for frac in (0.02, 0.05, 0.1, 0.2, 0.5, 1.0):
+        k = int(round(frac * m / 2))
+        if k >= 1 and (k, k) not in grid and 2 * k <= m:
+            grid.append((k, k))
+    return grid or [(1, 0)]
+
+
+def epsilon_one_run(
+    scores,
+    is_member,
+    delta: float,
+    alpha: float = 0.05,
+    k_pos: int | None = None,
+    k_neg: int | None = None,
+) -> dict:
+    """One-run epsilon lower bound (Steinke, Nasr & Jagielski 2023, Algorithm 1 + Thm 3.1).
+
+    Setting: m canaries, each inserted independently with probability 1/2 before the single
+    training run. The auditor guesses "in" for the k_pos highest scores and "out" for the k_neg
+    lowest (abstaining on the rest); r = k_pos + k_neg guesses, v of them correct. The bound is
+    the largest eps such that P[>= v correct | (eps, delta)-DP] (see :func:`one_run_p_value`,
+    the paper's bound including its 2*m*delta correction term) is still < alpha.
+
+    k selection: if k_pos and/or k_neg are given (a missing one defaults to 0), that single
+    choice is used at level alpha. If both are None, a small grid of symmetric choices
+    k_pos = k_neg = round(f*m/2), f in {0.02, 0.05, 0.1, 0.2, 0.5, 1} is searched and each is
+    evaluated at alpha / (grid size) (union bound), so the max stays a valid 1 - alpha bound.
+    Ties in scores are broken by input order, which is independent of membership.
+
+    Args:
+        scores: shape (m,), finite scores; higher = more likely member.
+        is_member: shape (m,), bool ground truth inclusion of each canary.
+        delta: delta in (0, 1) of the hypothesis being tested.
+        alpha: failure probability in (0, 1).
+        k_pos, k_neg: numbers of positive / negative guesses, k_pos + k_neg <= m.
+
+    Returns:
+        dict with ``epsilon_lb`` (nats), ``r``, ``v``, ``k_pos``, ``k_neg``, ``m``, ``alpha``,
+        ``delta``, ``alpha_per_k`` and ``n_k_tried``.
+
+    Raises:
+        ValueError: naming the problem, for bad scores/labels, delta/alpha outside (0, 1),
+            negative k or k_pos + k_neg > m.
+    """
+    s = _check_scores("scores", scores)
+    y = np.asarray(is_member)
+    if y.ndim != 1 or y.shape[0] != s.shape[0]:
+        raise ValueError(
+            f"is_member must be 1-D with the same length as scores, got {y.shape} vs {s.shape}"
+        )
+    if y.dtype != bool:
+        if not np.all(np.isin(np.unique(y), [0, 1])):
+            raise ValueError("is_member must be boolean or 0/1")
+        y = y.astype(bool)
+    delta = _check_prob("delta", delta)
+    alpha = _check_prob("alpha", alpha)
+    m = int(s.size)
+
+    if k_pos is None and k_neg is None:
+        grid = _default_k_grid(m)
+    else:
+        kp, kn = int(k_pos or 0), int(k_neg or 0)
+        if kp < 0 or kn < 0:
+            raise ValueError(f"k_pos and k_neg must be >= 0, got {kp}, {kn}")
+        if kp + kn > m:
+            raise ValueError(f"k_pos + k_neg must be <= m={m}, got {kp} + {kn}")
+        grid = [(kp, kn)]
+    a_k = alpha / len(grid)
+
+    order = np.argsort(-s, kind="mergesort")  # descending, ties by input order
+    y_sorted = y[order]
+    correct_top = np.concatenate(([0], np.cumsum(y_sorted)))  # members among top k
+    correct_bot = np.concatenate(([0], np.cumsum(~y_sorted[::-1])))  # non-members among bottom k
+
+    best = None
+    for kp, kn in grid:
+        r = kp + kn
+        v = int(correct_top[kp] + correct_bot[kn])
+        eps = _eps_one_run_single(m, r, v, delta, a_k)
+        if best is None or eps > best["epsilon_lb"]:
+            best = {"epsilon_lb": eps, "r": r, "v": v, "k_pos": kp, "k_neg": kn}
+    best.update(
+        {"m": m, "alpha": alpha, "delta": delta, "alpha_per_k": a_k, "n_k_tried": len(grid)}
+    )
+    return best

@@ -1,0 +1,124 @@
+"""`fedlora train`: flags generated from :class:`fl.config.TrainConfig` (one source of
+defaults). Precedence: field defaults < ``--config FILE.toml`` < flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from fl.config import TrainConfig, load_toml, parse_opt_value
+from fl.errors import UsageError
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(TrainConfig):
+        if f.metadata.get("cli") is False:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        helptext = f"{f.metadata.get('help', '')} (default: {default!r})"
+        if isinstance(default, bool):
+            p.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=helptext,
+            )
+        else:
+            p.add_argument(
+                flag,
+                dest=f.name,
+                type=type(default),
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper(),
+                help=helptext,
+            )
+    p.add_argument(
+        "--opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="method option (repeatable), validated against the method's options",
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with any of the fields above")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    data: dict = {}
+    if getattr(args, "config", None):
+        data.update(load_toml(args.config))
+    for f in dataclasses.fields(TrainConfig):
+        if hasattr(args, f.name) and f.name != "opts":
+            data[f.name] = getattr(args, f.name)
+    opts = dict(data.get("opts", {}))
+    for item in getattr(args, "opt", []) or []:
+        if "=" not in item:
+            raise UsageError(f"--opt expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        opts[k.strip()] = parse_opt_value(v.strip())
+    data["opts"] = opts
+    return TrainConfig.from_dict(data).validate()
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train one federated method (writes a run directory)",
+        description="Train a federated LoRA method, with or without DP, and write a run directory.",
+    )
+    add_config_flags(p)
+    p.add_argument(
+        "--out", metavar="DIR", help="run directory to create (default: runs/<method>-<seed>)"
+    )
+    p.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue a killed run from its last completed round"
+    )
+    p.add_argument("--list-methods", action="store_true", help="list the methods and their options")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> int:
+    from fl.engine import train
+    from fl.io import read_json
+    from fl.methods import registry
+
+    if args.list_methods:
+        for name in registry.names():
+            cls = registry.get(name)
+            opts = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Options))
+            print(f"{name:10s} dp levels: {','.join(cls.dp_levels):18s} options: {opts or '-'}")
+        return 0
+    if args.resume:
+        run_dir = Path(args.resume)
+        ck_meta = sorted((run_dir / "checkpoint").glob("meta-*.json"))
+        if ck_meta:
+            saved = read_json(ck_meta[-1]).get("config")
+        elif (run_dir / "manifest.json").exists():
+            saved = read_json(run_dir / "manifest.json").get("config")
+        else:
+            raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
+        cfg = TrainConfig.from_dict(saved)
+        for k in ("progress", "device"):
+            if hasattr(args, k):
+                setattr(cfg, k, getattr(args, k))
+        cfg.validate()
+        manifest = train(cfg, run_dir, resume=True)
+    else:
+        cfg = config_from_args(args)
+        out = args.out or f"runs/{cfg.method}-{cfg.dp_level}-seed{cfg.seed}"
+        manifest = train(cfg, out)
+    final = manifest.get("metrics", {}).get("final", {})
+    print(
+        json.dumps(
+            {
+                "run_dir": str(Path(args.resume or out)),
+                "accuracy": final.get("accuracy"),
+                "epsilon": manifest["privacy"]["epsilon"],
+            },
+            default=str,
+        )
+    )
+    return 0

@@ -1,0 +1,229 @@
+"""Training configuration: one dataclass, validated, each field with its help text.
+
+The CLI (``fedlora train``) is generated from these fields; TOML config files use the
+same names. There is no second source of defaults.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+
+from fl.errors import UsageError
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    method: str = _f("fedavg", "federated method (see `fedlora train --list-methods`)")
+    model: str = _f("minilm", "minilm | tiny-bert | tiny-gpt2 | path to a local HF model folder")
+    dataset: str = _f("tweets", "tweets | tweets3 | bbc | synthetic | path to .csv/.jsonl")
+    text_column: str = _f("text", "text column of a local dataset file")
+    label_column: str = _f("label", "label column of a local dataset file")
+    max_length: int = _f(64, "tokens per example (truncation length)")
+    members: int = _f(2000, "examples in the federated training pool (members)")
+    nonmembers: int = _f(1000, "held-out examples of the same distribution (for attacks)")
+    test: int = _f(1000, "test examples for evaluation")
+    clients: int = _f(5, "number of clients K")
+    clients_per_round: float = _f(
+        0, "clients sampled per round: a count >= 1, a fraction in (0,1), or 0 for all"
+    )
+    client_sampling: str = _f(
+        "uniform", "uniform (fixed count, without replacement) | poisson (each client w.p. q)"
+    )
+    rounds: int = _f(5, "federated rounds")
+    local_steps: int = _f(10, "local optimizer steps per round (ignored if local_epochs > 0)")
+    local_epochs: float = _f(0.0, "local epochs per round (0 = use local_steps)")
+    batch_size: int = _f(32, "(expected) batch size of a local step")
+    lr: float = _f(5e-3, "local learning rate")
+    optimizer: str = _f("adamw", "sgd | adamw (each client has its own optimizer state)")
+    reset_optimizer: bool = _f(
+        True, "reset each client's optimizer state every round (else keep it per client)"
+    )
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    rank: int = _f(8, "LoRA rank R")
+    alpha: float = _f(16.0, "LoRA alpha (scaling s = alpha / R)")
+    lora_dropout: float = _f(0.0, "LoRA dropout")
+    target_modules: str = _f("", "comma-separated LoRA target modules (empty = per-model default)")
+    client_ranks: str = _f(
+        "", "heterogeneous ranks: draw each client's rank from this set, e.g. 4,8,16"
+    )
+    client_ranks_list: str = _f("", "heterogeneous ranks: one rank per client, e.g. 4,8,16,16,8")
+    partition: str = _f("iid", "client partition: iid | dirichlet")
+    dirichlet_alpha: float = _f(0.5, "Dirichlet concentration (smaller = more label skew)")
+    min_client_size: int = _f(8, "smallest allowed client; Dirichlet draws are redrawn below it")
+    dp_level: str = _f("none", "none | sample (DP-SGD on clients) | client (server-side DP)")
+    epsilon: float = _f(0.0, "target ε for the whole run (calibrates σ); 0 = not set")
+    noise_multiplier: float = _f(-1.0, "σ given directly (instead of --epsilon); -1 = not set")
+    delta: float = _f(0.0, "δ; 0 = 1/(10·n) with n the smallest accounting population")
+    clip: float = _f(
+        1.0, "clipping bound C (per example at sample level, per client update at client level)"
+    )
+    accountant: str = _f("pld", "accountant for calibration and the budget check: pld | rdp")
+    secure_rng: bool = _f(False, "draw DP noise from the OS's cryptographically secure source")
+    canaries: int = _f(0, "number of audit canaries (each inserted with probability 1/2)")
+    canary_kind: str = _f("mislabel", "canary kind: mislabel | random_text")
+    eval_every: int = _f(1, "evaluate the global model every N rounds (and always at the end)")
+    eval_batch_size: int = _f(128, "batch size for evaluation")
+    seed: int = _f(0, "seed for everything (data split, partition, init, sampling, noise)")
+    device: str = _f("auto", "auto | cpu | cuda")
+    transport: str = _f("inprocess", "inprocess | flower")
+    progress: bool = _f(True, "show progress bars")
+    opts: dict = field(
+        default_factory=dict,
+        metadata={"help": "method options key=value (repeatable --opt)", "cli": False},
+    )
+
+    def validate(self) -> TrainConfig:
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise UsageError(msg)
+
+        from fl.methods import registry
+
+        need(
+            self.method in registry.names(),
+            f"unknown method {self.method!r}; choose one of {registry.names()}",
+        )
+        need(self.max_length >= 4, f"max_length must be >= 4, got {self.max_length}")
+        need(self.members > 0, f"members must be > 0, got {self.members}")
+        need(self.nonmembers >= 0 and self.test > 0, "nonmembers must be >= 0 and test > 0")
+        need(self.clients >= 1, f"clients must be >= 1, got {self.clients}")
+        cpr = self.clients_per_round
+        need(
+            cpr == 0
+            or (0 < cpr < 1)
+            or (cpr >= 1 and float(cpr).is_integer() and cpr <= self.clients),
+            f"clients_per_round must be 0, a fraction in (0,1) or a count <= clients, got {cpr}",
+        )
+        need(
+            self.client_sampling in ("uniform", "poisson"),
+            f"unknown client_sampling {self.client_sampling!r}",
+        )
+        need(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
+        need(self.local_steps >= 1 or self.local_epochs > 0, "local_steps must be >= 1")
+        need(
+            self.local_epochs >= 0 and math.isfinite(self.local_epochs), "local_epochs must be >= 0"
+        )
+        need(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        need(self.lr > 0 and math.isfinite(self.lr), f"lr must be > 0, got {self.lr}")
+        need(self.optimizer in ("sgd", "adamw"), f"unknown optimizer {self.optimizer!r}")
+        need(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
+        need(self.alpha > 0 and math.isfinite(self.alpha), f"alpha must be > 0, got {self.alpha}")
+        need(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0,1), got {self.lora_dropout}")
+        need(
+            self.partition in ("iid", "dirichlet"),
+            f"unknown partition {self.partition!r}; use iid or dirichlet",
+        )
+        need(self.dirichlet_alpha > 0, f"dirichlet_alpha must be > 0, got {self.dirichlet_alpha}")
+        need(self.dp_level in ("none", "sample", "client"), f"unknown dp_level {self.dp_level!r}")
+        need(
+            not math.isnan(self.epsilon) and self.epsilon >= 0,
+            f"epsilon must be > 0, got {self.epsilon}",
+        )
+        need(
+            self.noise_multiplier == -1.0
+            or (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)),
+            f"noise multiplier σ must be >= 0, got {self.noise_multiplier}",
+        )
+        need(
+            math.isfinite(self.delta) and 0 <= self.delta < 1,
+            f"delta must be in (0, 1), got {self.delta}",
+        )
+        need(
+            self.clip > 0 and math.isfinite(self.clip),
+            f"clipping bound C must be > 0, got {self.clip}",
+        )
+        need(self.accountant in ("pld", "rdp"), f"unknown accountant {self.accountant!r}")
+        need(self.canaries >= 0, f"canaries must be >= 0, got {self.canaries}")
+        need(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
+        need(self.transport in ("inprocess", "flower"), f"unknown transport {self.transport!r}")
+        if self.dp_level != "none":
+            need(
+                (self.epsilon > 0) != (self.noise_multiplier >= 0),
+                "with DP give exactly one of --epsilon and --noise-multiplier",
+            )
+        else:
+            need(
+                self.epsilon == 0 and self.noise_multiplier == -1.0,
+                "--epsilon/--noise-multiplier need --dp-level sample or client",
+            )
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        if not isinstance(d, dict):
+            raise UsageError("config must be a table/object")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise UsageError(f"unknown config field(s): {unknown}")
+        kw = {}
+        for k, v in d.items():
+            kw[k] = _coerce(known[k], v)
+        return cls(**kw)
+
+
+def _coerce(f, v):
+    default = f.default if f.default is not MISSING else None
+    if f.name == "opts":
+        if not isinstance(v, dict):
+            raise UsageError("config field 'opts' must be a table")
+        return dict(v)
+    typ = type(default)
+    if typ is bool:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return v.lower() in ("true", "1", "yes")
+        raise UsageError(f"config field {f.name!r} must be true/false, got {v!r}")
+    if typ is int:
+        if isinstance(v, bool) or not (
+            isinstance(v, int) or (isinstance(v, str) and v.lstrip("-").isdigit())
+        ):
+            raise UsageError(f"config field {f.name!r} must be an integer, got {v!r}")
+        return int(v)
+    if typ is float:
+        try:
+            if isinstance(v, bool):
+                raise ValueError
+            return float(v)
+        except (TypeError, ValueError):
+            raise UsageError(f"config field {f.name!r} must be a number, got {v!r}") from None
+    if typ is str:
+        if not isinstance(v, str | int | float) or isinstance(v, bool):
+            raise UsageError(f"config field {f.name!r} must be a string, got {v!r}")
+        return str(v)
+    return v
+
+
+def load_toml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: invalid TOML ({exc})") from None
+    return data.get("train", data)
+
+
+def parse_opt_value(v: str):
+    """--opt key=value: ints, floats, booleans, else string."""
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v

@@ -1,0 +1,1136 @@
+"""The in-process federated engine: data, one shared model, rounds of stages, ledger,
+checkpoints and the run directory.
+
+One base model lives in memory; a client "trains" by loading its starting LoRA state
+into it, running local (DP-)SGD and reading the result back. Every source of
+randomness is derived from (seed, round, client, purpose), so a resumed run replays
+exactly what an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from fl import factors as F
+from fl.config import TrainConfig
+from fl.data import ids_hash, load_dataset, partition, split_dataset
+from fl.errors import UsageError
+from fl.io import RunLock, atomic_write_json, atomic_write_text, file_sha256, read_json
+from fl.methods import registry
+from fl.methods.base import Replies, RoundInfo, parse_options
+from fl.models import LoraSpec, load_base_model, load_tokenizer, resolve_device, wrap_lora
+from fl.privacy.accounting import Event, Ledger, PrivacyError, calibrate_noise, epsilon
+from fl.privacy.dpsgd import DpSgdParams, clip_and_noise, gaussian_noise
+
+SCHEMA_VERSION = 1
+
+# Expected and harmless: Opacus' full backward hooks on frozen-input modules, and a
+# transformers deprecation notice inside peft; they would drown the progress output.
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from any parts (stable across processes and machines)."""
+    h = hashlib.sha256("|".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def generator(*parts: Any) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(derive_seed(*parts))
+    return g
+
+
+# ---------------------------------------------------------------------------------
+# Data on the device
+# ---------------------------------------------------------------------------------
+class TokenizedData:
+    """All texts tokenized once (padded to max_length); batches trimmed to their
+    longest sequence."""
+
+    def __init__(self, texts: list[str], labels: np.ndarray, tokenizer, max_length: int):
+        enc = tokenizer(
+            texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
+        )
+        self.input_ids = enc["input_ids"]
+        self.attention_mask = enc["attention_mask"]
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+        self.lengths = self.attention_mask.sum(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, idx: torch.Tensor | np.ndarray, device) -> dict[str, torch.Tensor]:
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        L = int(self.lengths[idx].max()) if len(idx) else 1
+        return {
+            "input_ids": self.input_ids[idx, :L].to(device),
+            "attention_mask": self.attention_mask[idx, :L].to(device),
+            "labels": self.labels[idx].to(device),
+        }
+
+
+def poisson_masks(seed_parts: tuple, n: int, q: float, steps: int) -> list[torch.Tensor]:
+    """The Poisson batches of a local training: step t includes example i iff
+    U_{t,i} < q, with U from a generator derived from ``seed_parts``."""
+    g = generator(*seed_parts, "batches")
+    return [torch.rand(n, generator=g) < q for _ in range(steps)]
+
+
+# ---------------------------------------------------------------------------------
+# Local training on the shared model
+# ---------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    state: dict
+    loss: float
+    steps: int
+    examples: int
+    dp_stats: dict = field(default_factory=dict)
+
+
+class LocalTrainer:
+    """One peft model (and its Opacus per-sample-gradient wrapper), reused by every
+    client: load state → train → read state."""
+
+    def __init__(self, cfg: TrainConfig, num_labels: int, device: torch.device):
+        from opacus import GradSampleModule
+
+        self.cfg = cfg
+        self.device = device
+        net = load_base_model(cfg.model, num_labels, seed=cfg.seed)
+        targets = tuple(t for t in cfg.target_modules.split(",") if t) or None
+        self.model = wrap_lora(
+            net, LoraSpec(cfg.rank, cfg.alpha, cfg.lora_dropout, targets), seed=cfg.seed
+        )
+        self.model.to(device)
+        self.scaling = F.scaling(cfg.alpha, cfg.rank)
+        # Hooks mode: Opacus computes per-sample gradients for trainable params only.
+        self.gsm = GradSampleModule(self.model, batch_first=True, loss_reduction="sum")
+        self.gsm.disable_hooks()
+        self.lora = F.lora_param_map(self.model)
+        self.head = F.head_param_map(self.model)
+
+    def initial_state(self) -> dict:
+        return F.get_state(self.model)
+
+    def _set_trainable(self, trainable: set[str]) -> list[torch.nn.Parameter]:
+        params = []
+        for ab in self.lora.values():
+            for which, p in ab.items():
+                p.requires_grad_(which in trainable)
+                if which in trainable:
+                    params.append(p)
+        for p in self.head.values():
+            p.requires_grad_("head" in trainable)
+            if "head" in trainable:
+                params.append(p)
+        return params
+
+    def train(
+        self,
+        start: dict,
+        data: TokenizedData,
+        positions: np.ndarray,
+        steps: int,
+        trainable: set[str],
+        dp: DpSgdParams | None,
+        seed_parts: tuple,
+        prox_mu: float = 0.0,
+        correction: dict[str, torch.Tensor] | None = None,
+        opt_state: dict | None = None,
+        grad_transform=None,
+    ) -> tuple[TrainResult, dict]:
+        """Local training from ``start``. Batches are Poisson-sampled with rate
+        q = batch_size / n in both DP and non-DP modes (so σ=0, C=∞ DP training equals
+        non-DP training); the loss is summed and divided by the expected batch q·n.
+
+        prox_mu: FedProx term μ/2‖θ − θ_start‖² (its gradient is data-independent and is
+        added after privatization). correction: SCAFFOLD's c − c_i, per flat state key,
+        added after privatization. grad_transform: optional callable(params, batch_info)
+        for methods that privatize in their own space (FedASK W-space clipping).
+        """
+        cfg = self.cfg
+        F.set_state(self.model, start)
+        params = self._set_trainable(trainable)
+        flat_names = self._flat_names(params)
+        self.model.train()
+        torch.manual_seed(derive_seed(*seed_parts, "dropout"))
+        noise_gen = generator(*seed_parts, "noise")
+        n = len(positions)
+        q = min(1.0, cfg.batch_size / n)
+        expected = q * n
+        if cfg.optimizer == "sgd":
+            opt = torch.optim.SGD(params, lr=cfg.lr)
+        else:
+            opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if opt_state is not None:
+            opt.load_state_dict(opt_state)
+        start_vals = [p.detach().clone() for p in params] if prox_mu > 0 else None
+        pos_t = torch.as_tensor(positions, dtype=torch.long)
+        use_hooks = dp is not None
+        if use_hooks:
+            self.gsm.enable_hooks()
+        losses, examples, dp_stats = [], 0, {"mean_norm": [], "frac_clipped": [], "nonfinite": 0}
+        masks = poisson_masks(seed_parts, n, q, steps)
+        try:
+            for mask in masks:
+                idx = pos_t[mask]
+                b = len(idx)
+                examples += b
+                opt.zero_grad(set_to_none=True)
+                if b > 0:
+                    batch = data.batch(idx, self.device)
+                    labels = batch.pop("labels")
+                    net = self.gsm if use_hooks else self.model
+                    logits = net(**batch).logits
+                    loss = torch.nn.functional.cross_entropy(
+                        logits.float(), labels, reduction="sum"
+                    )
+                    (loss / (1.0 if use_hooks else expected)).backward()
+                    losses.append(loss.item() / b)
+                if dp is not None:
+                    if grad_transform is not None:
+                        st = grad_transform(params, dp, noise_gen, b)
+                    else:
+                        for p in params:
+                            if b == 0:
+                                p.grad_sample = None
+                        st = clip_and_noise(params, dp, noise_gen, b)
+                    if b > 0:
+                        dp_stats["mean_norm"].append(st["mean_norm"])
+                        dp_stats["frac_clipped"].append(st["frac_clipped"])
+                    dp_stats["nonfinite"] += st["nonfinite"]
+                else:
+                    for p in params:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                if prox_mu > 0:
+                    for p, p0 in zip(params, start_vals):
+                        p.grad.add_(p.detach() - p0, alpha=prox_mu)
+                if correction is not None:
+                    for p, nm in zip(params, flat_names):
+                        if nm in correction:
+                            p.grad.add_(correction[nm].to(p.device, p.dtype))
+                opt.step()
+        finally:
+            if use_hooks:
+                self.gsm.disable_hooks()
+                for p in params:
+                    p.grad_sample = None
+        state = F.get_state(self.model)
+        stats = {
+            k: (float(np.mean(v)) if isinstance(v, list) and v else v) for k, v in dp_stats.items()
+        }
+        result = TrainResult(
+            state, float(np.mean(losses)) if losses else float("nan"), steps, examples, stats
+        )
+        return result, opt.state_dict()
+
+    def _flat_names(self, params: list[torch.nn.Parameter]) -> list[str]:
+        ident = {id(p): None for p in params}
+        for k, ab in self.lora.items():
+            for which, p in ab.items():
+                if id(p) in ident:
+                    ident[id(p)] = f"factors/{k}/{which}"
+        for k, p in self.head.items():
+            if id(p) in ident:
+                ident[id(p)] = f"head/{k}"
+        return [ident[id(p)] for p in params]
+
+    @torch.no_grad()
+    def evaluate(self, state: dict, data: TokenizedData, batch_size: int) -> dict:
+        F.set_state(self.model, state)
+        self.model.eval()
+        correct, loss_sum = 0, 0.0
+        n = len(data)
+        for s in range(0, n, batch_size):
+            idx = torch.arange(s, min(n, s + batch_size))
+            batch = data.batch(idx, self.device)
+            labels = batch.pop("labels")
+            logits = self.model(**batch).logits.float()
+            loss_sum += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+            correct += int((logits.argmax(-1) == labels).sum())
+        self.model.train()
+        return {"accuracy": correct / max(n, 1), "loss": loss_sum / max(n, 1)}
+
+
+# ---------------------------------------------------------------------------------
+# Client and server contexts
+# ---------------------------------------------------------------------------------
+class ClientContext:
+    """What a client handler sees: its id, data size, persistent state, and ``train``."""
+
+    def __init__(self, engine: Engine, cid: str, rnd: RoundInfo):
+        self.engine = engine
+        self.id = cid
+        self.round = rnd
+        self.positions = engine.client_positions[cid]
+        self.n = len(self.positions)
+        self.state: dict = engine.client_states.setdefault(cid, {})
+        self.events: list[Event] = []
+
+    @property
+    def scaling(self) -> float:
+        return self.engine.trainer.scaling
+
+    def steps(self) -> int:
+        return self.engine.local_steps_for(self.n)
+
+    def dp_params(self) -> DpSgdParams | None:
+        return self.engine.dp_params_for(self.n)
+
+    def train(
+        self,
+        start: dict,
+        trainable: set[str] | tuple[str, ...] = ("A", "B", "head"),
+        prox_mu: float = 0.0,
+        correction: dict[str, torch.Tensor] | None = None,
+        grad_transform=None,
+        stage: str = "train",
+    ) -> TrainResult:
+        eng = self.engine
+        dp = self.dp_params()
+        steps = self.steps()
+        opt_state = None if eng.cfg.reset_optimizer else self.state.get("_opt")
+        result, opt_sd = eng.trainer.train(
+            start,
+            eng.members_data,
+            self.positions,
+            steps,
+            set(trainable),
+            dp,
+            seed_parts=(eng.cfg.seed, "round", self.round.index, "client", self.id, stage),
+            prox_mu=prox_mu,
+            correction=correction,
+            opt_state=opt_state,
+            grad_transform=grad_transform,
+        )
+        if not eng.cfg.reset_optimizer:
+            self.state["_opt"] = opt_sd
+        if dp is not None:
+            self.events.append(
+                Event(
+                    "poisson_gaussian" if dp.sample_rate < 1 else "gaussian",
+                    dp.noise_multiplier,
+                    dp.sample_rate,
+                    steps,
+                    unit=f"client:{self.id}",
+                    round=self.round.index,
+                    stage=stage,
+                    note="DP-SGD local steps",
+                )
+            )
+        return result
+
+
+class InProcessTransport:
+    """Direct calls to the method's handlers; measures payload bytes."""
+
+    name = "inprocess"
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def send(
+        self,
+        method,
+        rnd: RoundInfo,
+        clients: list[str],
+        stage: str,
+        payload,
+        per_client: bool = False,
+    ) -> Replies:
+        eng = self.engine
+        replies = Replies()
+        handler = getattr(method, f"on_{stage}", None)
+        if handler is None:
+            raise RuntimeError(f"method {method.name!r} has no handler for stage {stage!r}")
+        for cid in eng.progress(clients, desc=f"round {rnd.index + 1} {stage}", leave=False):
+            p = payload[cid] if per_client else payload
+            eng.add_bytes(rnd, cid, "down", payload_bytes(p))
+            ctx = ClientContext(eng, cid, rnd)
+            fault = eng.fault_injector(rnd, cid, stage) if eng.fault_injector else None
+            try:
+                if fault:
+                    raise RuntimeError(fault)
+                reply = handler(ctx, p)
+            except (RuntimeError, ValueError) as exc:
+                replies.failed[cid] = f"{type(exc).__name__}: {exc}"
+                # DP steps already taken still count: the data was touched.
+                for ev in ctx.events:
+                    eng.ledger.record(ev)
+                continue
+            reply = dict(reply)
+            reply.setdefault("n", ctx.n)
+            eng.add_bytes(rnd, cid, "up", payload_bytes(reply))
+            for ev in ctx.events:
+                eng.ledger.record(ev)
+            replies.ok[cid] = reply
+        return replies
+
+
+def payload_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(payload_bytes(v) for v in obj)
+    if isinstance(obj, str):
+        return len(obj.encode())
+    return 8
+
+
+class ServerContext:
+    """What a method's server program sees of the engine."""
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.e.cfg
+
+    @property
+    def scaling(self) -> float:
+        return self.e.trainer.scaling
+
+    @property
+    def dp_level(self) -> str:
+        return self.e.cfg.dp_level
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.e.sigma
+
+    @property
+    def clip(self) -> float:
+        return self.e.cfg.clip
+
+    @property
+    def expected_clients_per_round(self) -> float:
+        return self.e.expected_clients_per_round()
+
+    def noise_generator(self, rnd: RoundInfo, purpose: str) -> torch.Generator:
+        return generator(self.e.cfg.seed, "server", rnd.index, purpose)
+
+    def noise(self, shape, std, gen) -> torch.Tensor:
+        return gaussian_noise(shape, std, gen, self.e.cfg.secure_rng)
+
+    def record_client_level_release(self, rnd: RoundInfo, stage: str, count: int = 1, sigma=None):
+        self.e.record_client_level(rnd, stage, count, sigma)
+
+    def log(self, msg: str) -> None:
+        self.e.log(msg)
+
+    def client_sizes(self) -> dict[str, int]:
+        return {c: len(p) for c, p in self.e.client_positions.items()}
+
+    def client_rank(self, cid: str) -> int:
+        return self.e.client_ranks.get(cid, self.e.cfg.rank)
+
+
+# ---------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------
+class Engine:
+    def __init__(
+        self, cfg: TrainConfig, out: str | Path, resume: bool = False, quiet: bool = False
+    ):
+        self.cfg = cfg.validate()
+        self.out = Path(out)
+        self.resume = resume
+        self.quiet = quiet or not cfg.progress
+        self.fault_injector = None  # tests: callable(rnd, cid, stage) -> str | None
+        self.round_bytes: dict = {}
+        self.client_states: dict[str, dict] = {}
+        self.client_ranks: dict[str, int] = {}
+        self._log_lines: list[str] = []
+
+    # ---- output helpers ----------------------------------------------------------
+    def progress(self, it, **kw):
+        if self.quiet:
+            return it
+        from tqdm.auto import tqdm
+
+        return tqdm(it, file=sys.stderr, dynamic_ncols=True, **kw)
+
+    def log(self, msg: str) -> None:
+        self._log_lines.append(msg)
+        with open(self.out / "run.log", "a", encoding="utf-8") as fh:
+            fh.write(msg + "\n")
+        if not self.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    def add_bytes(self, rnd: RoundInfo, cid: str, direction: str, n: int) -> None:
+        d = self.round_bytes.setdefault(cid, {"up": 0, "down": 0})
+        d[direction] += int(n)
+
+    # ---- set-up ------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.device = resolve_device(cfg.device)
+        self.method_cls = registry.get(cfg.method)
+        if cfg.dp_level not in self.method_cls.dp_levels:
+            raise UsageError(
+                f"method {cfg.method!r} supports dp levels {self.method_cls.dp_levels}, not {cfg.dp_level!r}"
+            )
+        self.options = parse_options(self.method_cls.Options, cfg.opts)
+        ds = load_dataset(cfg.dataset, cfg.text_column, cfg.label_column)
+        self.dataset = ds
+        split = split_dataset(len(ds), cfg.members, cfg.nonmembers, cfg.test, cfg.seed)
+        self.split = split
+        member_labels = ds.labels[split.members]
+        parts = partition(
+            member_labels,
+            cfg.clients,
+            cfg.partition,
+            cfg.dirichlet_alpha,
+            cfg.seed,
+            cfg.min_client_size,
+        )
+        self.client_positions = {str(k): p for k, p in enumerate(parts)}
+        self.client_ranks = self._draw_client_ranks()
+        self._canaries = self._make_canaries(ds, split)
+        tok = load_tokenizer(cfg.model)
+        texts = [ds.texts[i] for i in split.members]
+        labels = ds.labels[split.members].copy()
+        for pos, c in self._canaries.get("inserted_positions", {}).items():
+            texts[pos] = c["text"]
+            labels[pos] = c["label"]
+        self.members_data = TokenizedData(texts, labels, tok, cfg.max_length)
+        self.test_data = TokenizedData(
+            [ds.texts[i] for i in split.test], ds.labels[split.test], tok, cfg.max_length
+        )
+        self.trainer = LocalTrainer(cfg, ds.num_classes, self.device)
+        self.server = ServerContext(self)
+        self.method = self.method_cls(self.server, self.options)
+        self._setup_privacy()
+        self.method.init_state(self.trainer.initial_state())
+        self.start_round = 0
+        self.metrics_rows: list[dict] = []
+
+    def _draw_client_ranks(self) -> dict[str, int]:
+        cfg = self.cfg
+        if cfg.client_ranks_list:
+            try:
+                ranks = [int(x) for x in cfg.client_ranks_list.split(",")]
+            except ValueError:
+                raise UsageError(
+                    f"--client-ranks-list must be integers, got {cfg.client_ranks_list!r}"
+                ) from None
+            if len(ranks) != cfg.clients:
+                raise UsageError(
+                    f"--client-ranks-list gives {len(ranks)} ranks for {cfg.clients} clients"
+                )
+        elif cfg.client_ranks:
+            try:
+                choices = [int(x) for x in cfg.client_ranks.split(",")]
+            except ValueError:
+                raise UsageError(
+                    f"--client-ranks must be integers, got {cfg.client_ranks!r}"
+                ) from None
+            rng = np.random.default_rng([cfg.seed, 0xA11])
+            ranks = [int(rng.choice(choices)) for _ in range(cfg.clients)]
+        else:
+            return {}
+        bad = [r for r in ranks if r < 1 or r > cfg.rank]
+        if bad:
+            raise UsageError(f"client ranks must be in [1, R={cfg.rank}], got {bad}")
+        return {str(k): r for k, r in enumerate(ranks)}
+
+    def _make_canaries(self, ds, split) -> dict:
+        """Audit canaries: each of M canaries is inserted with probability 1/2 into a
+        random client's data (replacing a member example); the run records which."""
+        cfg = self.cfg
+        if cfg.canaries <= 0:
+            return {}
+        if cfg.canary_kind not in ("mislabel", "random_text"):
+            raise UsageError(
+                f"unknown canary kind {cfg.canary_kind!r}; use mislabel or random_text"
+            )
+        rng = np.random.default_rng([cfg.seed, 0xCA7])
+        pool = split.nonmembers
+        if len(pool) < cfg.canaries:
+            raise UsageError(
+                f"--canaries {cfg.canaries} needs at least as many non-member examples"
+            )
+        src = rng.choice(pool, size=cfg.canaries, replace=False)
+        canaries, inserted = [], {}
+        all_pos = np.concatenate(list(self.client_positions.values()))
+        targets = rng.choice(all_pos, size=cfg.canaries, replace=False)
+        for j, (i, pos) in enumerate(zip(src, targets)):
+            y = int(ds.labels[i])
+            if cfg.canary_kind == "mislabel":
+                text, label = (
+                    ds.texts[i],
+                    int((y + 1 + rng.integers(ds.num_classes - 1)) % ds.num_classes),
+                )
+            else:
+                words = rng.integers(1000, 9999, size=12)
+                text, label = " ".join(f"zq{w}" for w in words), int(rng.integers(ds.num_classes))
+            included = bool(rng.random() < 0.5)
+            c = {
+                "id": f"canary:{j}",
+                "source_id": ds.ids[i],
+                "text": text,
+                "label": label,
+                "included": included,
+                "position": int(pos) if included else None,
+            }
+            canaries.append(c)
+            if included:
+                inserted[int(pos)] = c
+        return {"canaries": canaries, "inserted_positions": inserted}
+
+    # ---- privacy -----------------------------------------------------------------
+    def client_ids(self) -> list[str]:
+        return list(self.client_positions)
+
+    def local_steps_for(self, n: int) -> int:
+        cfg = self.cfg
+        if cfg.local_epochs > 0:
+            return max(1, math.ceil(cfg.local_epochs * n / cfg.batch_size))
+        return cfg.local_steps
+
+    def dp_params_for(self, n: int) -> DpSgdParams | None:
+        if self.cfg.dp_level != "sample":
+            return None
+        q = min(1.0, self.cfg.batch_size / n)
+        return DpSgdParams(self.sigma, self.cfg.clip, q, q * n, self.cfg.secure_rng)
+
+    def expected_clients_per_round(self) -> float:
+        cfg, K = self.cfg, self.cfg.clients
+        cpr = cfg.clients_per_round
+        if cpr == 0:
+            return float(K)
+        return float(cpr * K) if cpr < 1 else float(cpr)
+
+    def client_rate(self) -> float:
+        return self.expected_clients_per_round() / self.cfg.clients
+
+    def _default_delta(self) -> float:
+        n = self.cfg.members if self.cfg.dp_level == "sample" else self.cfg.clients
+        return min(1e-5, 1.0 / (10.0 * n))
+
+    def _setup_privacy(self) -> None:
+        cfg = self.cfg
+        level = cfg.dp_level
+        if level == "none":
+            self.sigma = 0.0
+            self.delta = cfg.delta or 1e-5
+            self.ledger = Ledger("none", self.delta)
+            self.participation_note = "no DP: nothing is accounted"
+            return
+        n_pop = cfg.members if level == "sample" else cfg.clients
+        self.delta = cfg.delta if cfg.delta > 0 else self._default_delta()
+        if self.delta >= 1.0 / n_pop:
+            raise UsageError(
+                f"delta={self.delta:g} is >= 1/n = {1.0 / n_pop:g} (n = {n_pop} "
+                f"{'examples' if level == 'sample' else 'clients'}); such a δ allows releasing a record"
+            )
+        if level == "sample":
+            # Worst case: every client participates in every round (calibration);
+            # the reported ε composes only the rounds each client actually took part in.
+            mechs = sorted(
+                {
+                    (min(1.0, cfg.batch_size / len(p)), self.local_steps_for(len(p)))
+                    for p in self.client_positions.values()
+                }
+            )
+            if cfg.epsilon > 0:
+                self.sigma = max(
+                    calibrate_noise(cfg.epsilon, q, s * cfg.rounds, self.delta, cfg.accountant)
+                    for q, s in mechs
+                )
+            else:
+                self.sigma = cfg.noise_multiplier
+            self.participation_note = (
+                "sample-level: an example lives on one client; its guarantee composes the DP-SGD "
+                "steps of every round its client took part in (no amplification by client "
+                "sampling is claimed). σ was calibrated for the worst case (a client that takes "
+                "part in every round); the reported ε is the maximum over clients of the "
+                "composition over the rounds each actually took part in."
+            )
+        else:
+            releases = self.method.client_dp_releases()
+            q = self.client_rate() if cfg.client_sampling == "poisson" else 1.0
+            self.client_level_rate = q
+            if cfg.epsilon > 0:
+                self.sigma = calibrate_noise(
+                    cfg.epsilon, q, releases * cfg.rounds, self.delta, cfg.accountant
+                )
+            else:
+                self.sigma = cfg.noise_multiplier
+            self.participation_note = (
+                "client-level: neighbouring = one client's whole data added or removed; every "
+                f"round makes {releases} Gaussian release(s) of the clipped client updates. "
+                + (
+                    f"Clients are Poisson-sampled with rate q={q:g} and the amplification by "
+                    "that sampling is used."
+                    if q < 1
+                    else "Clients are sampled with a fixed count (or all take part): no "
+                    "amplification by client sampling is claimed."
+                )
+            )
+        self.ledger = Ledger(level, self.delta, budget=cfg.epsilon if cfg.epsilon > 0 else None)
+
+    def record_client_level(self, rnd: RoundInfo, stage: str, count: int, sigma=None) -> None:
+        q = getattr(self, "client_level_rate", 1.0)
+        s = self.sigma if sigma is None else sigma
+        self.ledger.record(
+            Event(
+                "poisson_gaussian" if q < 1 else "gaussian",
+                s,
+                q,
+                count,
+                unit="federation",
+                round=rnd.index,
+                stage=stage,
+                note="server-side Gaussian on clipped client updates",
+            )
+        )
+
+    def _planned_events(self, rnd: int, clients: list[str]) -> list[Event]:
+        if self.cfg.dp_level == "sample":
+            evs = []
+            for c in clients:
+                dp = self.dp_params_for(len(self.client_positions[c]))
+                evs.append(
+                    Event(
+                        "poisson_gaussian" if dp.sample_rate < 1 else "gaussian",
+                        self.sigma,
+                        dp.sample_rate,
+                        self.local_steps_for(len(self.client_positions[c])),
+                        unit=f"client:{c}",
+                        round=rnd,
+                    )
+                )
+            return evs
+        if self.cfg.dp_level == "client":
+            q = getattr(self, "client_level_rate", 1.0)
+            return [
+                Event(
+                    "poisson_gaussian" if q < 1 else "gaussian",
+                    self.sigma,
+                    q,
+                    self.method.client_dp_releases(),
+                    unit="federation",
+                    round=rnd,
+                )
+            ]
+        return []
+
+    # ---- client sampling ---------------------------------------------------------
+    def sample_clients(self, rnd: int) -> list[str]:
+        cfg = self.cfg
+        ids = self.client_ids()
+        rng = np.random.default_rng([cfg.seed, 0x5A3, rnd])
+        if cfg.client_sampling == "poisson":
+            q = self.client_rate()
+            return [c for c in ids if rng.random() < q]
+        m = int(round(self.expected_clients_per_round()))
+        if m >= len(ids):
+            return ids
+        return sorted(rng.choice(ids, size=m, replace=False).tolist(), key=int)
+
+    # ---- run -----------------------------------------------------------------------
+    def prepare_out(self) -> None:
+        out = self.out
+        if self.resume:
+            if not (out / "checkpoint").is_dir():
+                raise UsageError(f"--resume: {out} has no checkpoint/ to resume from")
+        else:
+            if out.exists() and any(out.iterdir()):
+                raise UsageError(
+                    f"output directory {out} is not empty (use --resume to continue a run)"
+                )
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise UsageError(f"output directory {out} is not writable")
+
+    def run(self) -> dict:
+        self.prepare_out()
+        with RunLock(self.out):
+            return self._run_locked()
+
+    def _run_locked(self) -> dict:
+        t0 = time.time()
+        self.setup()
+        cfg = self.cfg
+        if self.resume:
+            self._load_checkpoint()
+        else:
+            atomic_write_json(self.out / "splits.json", self._splits_doc())
+        if self.start_round >= cfg.rounds and (self.out / "manifest.json").exists():
+            self.log(f"run already complete ({cfg.rounds} rounds)")
+            return read_json(self.out / "manifest.json")
+        self._truncate_metrics(self.start_round)
+        transport = self.make_transport()
+        self.log(
+            f"fedlora train: method={cfg.method} model={cfg.model} dataset={cfg.dataset} "
+            f"clients={cfg.clients} rounds={cfg.rounds} dp={cfg.dp_level} σ={self.sigma:.4g} "
+            f"δ={self.delta:g} device={self.device}"
+            + (f" (resuming at round {self.start_round + 1})" if self.start_round else "")
+        )
+        rounds = self.progress(
+            range(self.start_round, cfg.rounds),
+            desc="rounds",
+            initial=self.start_round,
+            total=cfg.rounds,
+        )
+        for r in rounds:
+            rt = time.time()
+            clients = self.sample_clients(r)
+            rnd = RoundInfo(index=r, seed=derive_seed(cfg.seed, "round", r), clients=clients)
+            planned = self._planned_events(r, clients)
+            if self.ledger.would_exceed(planned, cfg.accountant):
+                self.log(
+                    f"stopping before round {r + 1}: it would take ε past the budget "
+                    f"{self.ledger.budget:g} (now {self.ledger.epsilon(cfg.accountant):.3f})"
+                )
+                break
+            self.round_bytes = {}
+            if clients:
+
+                def send(cl, stage, payload, per_client=False, _rnd=rnd):
+                    return transport.send(self.method, _rnd, list(cl), stage, payload, per_client)
+
+                extra = self.method.server_round(rnd, clients, send) or {}
+            else:
+                extra = {"skipped": "no client sampled"}
+            row = {"round": r + 1, "clients": clients}
+            if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
+                row.update(
+                    self.trainer.evaluate(
+                        self.method.released_state(), self.test_data, cfg.eval_batch_size
+                    )
+                )
+                for name, st in self.method.eval_states().items():
+                    ev = self.trainer.evaluate(st, self.test_data, cfg.eval_batch_size)
+                    row[f"{name}_accuracy"] = ev["accuracy"]
+            row["epsilon"] = self.ledger.epsilon("pld") if cfg.dp_level != "none" else None
+            row["bytes_up"] = sum(v["up"] for v in self.round_bytes.values())
+            row["bytes_down"] = sum(v["down"] for v in self.round_bytes.values())
+            row["bytes_per_client"] = self.round_bytes
+            row.update(extra)
+            row["seconds"] = time.time() - rt
+            self._append_metrics(row)
+            self.log(self._summary_line(row))
+            self._save_checkpoint(r + 1)
+        return self._finish(time.time() - t0)
+
+    def make_transport(self):
+        if self.cfg.transport == "inprocess":
+            return InProcessTransport(self)
+        from fl.flower.transport import FlowerTransport  # pragma: no cover - later issue
+
+        return FlowerTransport(self)
+
+    def _summary_line(self, row: dict) -> str:
+        parts = [f"round {row['round']}/{self.cfg.rounds}"]
+        if "accuracy" in row:
+            parts.append(f"acc={row['accuracy']:.4f} loss={row['loss']:.4f}")
+        if row.get("epsilon") is not None:
+            parts.append(f"ε={row['epsilon']:.3f}")
+        if "train_loss" in row:
+            parts.append(f"train_loss={row['train_loss']:.4f}")
+        parts.append(f"{row['seconds']:.1f}s")
+        return " | ".join(parts)
+
+    # ---- files ---------------------------------------------------------------------
+    def _splits_doc(self) -> dict:
+        ds, sp = self.dataset, self.split
+        doc = {
+            "members": [ds.ids[i] for i in sp.members],
+            "nonmembers": [ds.ids[i] for i in sp.nonmembers],
+            "test": [ds.ids[i] for i in sp.test],
+            "clients": {
+                c: [ds.ids[sp.members[i]] for i in p] for c, p in self.client_positions.items()
+            },
+        }
+        if self.client_ranks:
+            doc["client_ranks"] = self.client_ranks
+        if self._canaries:
+            doc["canaries"] = [{k: v for k, v in c.items()} for c in self._canaries["canaries"]]
+        return doc
+
+    def _append_metrics(self, row: dict) -> None:
+        self.metrics_rows.append(row)
+        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(_jsonable(row)) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def _truncate_metrics(self, completed: int) -> None:
+        path = self.out / "metrics.jsonl"
+        rows = []
+        if path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a kill
+                if isinstance(row, dict) and row.get("round", 1e9) <= completed:
+                    rows.append(row)
+        self.metrics_rows = rows
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+    def _save_checkpoint(self, completed: int) -> None:
+        ck = self.out / "checkpoint"
+        ck.mkdir(exist_ok=True)
+        tensors, meta = self.method.state_dict()
+        client_meta = {
+            cid: _encode_nested(st, tensors, f"client/{cid}")
+            for cid, st in self.client_states.items()
+        }
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        st_path = ck / f"state-{completed:05d}.safetensors"
+        tmp = st_path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        _fsync_file(tmp)
+        os.replace(tmp, st_path)
+        doc = {
+            "version": 1,
+            "completed_rounds": completed,
+            "state_file": st_path.name,
+            "state_sha256": file_sha256(st_path),
+            "method_meta": meta,
+            "client_meta": client_meta,
+            "ledger": self.ledger.state_dict(),
+            "sigma": self.sigma,
+            "config": self.cfg.to_dict(),
+        }
+        atomic_write_json(ck / f"meta-{completed:05d}.json", doc)
+        for old in ck.glob("*-*.*"):
+            stem = old.name.split("-", 1)[1].split(".", 1)[0]
+            if stem.isdigit() and int(stem) < completed:
+                old.unlink(missing_ok=True)
+
+    def _load_checkpoint(self) -> None:
+        ck = self.out / "checkpoint"
+        metas = sorted(ck.glob("meta-*.json"), reverse=True)
+        if not metas:
+            self.start_round = 0
+            self.log("checkpoint/ has no completed round: starting from round 1")
+            return
+        doc = read_json(metas[0])
+        st_path = ck / str(doc.get("state_file", ""))
+        if not st_path.is_file() or file_sha256(st_path) != doc.get("state_sha256"):
+            raise UsageError(f"checkpoint {st_path} is missing or corrupt (checksum mismatch)")
+        saved_cfg = doc.get("config", {})
+        mine = self.cfg.to_dict()
+        diffs = [k for k in mine if k not in ("progress", "device") and saved_cfg.get(k) != mine[k]]
+        if diffs:
+            raise UsageError(f"--resume with a different configuration (fields {diffs}); refusing")
+        tensors = load_file(str(st_path))
+        self.method.load_state_dict(
+            {k: v for k, v in tensors.items() if not k.startswith("client/")}, doc["method_meta"]
+        )
+        self.client_states = {
+            cid: _decode_nested(cm, tensors) for cid, cm in doc.get("client_meta", {}).items()
+        }
+        self.ledger = Ledger.from_state_dict(doc["ledger"])
+        if abs(float(doc.get("sigma", self.sigma)) - self.sigma) > 1e-12:
+            raise UsageError(
+                "checkpoint's noise multiplier differs from the recalibrated one; refusing"
+            )
+        self.start_round = int(doc["completed_rounds"])
+        self.log(
+            f"resumed from checkpoint after round {self.start_round}; ε so far "
+            f"{self.ledger.epsilon('pld') if self.cfg.dp_level != 'none' else 0:.4f}"
+        )
+
+    def _finish(self, wall: float) -> dict:
+        cfg = self.cfg
+        adapter = self.out / "adapter"
+        tmp = self.out / "adapter.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        F.set_state(self.trainer.model, self.method.released_state())
+        self.trainer.model.save_pretrained(str(tmp))
+        shutil.rmtree(adapter, ignore_errors=True)
+        os.replace(tmp, adapter)
+        atomic_write_json(self.out / "ledger.json", self.ledger.state_dict())
+        final = next((r for r in reversed(self.metrics_rows) if "accuracy" in r), {})
+        eps = (
+            {"pld": self.ledger.epsilon("pld"), "rdp": self.ledger.epsilon("rdp")}
+            if cfg.dp_level != "none"
+            else {"pld": None, "rdp": None}
+        )
+        sizes = {c: len(p) for c, p in self.client_positions.items()}
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "tool": "fedlora-audit",
+            "tool_version": _version(),
+            "created": datetime.now(UTC).isoformat(),
+            "config": cfg.to_dict(),
+            "method": cfg.method,
+            "method_options": _jsonable(vars(self.options)),
+            "released": self.method.release_note,
+            "privacy": {
+                "level": cfg.dp_level,
+                "mechanism": _mechanism_text(cfg),
+                "noise_multiplier": self.sigma,
+                "clipping_norm": cfg.clip if cfg.dp_level != "none" else None,
+                "delta": self.delta,
+                "target_epsilon": cfg.epsilon if cfg.epsilon > 0 else None,
+                "sampling": "poisson",
+                "sample_rates": {c: min(1.0, cfg.batch_size / n) for c, n in sizes.items()}
+                if cfg.dp_level == "sample"
+                else {},
+                "client_sizes": sizes,
+                "steps_per_round": {c: self.local_steps_for(n) for c, n in sizes.items()},
+                "rounds": cfg.rounds,
+                "rounds_completed": len(self.metrics_rows),
+                "client_sampling": {
+                    "scheme": cfg.client_sampling,
+                    "clients_per_round": self.expected_clients_per_round(),
+                    "total_clients": cfg.clients,
+                },
+                "participation_accounting": self.participation_note,
+                "secure_rng": cfg.secure_rng,
+                "epsilon": eps,
+                "ledger": self.ledger.state_dict(),
+            },
+            "data": {
+                "dataset": cfg.dataset,
+                "num_classes": self.dataset.num_classes,
+                "label_names": self.dataset.label_names,
+                "n_members": len(self.split.members),
+                "n_nonmembers": len(self.split.nonmembers),
+                "n_test": len(self.split.test),
+                "splits_sha256": file_sha256(self.out / "splits.json"),
+                "members_sha256": ids_hash([self.dataset.ids[i] for i in self.split.members]),
+            },
+            "client_ranks": self.client_ranks or None,
+            "seeds": {"seed": cfg.seed},
+            "versions": _versions(),
+            "metrics": {"final": {k: final.get(k) for k in ("accuracy", "loss") if k in final}},
+            "adapter_sha256": file_sha256(adapter / "adapter_model.safetensors"),
+            "wall_seconds": wall,
+            "log": self._log_lines[-50:],
+        }
+        atomic_write_json(self.out / "manifest.json", _jsonable(manifest))
+        self.log(
+            f"done: accuracy={final.get('accuracy', float('nan')):.4f} "
+            + (
+                f"ε={eps['pld']:.3f} (PLD), {eps['rdp']:.3f} (RDP) at δ={self.delta:g} "
+                if eps["pld"] is not None
+                else ""
+            )
+            + f"in {wall:.0f}s → {self.out}"
+        )
+        return manifest
+
+
+def _mechanism_text(cfg: TrainConfig) -> str:
+    if cfg.dp_level == "sample":
+        return (
+            "DP-SGD on each client: Poisson sampling, per-example ℓ2 clipping to C over all "
+            "trainable parameters (Opacus per-sample gradients), Gaussian noise σ·C per step"
+        )
+    if cfg.dp_level == "client":
+        return "server-side: each client update clipped to C, Gaussian noise σ·C on the sum"
+    return "none"
+
+
+def _encode_nested(obj, tensors: dict, prefix: str):
+    """JSON-able copy of ``obj`` with every tensor moved into ``tensors`` (by key)."""
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj
+        return {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        return {
+            "__dict__": [[k, _encode_nested(v, tensors, f"{prefix}/{k}")] for k, v in obj.items()]
+        }
+    if isinstance(obj, list | tuple):
+        return [_encode_nested(v, tensors, f"{prefix}/{i}") for i, v in enumerate(obj)]
+    return obj
+
+
+def _decode_nested(obj, tensors: dict):
+    if isinstance(obj, dict) and "__tensor__" in obj:
+        key = obj["__tensor__"]
+        if key not in tensors:
+            raise UsageError(f"checkpoint is missing tensor {key!r}")
+        return tensors[key]
+    if isinstance(obj, dict) and "__dict__" in obj:
+        return {k: _decode_nested(v, tensors) for k, v in obj["__dict__"]}
+    if isinstance(obj, list):
+        return [_decode_nested(v, tensors) for v in obj]
+    return obj
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating | float):
+        f = float(obj)
+        return f if math.isfinite(f) else (None if math.isnan(f) else ("inf" if f > 0 else "-inf"))
+    return obj
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("fedlora-audit")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "0+unknown"
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "peft", "opacus", "dp-accounting", "numpy", "flwr"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def train(cfg: TrainConfig, out: str | Path, resume: bool = False, quiet: bool = False) -> dict:
+    """Run (or resume) a federated training run; returns the manifest."""
+    return Engine(cfg, out, resume=resume, quiet=quiet).run()
+
+
+__all__ = [
+    "Engine",
+    "train",
+    "derive_seed",
+    "ClientContext",
+    "ServerContext",
+    "PrivacyError",
+    "epsilon",
+]

@@ -1,0 +1,188 @@
+"""The Method contract: a server program of stages, and one client handler per stage.
+
+A method is written once and runs unchanged on any transport:
+
+- ``server_round(rnd, clients, send)`` runs on the server. ``send(clients, stage,
+  payload)`` delivers ``payload`` (one dict for all, or ``{client_id: dict}``) to
+  each client's ``on_<stage>`` handler and returns :class:`Replies`. It may be called
+  several times per round (FedASK's two stages). It returns the round's metrics.
+- ``on_<stage>(client, payload)`` runs where the client's data lives. ``client`` is a
+  :class:`fl.engine.ClientContext`: ``client.train(...)`` does local (DP-)SGD and
+  records its DP event; ``client.state`` persists between stages and rounds.
+
+Payloads and replies are dicts of tensors, numbers, strings and nested dicts of those
+(what a Flower record can carry).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fl import factors as F
+from fl.errors import UsageError
+
+
+@dataclass
+class Replies:
+    ok: dict[str, dict] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def senders(self) -> list[str]:
+        return list(self.ok)
+
+
+@dataclass
+class RoundInfo:
+    index: int  # 0-based round number
+    seed: int  # round seed (derived from the run seed)
+    clients: list[str]
+
+    def derive(self, purpose: str) -> int:
+        from fl.engine import derive_seed
+
+        return derive_seed(self.seed, purpose)
+
+
+@dataclass
+class Options:
+    """Method options (``--opt key=value``). Subclasses add fields with help metadata."""
+
+
+def parse_options(cls: type, raw: dict[str, Any]) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise UsageError(f"unknown option(s) {unknown} for this method; known: {sorted(known)}")
+    kw = {}
+    for k, v in raw.items():
+        default = known[k].default
+        if isinstance(default, bool) and not isinstance(v, bool):
+            raise UsageError(f"option {k!r} must be true or false, got {v!r}")
+        if isinstance(default, int | float) and not isinstance(default, bool):
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise UsageError(f"option {k!r} must be a number, got {v!r}")
+            v = type(default)(v) if isinstance(default, float) or float(v).is_integer() else v
+        if isinstance(default, str) and not isinstance(v, str):
+            raise UsageError(f"option {k!r} must be a string, got {v!r}")
+        kw[k] = v
+    opts = cls(**kw)
+    check = getattr(opts, "validate", None)
+    if check:
+        check()
+    return opts
+
+
+class Method:
+    """Base class. Subclasses set ``name`` and implement ``server_round`` and handlers."""
+
+    name = "base"
+    Options: type = Options
+    # Which DP levels the method supports.
+    dp_levels: tuple[str, ...] = ("none", "sample")
+    # What is released to the clients / the world each round (stated in the manifest).
+    release_note = "LoRA factors A, B and the classification head"
+
+    def __init__(self, server, options):
+        self.server = server  # fl.engine.ServerContext
+        self.opts = options
+        self.global_state: dict = {}
+
+    # ---- server side -----------------------------------------------------------
+    def init_state(self, initial: dict) -> None:
+        self.global_state = F.clone_state(initial)
+
+    def server_round(self, rnd: RoundInfo, clients: list[str], send) -> dict:
+        raise NotImplementedError
+
+    def released_state(self) -> dict:
+        """The global adapter as released (what attacks and evaluation see)."""
+        return self.global_state
+
+    def eval_states(self) -> dict[str, dict]:
+        """Extra states to evaluate (e.g. personalized models), name → state."""
+        return {}
+
+    def client_dp_releases(self) -> int:
+        """Gaussian releases per round under client-level DP (for calibration)."""
+        return 1
+
+    # ---- checkpointing (tensors in flat dicts, everything else JSON) ------------
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return {f"global/{k}": v for k, v in F.flatten_state(self.global_state).items()}, {}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self.global_state = F.unflatten_state(
+            {k[len("global/") :]: v for k, v in tensors.items() if k.startswith("global/")}
+        )
+
+    # ---- helpers shared by methods -----------------------------------------------
+    @staticmethod
+    def weights(replies: Replies) -> dict[str, float]:
+        """p_k ∝ n_k over the clients that replied."""
+        tot = float(sum(r["n"] for r in replies.ok.values()))
+        return {cid: r["n"] / tot for cid, r in replies.ok.items()}
+
+    def aggregate_average(self, replies: Replies, keys=("A", "B"), head=True) -> dict:
+        cids = replies.senders
+        states = [replies.ok[c]["state"] for c in cids]
+        w = [replies.ok[c]["n"] for c in cids]
+        new = F.weighted_average(states, w, keys=keys, head=head)
+        # Keep the parts nobody averages (e.g. frozen A in FFA) from the global state.
+        for k, ab in new["factors"].items():
+            for which in ("A", "B"):
+                if which not in keys:
+                    ab[which] = self.global_state["factors"][k][which].clone()
+        if not head:
+            new["head"] = {k: v.clone() for k, v in self.global_state["head"].items()}
+        return new
+
+    def client_level_dp_average(
+        self, rnd: RoundInfo, replies: Replies, keys=("A", "B"), head=True
+    ) -> tuple[dict, dict]:
+        """Server-side Gaussian mechanism on client updates (client-level DP).
+
+        Each client's update u_k = θ_k − θ_global over the released parameters (the
+        chosen factors and the head, flattened jointly) is clipped to ℓ2 norm C; the
+        server adds N(0, σ²C²I) to Σ_k u_k and divides by the *expected* number of
+        clients per round m (a fixed denominator: with a data-dependent one the
+        sensitivity bound C/m would not hold). Add/remove one client changes the sum
+        by at most C, so each round is one Gaussian mechanism with noise multiplier σ.
+        Non-finite updates are rejected before clipping.
+        """
+        srv = self.server
+        base = F.flatten_state(self.global_state)
+        names = [
+            k
+            for k in base
+            if (k.startswith("head/") and head)
+            or (k.startswith("factors/") and k.rsplit("/", 1)[-1] in keys)
+        ]
+        total = {k: torch.zeros_like(base[k], dtype=torch.float32) for k in names}
+        norms = []
+        for cid in replies.senders:
+            flat = F.flatten_state(replies.ok[cid]["state"])
+            upd = {k: flat[k].float() - base[k].float() for k in names}
+            norm = math.sqrt(sum(float(u.pow(2).sum()) for u in upd.values()))
+            norms.append(norm)
+            factor = min(1.0, srv.clip / (norm + 1e-12))
+            for k in names:
+                total[k] += factor * upd[k]
+        sigma = srv.noise_multiplier
+        gen = srv.noise_generator(rnd, "client-level")
+        m = srv.expected_clients_per_round
+        out = F.flatten_state(F.clone_state(self.global_state))
+        for k in names:
+            noise = srv.noise(tuple(total[k].shape), sigma * srv.clip, gen)
+            out[k] = (base[k].float() + (total[k] + noise) / m).to(base[k].dtype)
+        srv.record_client_level_release(rnd, stage="aggregate", count=1)
+        stats = {
+            "update_norm_mean": sum(norms) / max(len(norms), 1),
+            "frac_clipped": sum(n > srv.clip for n in norms) / max(len(norms), 1),
+        }
+        return F.unflatten_state(out), stats

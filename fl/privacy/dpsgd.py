@@ -1,0 +1,119 @@
+"""Sample-level DP-SGD: per-sample clipping and Gaussian noise.
+
+Per-sample gradients come from Opacus (``GradSampleModule``, hooks mode): after a
+backward pass on a sum-reduced loss each trainable parameter has ``grad_sample``
+(batch × param shape). This module clips them jointly (one ℓ2 norm over all
+trainable parameters per example, the standard flat clipping of DP-SGD), sums,
+adds N(0, (σC)²) to every coordinate and divides by the *expected* batch size q·n
+(a data-independent constant, required for the Poisson-sampling analysis).
+
+A per-example gradient whose norm is NaN or Inf contributes zero: a non-finite norm
+must never pass the clipping test as "small".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DpSgdParams:
+    noise_multiplier: float  # σ
+    clip: float  # C (ℓ2 bound on each example's gradient)
+    sample_rate: float  # q: Poisson inclusion probability of each example per step
+    expected_batch: float  # q · n (the normalizer)
+    secure_rng: bool = False
+
+    def __post_init__(self):
+        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise ValueError(f"noise multiplier must be >= 0, got {self.noise_multiplier}")
+        if not (self.clip > 0 and math.isfinite(self.clip)):
+            raise ValueError(f"clipping bound must be > 0, got {self.clip}")
+        if not (0 < self.sample_rate <= 1):
+            raise ValueError(f"sample rate must be in (0, 1], got {self.sample_rate}")
+
+
+def gaussian_noise(
+    shape: tuple[int, ...],
+    std: float,
+    generator: torch.Generator | None,
+    secure: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """N(0, std²) noise of ``shape``.
+
+    secure=False: torch's generator (seeded, reproducible, not for deployment).
+    secure=True: Box–Muller on 64-bit uniforms from the OS's CSPRNG (``os.urandom``);
+    not reproducible by design.
+    """
+    if std == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if not secure:
+        return torch.normal(0.0, std, size=shape, generator=generator, dtype=torch.float32).to(
+            device=device, dtype=dtype
+        )
+    n = int(np.prod(shape)) if shape else 1
+    m = (n + 1) // 2
+    raw = np.frombuffer(os.urandom(16 * m), dtype=np.uint64).reshape(2, m)
+    # 53-bit uniforms in (0, 1]: avoid log(0).
+    u1 = ((raw[0] >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0**53
+    u2 = (raw[1] >> np.uint64(11)).astype(np.float64) / 2.0**53
+    r = np.sqrt(-2.0 * np.log(u1))
+    z = np.concatenate([r * np.cos(2 * np.pi * u2), r * np.sin(2 * np.pi * u2)])[:n]
+    return torch.from_numpy(z * std).reshape(shape).to(device=device, dtype=dtype)
+
+
+def per_sample_norms(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """‖g_i‖₂ over all ``params`` jointly, per example i (shape: batch)."""
+    sq = None
+    for p in params:
+        gs = p.grad_sample
+        v = gs.reshape(gs.shape[0], -1).float().pow(2).sum(dim=1)
+        sq = v if sq is None else sq + v
+    return sq.sqrt()
+
+
+def clip_and_noise(
+    params: list[torch.nn.Parameter],
+    dp: DpSgdParams,
+    generator: torch.Generator | None,
+    batch_size: int,
+) -> dict:
+    """Replace each param's ``.grad`` with (Σ_i clip(g_i) + N(0, σ²C²I)) / (q·n).
+
+    ``batch_size`` is the realized Poisson batch (may be 0: then only noise).
+    Returns stats: mean per-sample norm, fraction clipped, examples dropped as
+    non-finite.
+    """
+    stats = {"mean_norm": 0.0, "frac_clipped": 0.0, "nonfinite": 0}
+    if batch_size > 0:
+        norms = per_sample_norms(params)
+        finite = torch.isfinite(norms)
+        factor = torch.where(
+            finite,
+            torch.clamp(dp.clip / (norms + 1e-6), max=1.0),
+            torch.zeros_like(norms),
+        )
+        stats["nonfinite"] = int((~finite).sum())
+        stats["mean_norm"] = float(norms[finite].mean()) if finite.any() else float("nan")
+        stats["frac_clipped"] = (
+            float((norms[finite] > dp.clip).float().mean()) if finite.any() else 0.0
+        )
+    std = dp.noise_multiplier * dp.clip
+    for p in params:
+        if batch_size > 0:
+            gs = p.grad_sample
+            gs = torch.where(torch.isfinite(gs), gs, torch.zeros_like(gs))
+            summed = torch.einsum("i,i...->...", factor.to(gs.dtype), gs)
+        else:
+            summed = torch.zeros_like(p)
+        noise = gaussian_noise(tuple(p.shape), std, generator, dp.secure_rng, p.dtype, p.device)
+        p.grad = ((summed + noise) / dp.expected_batch).to(p.dtype)
+        p.grad_sample = None
+    return stats

@@ -1,0 +1,459 @@
+"""PowerDP: client-level DP refactorization of the averaged LoRA update (FedPower,
+arXiv 2605.08443), with its two comparison mechanisms, as pure functions.
+
+Setting (client-level DP, add/remove-one-client neighbouring). The server rebuilds
+each sampled client's update ΔW_k = B_k A_k (m×n, never formed), clips it to
+‖ΔW_k‖_F <= C (:func:`clip_factored`) and forms — implicitly — the average
+W̄ = Σ_{k∈S} p ΔW_k with a FIXED, public weight p = 1/K_expected (K_expected = q·N
+for Poisson client sampling with rate q, or the fixed cohort size). W̄ is then
+refactorized to rank r by a noisy simultaneous power iteration (Hardt & Price 2014,
+alternating W̄ and W̄ᵀ because W̄ is rectangular):
+
+    X_0 = orth(Ω),  Ω = gaussian_sketch(n, k, seed)          (public randomness)
+    for i = 0..iters-1:
+        Y_i = W̄ X_i  + G_{2i}      (m×k)   P_i     = orth(Y_i)
+        Z_i = W̄ᵀ P_i + G_{2i+1}    (n×k)   X_{i+1} = orth(Z_i)
+    final: Y = W̄ X_iters + G_{2·iters}  (m×k)
+    G_j ~ N(0, (σΔ)² I)  i.i.d., Δ = C·p
+
+Noise enters every projection BEFORE it is orthonormalized (and the final
+projection, which is released un-orthonormalized). Every noisy projection is a
+release: ``releases_per_round(iters) = 2·iters + 1``. The output W̄ ≈ Y X_itersᵀ
+is post-processed (free) by an SVD of the m×k matrix Y = U Σ Zᵀ:
+
+    FACTOR CONVENTION: B = U_r Σ_r (m×r, orthogonal columns, norms descending),
+                       A = (X Z_r)ᵀ (r×n, orthonormal rows).
+
+So B A is the projection of the noisy W̄ onto the estimated row space; the caller
+applies the LoRA scaling s separately. k = r + oversample (oversample >= 0 costs
+more noise entries but no extra sensitivity).
+
+Sensitivity (derivation; also docs/powerdp.md). Each projection multiplies W̄ (or
+W̄ᵀ) by a matrix X with orthonormal columns that is a function only of public
+randomness and of earlier noisy releases (adaptive composition treats it as fixed).
+For neighbours S and S' = S ∪ {j}: W̄' − W̄ = p ΔW_j, so
+
+    ‖W̄' X − W̄ X‖_F = p ‖ΔW_j X‖_F <= p ‖ΔW_j‖_F ‖X‖_2 = p ‖ΔW_j‖_F <= p C
+
+(‖M X‖_F² = tr(Xᵀ Mᵀ M X) <= ‖X‖_2² ‖M‖_F², ‖X‖_2 = 1); the same holds for W̄ᵀ P.
+Hence Δ = C·p = C/K_expected for every projection, independent of k, r, m, n.
+(Replace-one neighbouring doubles it: 2C/K.) The fixed denominator matters: with a
+data-dependent one, W̄ = Σ_S ΔW_k / |S|, adding a client changes W̄ by
+ΔW_j/(|S|+1) − W̄/(|S|+1), of norm up to 2C/(|S|+1), and the calibration would use
+|S|, itself private (and undefined for |S| = 1 → 0); with data-size weights
+n_k/Σn a single large client has weight ~1 and Δ ~ C. So the weights passed in
+must be data-independent; the sensitivity uses C·max(weights) (or an explicit
+``weight_bound``, the public bound on any client's weight, which is what an added
+client would get).
+
+Accounting. One round is the adaptive composition of ``releases_per_round`` Gaussian
+mechanisms, each with noise multiplier σ (std/Δ), all on the SAME sampled cohort.
+Composing n Gaussian mechanisms of multiplier σ is exactly one Gaussian mechanism
+of multiplier σ/√n (μ-GDP composes as √n μ), and client subsampling amplifies the
+round once, not each release. So a round is ONE Poisson-subsampled Gaussian event
+with multiplier σ/√(releases_per_round) and rate q; counting rounds×releases
+independently-subsampled events would understate ε when q < 1 (identical when
+q = 1). :func:`calibrate_powerdp_sigma` and :func:`powerdp_epsilon` do this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from fl import linalg
+from fl.privacy.accounting import calibrate_noise, epsilon
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "NonFiniteUpdateError",
+    "clip_factored",
+    "clip_clients",
+    "projection_sensitivity",
+    "releases_per_round",
+    "round_noise_multiplier",
+    "initial_basis",
+    "gaussian_noise",
+    "noisy_projection",
+    "powerdp",
+    "input_perturbation",
+    "output_perturbation",
+    "no_perturbation",
+    "powerdp_epsilon",
+    "calibrate_powerdp_sigma",
+]
+
+
+class NonFiniteUpdateError(ValueError):
+    """A client update whose factors or norm are NaN/Inf: reject it, never clip it."""
+
+
+# ---------------------------------------------------------------------------- clipping
+
+
+def clip_factored(B: Tensor, A: Tensor, C: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Scale the update so that ‖B A‖_F <= C (the norm via ``linalg.factored_fro_norm``).
+
+    Returns (B', A', norm, factor) with B' = factor·B, A' = A (only B is scaled, so an
+    orthonormal A stays orthonormal), norm = ‖B A‖_F before clipping (0-dim tensor)
+    and factor = min(1, C / norm) (0-dim tensor). If the update is s·B A with LoRA
+    scale s, pass s·B. ``C = inf`` disables clipping.
+
+    Raises NonFiniteUpdateError (a ValueError) if any factor entry is NaN/Inf or the
+    norm is not finite (e.g. overflow): a NaN norm would otherwise compare as "not
+    larger than C" and pass unclipped.
+    """
+    if not (isinstance(C, int | float) and not math.isnan(C) and C > 0):
+        raise ValueError(f"clipping bound must be > 0, got {C!r}")
+    if not (bool(torch.isfinite(B).all()) and bool(torch.isfinite(A).all())):
+        raise NonFiniteUpdateError("client update has non-finite factor entries")
+    norm = linalg.factored_fro_norm(B, A)
+    if not bool(torch.isfinite(norm)):
+        raise NonFiniteUpdateError(f"client update norm is not finite ({float(norm)})")
+    if math.isinf(C) or float(norm) <= C:
+        factor = torch.ones_like(norm)
+    else:
+        factor = C / norm
+    return B * factor, A, norm, factor
+
+
+def clip_clients(
+    Bs: Sequence[Tensor], As: Sequence[Tensor], C: float
+) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """:func:`clip_factored` on every client; returns (Bs', As', norms (K,))."""
+    if len(Bs) != len(As) or not Bs:
+        raise ValueError("need equal, non-empty lists of B and A factors")
+    out = [clip_factored(B, A, C) for B, A in zip(Bs, As)]
+    return [o[0] for o in out], [o[1] for o in out], torch.stack([o[2] for o in out])
+
+
+# ------------------------------------------------------------------------- sensitivity
+
+
+def _weight_bound(weights, weight_bound: float | None) -> float:
+    if weight_bound is not None:
+        wb = float(weight_bound)
+    else:
+        w = linalg._weights(weights, len(weights))
+        wb = max(abs(x) for x in w)
+    if not (math.isfinite(wb) and wb >= 0):
+        raise ValueError(f"weight bound must be finite and >= 0, got {wb}")
+    return wb
+
+
+def projection_sensitivity(clip: float, weight: float) -> float:
+    """ℓ2 sensitivity of one projection W̄ X (or W̄ᵀ P), X with orthonormal columns,
+    under add/remove-one-client: Δ = C·p, p the fixed per-client weight 1/K_expected."""
+    if not (clip > 0 and weight >= 0):
+        raise ValueError(f"need clip > 0 and weight >= 0, got {clip}, {weight}")
+    return float(clip) * float(weight)
+
+
+def releases_per_round(iters: int) -> int:
+    """Noisy releases (Gaussian mechanisms) of one PowerDP round: 2·iters + 1."""
+    if iters < 0:
+        raise ValueError(f"iters must be >= 0, got {iters}")
+    return 2 * int(iters) + 1
+
+
+def round_noise_multiplier(noise_multiplier: float, iters: int) -> float:
+    """Noise multiplier of the single Gaussian mechanism equivalent to one round:
+    σ/√(releases_per_round(iters)). Record one ledger event per round with this σ
+    and the client sampling rate."""
+    return float(noise_multiplier) / math.sqrt(releases_per_round(iters))
+
+
+# ------------------------------------------------------------------------------- noise
+
+
+def initial_basis(
+    n: int, k: int, seed: int, dtype: torch.dtype = torch.float64, device=None
+) -> Tensor:
+    """Public starting basis X_0 = orth(gaussian_sketch(n, k, seed)) (n×k)."""
+    return linalg.orth(linalg.gaussian_sketch(n, k, seed, dtype=dtype, device=device))
+
+
+def gaussian_noise(
+    shape: tuple[int, ...], std: float, generator: torch.Generator, like: Tensor
+) -> Tensor:
+    """N(0, std²) noise of ``shape``, drawn in float64 on the generator's device, then
+    cast to ``like``'s dtype/device (so a seed gives the same noise on any dtype)."""
+    if not (math.isfinite(std) and std >= 0):
+        raise ValueError(f"noise std must be finite and >= 0, got {std}")
+    g = torch.randn(shape, generator=generator, dtype=torch.float64, device=generator.device)
+    return (std * g).to(dtype=like.dtype, device=like.device)
+
+
+def noisy_projection(
+    Bs: Sequence[Tensor],
+    As: Sequence[Tensor],
+    weights,
+    X: Tensor,
+    noise_std: float,
+    generator: torch.Generator | None,
+    transpose: bool = False,
+    dense: Tensor | None = None,
+) -> Tensor:
+    """One Gaussian release: W̄ X + G (X n×k -> m×k) or, with ``transpose``, W̄ᵀ X + G
+    (X m×k -> n×k); W̄ = Σ p_k B_k A_k applied factored (or the given ``dense`` W̄);
+    G ~ N(0, noise_std² I). ``noise_std = 0`` adds nothing."""
+    if dense is not None:
+        Y = dense.mT @ X if transpose else dense @ X
+    elif transpose:
+        Y = linalg.apply_sum_t(Bs, As, weights, X)
+    else:
+        Y = linalg.apply_sum(Bs, As, weights, X)
+    if noise_std > 0:
+        if generator is None:
+            raise ValueError("a generator is required when noise_std > 0")
+        Y = Y + gaussian_noise(tuple(Y.shape), noise_std, generator, Y)
+    return Y
+
+
+def _record(what: str, i: int, sens: float, sigma: float, **extra) -> dict:
+    std = 0.0 if sigma == 0 else sigma * sens
+    return {
+        "what": what,
+        "iter": i,
+        "sensitivity": sens,
+        "noise_std": std,
+        "noise_multiplier": float(sigma),
+        **extra,
+    }
+
+
+def _check_sigma_clip(noise_multiplier: float, clip: float) -> None:
+    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"noise multiplier must be finite and >= 0, got {noise_multiplier}")
+    if not (clip > 0):
+        raise ValueError(f"clip must be > 0, got {clip}")
+    if noise_multiplier > 0 and math.isinf(clip):
+        raise ValueError("a noisy mechanism needs a finite clipping bound")
+
+
+# ----------------------------------------------------------------------------- PowerDP
+
+
+def powerdp(
+    Bs: Sequence[Tensor],
+    As: Sequence[Tensor],
+    weights,
+    rank: int,
+    iters: int,
+    noise_multiplier: float,
+    clip: float,
+    generator: torch.Generator | None = None,
+    dense: bool = False,
+    seed: int = 0,
+    oversample: int = 0,
+    weight_bound: float | None = None,
+) -> tuple[Tensor, Tensor, list[dict]]:
+    """PowerDP refactorization of the clipped average (see the module docstring).
+
+    Bs[k] (m×r_k), As[k] (r_k×n): client factors (unscaled; scale by s first if the
+    clip is on s·B A). weights: fixed public per-client weights (1/K_expected);
+    sensitivity Δ = clip·(weight_bound or max|weights|). rank: output rank r.
+    iters: power iterations (each = one W̄ and one W̄ᵀ noisy projection). noise
+    multiplier σ: every release gets i.i.d. N(0, (σΔ)²) entries. generator: noise RNG
+    (required when σ > 0). seed: public seed of X_0. dense: form W̄ (m×n) and multiply
+    by it (reference/speed check; same math). oversample: extra columns k = r + p.
+
+    Returns (B (m×r), A (r×n), releases) with B = U_r Σ_r (orthogonal columns),
+    A = V_rᵀ (orthonormal rows), B A ≈ W̄; ``releases`` lists every noisy release in
+    order: {"what": "projection", "iter": i, "side": "W"|"Wt", "sensitivity": Δ,
+    "noise_std": σΔ, "noise_multiplier": σ, "shape": [rows, k]}; the last one is the
+    final projection (``"final": True``). len(releases) == releases_per_round(iters).
+    With σ = 0 this is ``linalg.subspace_iteration`` on W̄ (non-private).
+    """
+    _check_sigma_clip(noise_multiplier, clip)
+    if rank <= 0 or iters < 0 or oversample < 0:
+        raise ValueError(
+            f"need rank > 0, iters >= 0, oversample >= 0; got {rank}, {iters}, {oversample}"
+        )
+    Bc, Ac, _ = clip_clients(Bs, As, clip)
+    w = linalg._weights(weights, len(Bc))
+    sens = projection_sensitivity(clip, _weight_bound(w, weight_bound))
+    std = noise_multiplier * sens if noise_multiplier > 0 else 0.0
+    W = linalg.dense_sum(Bc, Ac, w) if dense else None
+    n = Ac[0].shape[1]
+    k = rank + oversample
+    X = initial_basis(n, k, seed, dtype=Bc[0].dtype, device=Bc[0].device)
+    records: list[dict] = []
+
+    def release(M: Tensor, transpose: bool, i: int, final: bool = False) -> Tensor:
+        Y = noisy_projection(Bc, Ac, w, M, std, generator, transpose=transpose, dense=W)
+        rec = _record(
+            "projection",
+            i,
+            sens,
+            noise_multiplier,
+            side="Wt" if transpose else "W",
+            shape=list(Y.shape),
+        )
+        if final:
+            rec["final"] = True
+        records.append(rec)
+        return Y
+
+    for i in range(iters):
+        P = linalg.orth(release(X, False, i))
+        X = linalg.orth(release(P, True, i))
+    Y = release(X, False, iters, final=True)
+    U, s, Zh = torch.linalg.svd(Y, full_matrices=False)
+    B = U[:, :rank] * s[:rank]
+    A = (X @ Zh[:rank, :].mT).mT
+    return B, A, records
+
+
+# ------------------------------------------------------------------------ comparisons
+
+
+def input_perturbation(
+    Bs: Sequence[Tensor],
+    As: Sequence[Tensor],
+    weights,
+    rank: int,
+    noise_multiplier: float,
+    clip: float,
+    generator: torch.Generator | None = None,
+    weight_bound: float | None = None,
+) -> tuple[Tensor, Tensor, list[dict]]:
+    """Input perturbation: W̃ = W̄ + G, G ~ N(0, (σΔ)²) on all m×n entries, Δ = C·p
+    (W̄ itself has sensitivity p‖ΔW_j‖_F <= C·p), then the exact rank-r truncated SVD
+    of W̃ (post-processing). FORMS the dense m×n matrix (necessarily). One release.
+    Returns (B = U_r Σ_r, A = V_rᵀ, releases) with the powerdp convention."""
+    _check_sigma_clip(noise_multiplier, clip)
+    Bc, Ac, _ = clip_clients(Bs, As, clip)
+    w = linalg._weights(weights, len(Bc))
+    sens = projection_sensitivity(clip, _weight_bound(w, weight_bound))
+    Wn = linalg.dense_sum(Bc, Ac, w)
+    if noise_multiplier > 0:
+        if generator is None:
+            raise ValueError("a generator is required when noise_multiplier > 0")
+        Wn = Wn + gaussian_noise(tuple(Wn.shape), noise_multiplier * sens, generator, Wn)
+    U, s, Vh = torch.linalg.svd(Wn, full_matrices=False)
+    B, A = linalg._factors_from_svd(U, s, Vh, rank, "left")
+    return B, A, [_record("dense_update", 0, sens, noise_multiplier, shape=list(Wn.shape))]
+
+
+def output_perturbation(
+    Bs: Sequence[Tensor],
+    As: Sequence[Tensor],
+    weights,
+    rank: int,
+    noise_multiplier: float,
+    clip: float,
+    generator: torch.Generator | None = None,
+    calibration: str = "norm_bound",
+    factor_clip: float | None = None,
+    weight_bound: float | None = None,
+) -> tuple[Tensor, Tensor, list[dict]]:
+    """Output perturbation: exact rank-r truncated SVD of W̄ (factored, never dense),
+    B = U_r Σ_r, A = V_rᵀ, then Gaussian noise on each factor: two releases.
+
+    The sensitivity of SVD factors is NOT bounded by C·p: with a small (or zero) gap
+    σ_r − σ_{r+1}, adding one client (‖p ΔW_j‖ <= C·p) can rotate U_r, V_r by up to
+    90° (Wedin: sinΘ <= C·p / gap, unbounded as gap → 0). Calibrations:
+
+    * ``"norm_bound"`` (default, a valid DP bound): B is clipped to ‖B‖_F <= C_B
+      (``factor_clip``, public; default C, the norm bound C·p·|S| of W̄ for a cohort
+      of |S| ≈ K_expected = 1/p clients), so ‖B − B'‖_F <= 2 C_B; A has orthonormal rows,
+      ‖A‖_F = √r, so ‖A − A'‖_F <= 2√r. These are worst-case (triangle-inequality)
+      bounds, tight up to constants when singular vectors can flip, and make the
+      noise on A enormous compared to its entries (~1/√n) — that is the honest price.
+    * ``"heuristic"``: Δ = C·p for both factors, as if the factors were as sensitive
+      as W̄. This is NOT a differential-privacy guarantee (only a first-order,
+      large-gap approximation); releases are marked ``"heuristic": True``.
+
+    Returns (B, A, releases) with releases "factor_B" and "factor_A".
+    """
+    _check_sigma_clip(noise_multiplier, clip)
+    if calibration not in ("norm_bound", "heuristic"):
+        raise ValueError(f"calibration must be 'norm_bound' or 'heuristic', got {calibration!r}")
+    Bc, Ac, _ = clip_clients(Bs, As, clip)
+    w = linalg._weights(weights, len(Bc))
+    wb = _weight_bound(w, weight_bound)
+    B, A = linalg.truncated_svd_factors(Bc, Ac, w, rank, split="left")
+    heuristic = calibration == "heuristic"
+    if heuristic:
+        sens_B = sens_A = projection_sensitivity(clip, wb)
+    else:
+        cb = float(factor_clip) if factor_clip is not None else float(clip)
+        if not (cb > 0) or (noise_multiplier > 0 and math.isinf(cb)):
+            raise ValueError(f"factor_clip must be > 0 (finite when noisy), got {cb}")
+        nb = torch.linalg.matrix_norm(B)
+        if math.isfinite(cb) and float(nb) > cb:
+            B = B * (cb / nb)
+        sens_B, sens_A = 2.0 * cb, 2.0 * math.sqrt(rank)
+    if noise_multiplier > 0:
+        if generator is None:
+            raise ValueError("a generator is required when noise_multiplier > 0")
+        B = B + gaussian_noise(tuple(B.shape), noise_multiplier * sens_B, generator, B)
+        A = A + gaussian_noise(tuple(A.shape), noise_multiplier * sens_A, generator, A)
+    recs = [
+        _record("factor_B", 0, sens_B, noise_multiplier, shape=list(B.shape)),
+        _record("factor_A", 0, sens_A, noise_multiplier, shape=list(A.shape)),
+    ]
+    if heuristic:
+        for r in recs:
+            r["heuristic"] = True
+    return B, A, recs
+
+
+def no_perturbation(
+    Bs: Sequence[Tensor],
+    As: Sequence[Tensor],
+    weights,
+    rank: int,
+    clip: float = math.inf,
+) -> tuple[Tensor, Tensor, list[dict]]:
+    """Non-private reference: clip (``clip=inf``: none), exact truncated SVD of W̄
+    (factored). Returns (B = U_r Σ_r, A = V_rᵀ, []) — no releases to account."""
+    Bc, Ac, _ = clip_clients(Bs, As, clip)
+    B, A = linalg.truncated_svd_factors(Bc, Ac, weights, rank, split="left")
+    return B, A, []
+
+
+# -------------------------------------------------------------------------- accounting
+
+
+def powerdp_epsilon(
+    noise_multiplier: float,
+    delta: float,
+    rounds: int,
+    iters: int,
+    client_rate: float,
+    accountant: str = "pld",
+) -> float:
+    """ε(δ) of ``rounds`` PowerDP rounds: each round is one Poisson-subsampled (rate
+    ``client_rate``) Gaussian with multiplier σ/√(2·iters+1) (see module docstring)."""
+    return epsilon(
+        round_noise_multiplier(noise_multiplier, iters), client_rate, rounds, delta, accountant
+    )
+
+
+def calibrate_powerdp_sigma(
+    target_epsilon: float,
+    delta: float,
+    rounds: int,
+    iters: int,
+    client_rate: float,
+    accountant: str = "pld",
+) -> float:
+    """Per-release noise multiplier σ so that ``rounds`` rounds of PowerDP with ``iters``
+    iterations (releases_per_round(iters) releases each) reach at most ``target_epsilon``.
+
+    σ_round = calibrate_noise(target_epsilon, client_rate, rounds, delta) for one
+    subsampled Gaussian per round, and σ = σ_round·√(releases_per_round(iters)) — the
+    same as calibrating rounds×releases plain Gaussian releases when client_rate = 1,
+    and correct (not optimistic) when client_rate < 1.
+    """
+    s_round = calibrate_noise(target_epsilon, client_rate, rounds, delta, accountant)
+    sigma = s_round * math.sqrt(releases_per_round(iters))
+    # guard against the last-ulp loss of σ·√n/√n: the returned σ must meet the target
+    while powerdp_epsilon(sigma, delta, rounds, iters, client_rate, accountant) > target_epsilon:
+        sigma *= 1.0 + 1e-9
+    return sigma

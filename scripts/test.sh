@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install (if needed), lint, and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=2 MPLBACKEND=Agg
+.venv/bin/python -m pytest -n 2 --timeout 600 "$@"

@@ -1,0 +1,269 @@
+"""Tests of fl.privacy.powerdp (float64): exactness at σ=0, clipping, sensitivity, noise scale."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fl import linalg as L
+from fl.privacy import powerdp as P
+from fl.privacy.accounting import calibrate_noise
+
+DT = torch.float64
+
+
+def gapped_clients(K=4, m=40, n=30, r=3, seed=0):
+    """K rank-r clients whose average W̄ (weights 1/K) has singular values
+    [10, 8, 6] then a gap to [1 .. 0.1]: the top-3 subspace is well separated."""
+    g = torch.Generator().manual_seed(seed)
+    d = K * r
+    U0 = torch.linalg.qr(torch.randn(m, d, generator=g, dtype=DT))[0]
+    V0 = torch.linalg.qr(torch.randn(n, d, generator=g, dtype=DT))[0]
+    R = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=DT))[0]
+    sv = torch.cat(
+        [torch.tensor([10.0, 8.0, 6.0], dtype=DT), torch.linspace(1.0, 0.1, d - 3, dtype=DT)]
+    )
+    Bc, Ac = (U0 * sv) @ R, R.T @ V0.T
+    w = [1.0 / K] * K
+    Bs = [Bc[:, k * r : (k + 1) * r] * K for k in range(K)]
+    As = [Ac[k * r : (k + 1) * r] for k in range(K)]
+    return Bs, As, w
+
+
+def tsvd(M, r):
+    U, s, Vh = torch.linalg.svd(M)
+    return U[:, :r], s[:r], Vh[:r]
+
+
+def best_rank_error(M, r):
+    s = torch.linalg.svdvals(M)
+    return float(torch.sqrt((s[r:] ** 2).sum()))
+
+
+# ---------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_powerdp_sigma0_equals_truncated_svd(dense):
+    Bs, As, w = gapped_clients()
+    W = L.dense_sum(Bs, As, w)
+    U, s, Vh = tsvd(W, 3)
+    B, A, rec = P.powerdp(
+        Bs, As, w, rank=3, iters=8, noise_multiplier=0.0, clip=1e6, dense=dense, seed=3
+    )
+    assert B.shape == (40, 3) and A.shape == (3, 30)
+    assert torch.allclose(A @ A.T, torch.eye(3, dtype=DT), atol=1e-12)  # orthonormal rows
+    G = B.T @ B
+    assert torch.allclose(G, torch.diag(torch.diagonal(G)), atol=1e-10)  # orthogonal columns
+    assert float(L.largest_principal_angle(B, U)) < 1e-6
+    assert float(L.rowspace_angle(A, Vh)) < 1e-6
+    err = float(torch.linalg.norm(B @ A - W))
+    assert abs(err - best_rank_error(W, 3)) < 1e-8
+    assert torch.allclose(torch.linalg.norm(B, dim=0), s, rtol=1e-10)
+    assert len(rec) == P.releases_per_round(8) == 17
+    assert all(r["noise_std"] == 0.0 for r in rec) and rec[-1].get("final")
+
+
+def test_powerdp_dense_and_factored_agree_with_noise():
+    Bs, As, w = gapped_clients()
+    out = []
+    for dense in (False, True):
+        g = torch.Generator().manual_seed(42)
+        out.append(
+            P.powerdp(
+                Bs, As, w, 3, 2, noise_multiplier=0.5, clip=5.0, generator=g, dense=dense, seed=1
+            )
+        )
+    assert torch.allclose(out[0][0] @ out[0][1], out[1][0] @ out[1][1], atol=1e-10)
+    assert out[0][2] == out[1][2]
+    rec = out[0][2]
+    assert len(rec) == 5 and [r["side"] for r in rec] == ["W", "Wt", "W", "Wt", "W"]
+    for r in rec:
+        assert r["what"] == "projection" and r["sensitivity"] == pytest.approx(5.0 / 4)
+        assert r["noise_std"] == pytest.approx(0.5 * 5.0 / 4) and r["noise_multiplier"] == 0.5
+
+
+def test_powerdp_argument_checks():
+    Bs, As, w = gapped_clients()
+    with pytest.raises(ValueError):
+        P.powerdp(Bs, As, w, 3, 1, noise_multiplier=1.0, clip=1.0, generator=None)
+    with pytest.raises(ValueError):
+        P.powerdp(Bs, As, w, 3, 1, noise_multiplier=1.0, clip=math.inf, generator=torch.Generator())
+
+
+def test_comparison_mechanisms_sigma0():
+    Bs, As, w = gapped_clients()
+    W = L.dense_sum(Bs, As, w)
+    U, s, Vh = tsvd(W, 3)
+    ref = U * s @ Vh
+    for fn in (P.input_perturbation, P.output_perturbation):
+        B, A, rec = fn(Bs, As, w, 3, noise_multiplier=0.0, clip=1e6)
+        assert torch.linalg.norm(B @ A - ref) / torch.linalg.norm(ref) < 1e-10
+        assert all(r["noise_std"] == 0.0 for r in rec)
+    B, A, rec = P.no_perturbation(Bs, As, w, 3)
+    assert torch.linalg.norm(B @ A - ref) / torch.linalg.norm(ref) < 1e-10 and rec == []
+
+
+def test_output_perturbation_calibrations():
+    Bs, As, w = gapped_clients()
+    g = torch.Generator().manual_seed(0)
+    B, A, rec = P.output_perturbation(Bs, As, w, 3, noise_multiplier=1.0, clip=2.0, generator=g)
+    assert [r["what"] for r in rec] == ["factor_B", "factor_A"]
+    assert rec[0]["sensitivity"] == pytest.approx(4.0)  # 2·C_B, C_B = C
+    assert rec[1]["sensitivity"] == pytest.approx(2 * math.sqrt(3))  # 2√r
+    _, _, rec = P.output_perturbation(Bs, As, w, 3, 1.0, 2.0, g, calibration="heuristic")
+    assert all(r["heuristic"] and r["sensitivity"] == pytest.approx(0.5) for r in rec)
+
+
+# ---------------------------------------------------------------------------- clipping
+
+
+def test_clip_factored_bounds_norm():
+    g = torch.Generator().manual_seed(1)
+    B, A = torch.randn(20, 3, generator=g, dtype=DT), torch.randn(3, 15, generator=g, dtype=DT)
+    true = float(torch.linalg.norm(B @ A))
+    Bc, Ac, norm, f = P.clip_factored(B, A, 1.0)
+    assert float(norm) == pytest.approx(true, rel=1e-12)
+    assert float(torch.linalg.norm(Bc @ Ac)) == pytest.approx(1.0, rel=1e-12)
+    assert torch.equal(Ac, A) and float(f) == pytest.approx(1.0 / true)
+    Bc, Ac, _, f = P.clip_factored(B, A, 2 * true)  # under the bound: untouched
+    assert float(f) == 1.0 and torch.equal(Bc, B)
+
+
+@pytest.mark.parametrize("bad", ["nan_B", "inf_A", "overflow"])
+def test_clip_factored_rejects_nonfinite(bad):
+    B, A = torch.ones(4, 2, dtype=DT), torch.ones(2, 5, dtype=DT)
+    if bad == "nan_B":
+        B[1, 1] = float("nan")
+    elif bad == "inf_A":
+        A[0, 3] = float("inf")
+    else:  # finite factors whose norm overflows float32
+        B, A = torch.full((4, 2), 1e20), torch.full((2, 5), 1e20)
+    with pytest.raises(P.NonFiniteUpdateError):
+        P.clip_factored(B, A, 1.0)
+    assert issubclass(P.NonFiniteUpdateError, ValueError)
+
+
+# -------------------------------------------------------------------------- sensitivity
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    K=st.integers(1, 6),
+    r=st.integers(1, 3),
+    k=st.integers(1, 4),
+    scale=st.floats(0.01, 100.0),
+    clip=st.floats(0.1, 10.0),
+    k_expected=st.integers(1, 8),
+    seed=st.integers(0, 2**31 - 1),
+    add=st.booleans(),
+)
+def test_projection_sensitivity_never_exceeded(K, r, k, scale, clip, k_expected, seed, add):
+    """For a neighbouring pair (one client added/removed) the actual change of W̄X and
+    W̄ᵀP never exceeds Δ = C/K_expected."""
+    g = torch.Generator().manual_seed(seed)
+    m, n = 12, 9
+    Bs = [scale * torch.randn(m, r, generator=g, dtype=DT) for _ in range(K + 1)]
+    As = [torch.randn(r, n, generator=g, dtype=DT) for _ in range(K + 1)]
+    Bs, As, _ = P.clip_clients(Bs, As, clip)
+    p = 1.0 / k_expected
+    small = (Bs[:K], As[:K])  # S
+    big = (Bs, As)  # S ∪ {j}
+    if not add:  # remove a random member instead (same pair, other direction)
+        big, small = (Bs[:K], As[:K]), (Bs[1:K], As[1:K]) if K > 1 else None
+    X = L.orth(torch.randn(n, k, generator=g, dtype=DT))
+    Pm = L.orth(torch.randn(m, k, generator=g, dtype=DT))
+    bound = P.projection_sensitivity(clip, p)
+
+    def proj(cl, M, t):
+        if cl is None or not cl[0]:
+            return torch.zeros(n if t else m, k, dtype=DT)
+        f = L.apply_sum_t if t else L.apply_sum
+        return f(cl[0], cl[1], [p] * len(cl[0]), M)
+
+    d1 = float(torch.linalg.norm(proj(big, X, False) - proj(small, X, False)))
+    d2 = float(torch.linalg.norm(proj(big, Pm, True) - proj(small, Pm, True)))
+    assert d1 <= bound * (1 + 1e-9) and d2 <= bound * (1 + 1e-9)
+
+
+# ------------------------------------------------------------------------ noise scale
+
+
+def test_powerdp_noise_injected_at_stated_scale():
+    """iters=0: B A X_0 = W̄ X_0 + G exactly, so the residual is the noise itself."""
+    Bs, As, w = gapped_clients()
+    sigma, clip = 0.7, 3.0
+    Bc, Ac, _ = P.clip_clients(Bs, As, clip)
+    X0 = P.initial_basis(30, 3, seed=5)
+    exact = L.apply_sum(Bc, Ac, w, X0)
+    g = torch.Generator().manual_seed(123)
+    res = []
+    for _ in range(200):
+        B, A, rec = P.powerdp(Bs, As, w, 3, 0, sigma, clip, generator=g, seed=5)
+        res.append(B @ (A @ X0) - exact)
+    res = torch.stack(res)
+    stated = rec[0]["noise_std"]
+    assert stated == pytest.approx(sigma * clip / 4)
+    assert abs(float(res.mean())) < 0.05 * stated
+    assert float(res.std()) == pytest.approx(stated, rel=0.03)
+
+
+def test_noisy_projection_transpose_and_input_perturbation_scale():
+    Bs, As, w = gapped_clients()
+    g = torch.Generator().manual_seed(7)
+    Pm = L.orth(torch.randn(40, 3, dtype=DT, generator=g))
+    exact = L.apply_sum_t(Bs, As, w, Pm)
+    res = torch.stack(
+        [P.noisy_projection(Bs, As, w, Pm, 0.25, g, transpose=True) - exact for _ in range(200)]
+    )
+    assert float(res.std()) == pytest.approx(0.25, rel=0.03)
+    # input perturbation at full rank: B A = W̄ + G exactly
+    Bc, Ac, _ = P.clip_clients(Bs, As, 2.0)
+    W = L.dense_sum(Bc, Ac, w)
+    B, A, rec = P.input_perturbation(Bs, As, w, 30, noise_multiplier=2.0, clip=2.0, generator=g)
+    assert rec[0]["noise_std"] == pytest.approx(1.0)
+    assert float((B @ A - W).std()) == pytest.approx(1.0, rel=0.05)
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+def test_releases_and_calibration():
+    assert [P.releases_per_round(i) for i in range(4)] == [1, 3, 5, 7]
+    # q = 1: the same as calibrating rounds × releases plain Gaussian releases
+    s = P.calibrate_powerdp_sigma(2.0, 1e-5, rounds=5, iters=2, client_rate=1.0)
+    s_flat = calibrate_noise(2.0, 1.0, 25, 1e-5)
+    assert s == pytest.approx(s_flat, rel=5e-3)
+    assert P.powerdp_epsilon(s, 1e-5, 5, 2, 1.0) <= 2.0
+    # q < 1: the achieved ε meets the target
+    s = P.calibrate_powerdp_sigma(2.0, 1e-5, rounds=10, iters=1, client_rate=0.2)
+    eps = P.powerdp_epsilon(s, 1e-5, 10, 1, 0.2)
+    assert eps <= 2.0 and eps > 1.9
+
+
+def test_data_dependent_denominator_breaks_the_bound():
+    """Why the weight is fixed: with p = 1/|S| one added client moves W̄X by 2C/(|S|+1),
+    twice the C/(|S|+1) a naive calibration would use."""
+    g = torch.Generator().manual_seed(0)
+    B = torch.randn(12, 1, generator=g, dtype=DT)
+    A = torch.randn(1, 9, generator=g, dtype=DT)
+    (B,), (A,), _ = P.clip_clients([B], [A], 1.0)
+    X = torch.eye(9, dtype=DT)  # orthonormal columns
+    before = L.apply_sum([B], [A], [1.0], X)  # |S| = 1, p = 1
+    after = L.apply_sum([B, -B], [A, A], [0.5, 0.5], X)  # |S'| = 2, p = 1/2
+    change = float(torch.linalg.norm(after - before))
+    assert change == pytest.approx(1.0) and change > P.projection_sensitivity(1.0, 0.5) * 1.5
+
+
+def test_sigma0_without_clipping_is_allowed():
+    Bs, As, w = gapped_clients()
+    ref = P.no_perturbation(Bs, As, w, 3)
+    for fn in (P.input_perturbation, P.output_perturbation):
+        B, A, rec = fn(Bs, As, w, 3, noise_multiplier=0.0, clip=math.inf)
+        assert torch.allclose(B @ A, ref[0] @ ref[1], atol=1e-10)
+        assert all(r["noise_std"] == 0.0 for r in rec)
+    B, A, rec = P.powerdp(Bs, As, w, 3, 8, noise_multiplier=0.0, clip=math.inf)
+    assert torch.allclose(B @ A, ref[0] @ ref[1], atol=1e-8)
+    assert all(r["noise_std"] == 0.0 for r in rec)
