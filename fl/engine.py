@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from fl import factors as F
 from fl.config import TrainConfig
 from fl.data import ids_hash, load_dataset, partition, split_dataset
-from fl.errors import UsageError
+from fl.errors import ClientFailure, UsageError
 from fl.io import RunLock, atomic_write_json, atomic_write_text, file_sha256, read_json
 from fl.methods import registry
 from fl.methods.base import Replies, RoundInfo, parse_options
@@ -127,6 +127,20 @@ class LocalTrainer:
         self.gsm.disable_hooks()
         self.lora = F.lora_param_map(self.model)
         self.head = F.head_param_map(self.model)
+        self._hook_key = frozenset({"A", "B", "head"})
+
+    def _ensure_hooks(self, trainable: set[str]) -> None:
+        """Opacus hooks only the modules that were trainable when hooks were added; a
+        frozen module with a hook would fail ("No activations detected"). Re-hook when
+        the trainable set changes (cheap: no copy of the model)."""
+        key = frozenset(trainable)
+        if key == self._hook_key:
+            return
+        self.gsm.remove_hooks()
+        self._set_trainable(trainable)
+        self.gsm.add_hooks(loss_reduction="sum", batch_first=True)
+        self.gsm.disable_hooks()
+        self._hook_key = key
 
     def initial_state(self) -> dict:
         return F.get_state(self.model)
@@ -157,6 +171,7 @@ class LocalTrainer:
         correction: dict[str, torch.Tensor] | None = None,
         opt_state: dict | None = None,
         grad_transform=None,
+        grad_mask: dict[str, torch.Tensor] | None = None,
     ) -> tuple[TrainResult, dict]:
         """Local training from ``start``. Batches are Poisson-sampled with rate
         q = batch_size / n in both DP and non-DP modes (so σ=0, C=∞ DP training equals
@@ -164,11 +179,16 @@ class LocalTrainer:
 
         prox_mu: FedProx term μ/2‖θ − θ_start‖² (its gradient is data-independent and is
         added after privatization). correction: SCAFFOLD's c − c_i, per flat state key,
-        added after privatization. grad_transform: optional callable(params, batch_info)
+        added after privatization. grad_transform: optional callable(params, dp, gen, b)
         for methods that privatize in their own space (FedASK W-space clipping).
+        grad_mask: flat state key → 0/1 tensor of the parameter's shape; masked-out
+        coordinates are frozen: excluded from the per-sample norm (so they cost no
+        clipping budget) and their (noisy) gradient is zeroed — post-processing. Used
+        to train a subset of ranks (heterogeneous ranks, Fed-PLoRA module selection).
         """
         cfg = self.cfg
         F.set_state(self.model, start)
+        self._ensure_hooks(trainable)
         params = self._set_trainable(trainable)
         flat_names = self._flat_names(params)
         self.model.train()
@@ -206,6 +226,17 @@ class LocalTrainer:
                     )
                     (loss / (1.0 if use_hooks else expected)).backward()
                     losses.append(loss.item() / b)
+                masks = None
+                if grad_mask:
+                    masks = [grad_mask.get(nm) for nm in flat_names]
+                    for p, mk in zip(params, masks):
+                        if mk is None:
+                            continue
+                        mk = mk.to(p.device, p.dtype)
+                        if getattr(p, "grad_sample", None) is not None:
+                            p.grad_sample = p.grad_sample * mk
+                        if p.grad is not None:
+                            p.grad.mul_(mk)
                 if dp is not None:
                     if grad_transform is not None:
                         st = grad_transform(params, dp, noise_gen, b)
@@ -222,6 +253,10 @@ class LocalTrainer:
                     for p in params:
                         if p.grad is None:
                             p.grad = torch.zeros_like(p)
+                if masks is not None:
+                    for p, mk in zip(params, masks):
+                        if mk is not None and p.grad is not None:
+                            p.grad.mul_(mk.to(p.device, p.dtype))
                 if prox_mu > 0:
                     for p, p0 in zip(params, start_vals):
                         p.grad.add_(p.detach() - p0, alpha=prox_mu)
@@ -229,6 +264,10 @@ class LocalTrainer:
                     for p, nm in zip(params, flat_names):
                         if nm in correction:
                             p.grad.add_(correction[nm].to(p.device, p.dtype))
+                if masks is not None and (prox_mu > 0 or correction is not None):
+                    for p, mk in zip(params, masks):
+                        if mk is not None:
+                            p.grad.mul_(mk.to(p.device, p.dtype))
                 opt.step()
         finally:
             if use_hooks:
@@ -304,6 +343,7 @@ class ClientContext:
         prox_mu: float = 0.0,
         correction: dict[str, torch.Tensor] | None = None,
         grad_transform=None,
+        grad_mask: dict[str, torch.Tensor] | None = None,
         stage: str = "train",
     ) -> TrainResult:
         eng = self.engine
@@ -322,6 +362,7 @@ class ClientContext:
             correction=correction,
             opt_state=opt_state,
             grad_transform=grad_transform,
+            grad_mask=grad_mask,
         )
         if not eng.cfg.reset_optimizer:
             self.state["_opt"] = opt_sd
@@ -370,10 +411,11 @@ class InProcessTransport:
             fault = eng.fault_injector(rnd, cid, stage) if eng.fault_injector else None
             try:
                 if fault:
-                    raise RuntimeError(fault)
+                    raise ClientFailure(fault)
                 reply = handler(ctx, p)
-            except (RuntimeError, ValueError) as exc:
+            except ClientFailure as exc:
                 replies.failed[cid] = f"{type(exc).__name__}: {exc}"
+                eng.log(f"round {rnd.index + 1}: client {cid} failed in stage {stage!r}: {exc}")
                 # DP steps already taken still count: the data was touched.
                 for ev in ctx.events:
                     eng.ledger.record(ev)

@@ -3,3 +3,9 @@
 
 class UsageError(ValueError):
     """Bad input from the user: flags, config, files. Printed as one line, exit 2."""
+
+
+class ClientFailure(RuntimeError):
+    """A client could not complete a stage (crash, timeout, rejected update). The
+    round goes on without it where the method allows; programming errors are not
+    ClientFailures and propagate."""

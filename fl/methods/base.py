@@ -142,6 +142,27 @@ class Method:
             new["head"] = {k: v.clone() for k, v in self.global_state["head"].items()}
         return new
 
+    def noise_metrics(self, replies: Replies, new_global: dict | None = None) -> dict:
+        """init_noise (mean of the clients' reported ``init_noise``) and agg_noise of the
+        new global state against the exact weighted average of the replied states
+        (fl.noise). Call after aggregation."""
+        from fl.noise import agg_noise
+
+        new_global = self.global_state if new_global is None else new_global
+        cids = [c for c in replies.senders if "state" in replies.ok[c]]
+        out = {}
+        inits = [float(replies.ok[c]["init_noise"]) for c in cids if "init_noise" in replies.ok[c]]
+        if inits:
+            out["init_noise"] = sum(inits) / len(inits)
+        if cids:
+            out["agg_noise"] = agg_noise(
+                new_global,
+                [replies.ok[c]["state"] for c in cids],
+                [replies.ok[c]["n"] for c in cids],
+                self.server.scaling,
+            )
+        return out
+
     def client_level_dp_average(
         self, rnd: RoundInfo, replies: Replies, keys=("A", "B"), head=True
     ) -> tuple[dict, dict]:

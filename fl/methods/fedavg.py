@@ -42,11 +42,21 @@ class FedAvg(Method):
             metrics.update(st)
         else:
             self.global_state = self.aggregate_average(replies, keys=self.averaged)
+        metrics.update(self.noise_metrics(replies))
         return metrics
 
-    def local_train(self, client, payload, **kw):
-        res = client.train(payload["state"], trainable=self.trainable, **kw)
-        return {"state": res.state, "loss": res.loss, "n": client.n, "examples": res.examples}
+    def local_train(self, client, payload, start=None, **kw):
+        from fl.noise import state_distance
+
+        start = payload["state"] if start is None else start
+        res = client.train(start, trainable=self.trainable, **kw)
+        return {
+            "state": res.state,
+            "loss": res.loss,
+            "n": client.n,
+            "examples": res.examples,
+            "init_noise": state_distance(start, payload["state"], client.scaling),
+        }
 
     def on_train(self, client, payload):
         return self.local_train(client, payload)

@@ -41,7 +41,9 @@ class FedSA(FedAvg):
         for cid, r in replies.ok.items():
             self.client_B[cid] = {k: ab["B"].clone() for k, ab in r["state"]["factors"].items()}
         self._last = list(replies.ok)
-        return {"train_loss": sum(r["loss"] for r in replies.ok.values()) / len(replies.ok)}
+        out = {"train_loss": sum(r["loss"] for r in replies.ok.values()) / len(replies.ok)}
+        out.update(self.noise_metrics(replies))
+        return out
 
     def on_train(self, client, payload):
         start = F.clone_state(payload["state"])
@@ -49,9 +51,9 @@ class FedSA(FedAvg):
         if local_B is not None:
             for k, ab in start["factors"].items():
                 ab["B"] = local_B[k]
-        res = client.train(start, trainable=("A", "B", "head"))
-        client.state["B"] = {k: ab["B"].clone() for k, ab in res.state["factors"].items()}
-        return {"state": res.state, "loss": res.loss, "n": client.n}
+        out = self.local_train(client, payload, start=start)
+        client.state["B"] = {k: ab["B"].clone() for k, ab in out["state"]["factors"].items()}
+        return out
 
     def eval_states(self):
         # One personalized model: the most recent client's (keeps evaluation cheap);

@@ -39,7 +39,9 @@ class Scaffold(FedAvg):
         for k in self.c:
             dc = sum(r["delta_c"][k] for r in replies.ok.values()) / len(replies.ok)
             self.c[k] = self.c[k] + frac * dc
-        return {"train_loss": sum(r["loss"] for r in replies.ok.values()) / len(replies.ok)}
+        out = {"train_loss": sum(r["loss"] for r in replies.ok.values()) / len(replies.ok)}
+        out.update(self.noise_metrics(replies))
+        return out
 
     def on_train(self, client, payload):
         c = payload["c"]
@@ -48,15 +50,17 @@ class Scaffold(FedAvg):
         start = payload["state"]
         res = client.train(start, trainable=self.trainable, correction=correction)
         x, y = F.flatten_state(start), F.flatten_state(res.state)
-        scale = 1.0 / (res.steps * self.server_cfg_lr(client))
+        scale = 1.0 / (res.steps * client.engine.cfg.lr)
         new_ck = {k: ck[k] - c[k] + (x[k] - y[k]) * scale for k in c}
         client.state["c"] = new_ck
         delta_c = {k: new_ck[k] - ck[k] for k in c}
-        return {"state": res.state, "loss": res.loss, "n": client.n, "delta_c": delta_c}
-
-    @staticmethod
-    def server_cfg_lr(client) -> float:
-        return client.engine.cfg.lr
+        return {
+            "state": res.state,
+            "loss": res.loss,
+            "n": client.n,
+            "delta_c": delta_c,
+            "init_noise": 0.0,
+        }
 
     def state_dict(self):
         t, meta = super().state_dict()
