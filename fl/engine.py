@@ -300,6 +300,7 @@ class LocalTrainer:
         self.model.eval()
         correct, loss_sum = 0, 0.0
         n = len(data)
+        preds = []
         for s in range(0, n, batch_size):
             idx = torch.arange(s, min(n, s + batch_size))
             batch = data.batch(idx, self.device)
@@ -307,8 +308,20 @@ class LocalTrainer:
             logits = self.model(**batch).logits.float()
             loss_sum += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
             correct += int((logits.argmax(-1) == labels).sum())
+            preds.append(logits.argmax(-1).cpu())
         self.model.train()
-        return {"accuracy": correct / max(n, 1), "loss": loss_sum / max(n, 1)}
+        pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
+        # Balanced accuracy (mean per-class recall): tweets is ~70% negative, so plain
+        # accuracy alone would flatter a majority-class model.
+        recalls = [
+            float((pred[data.labels == c] == c).float().mean())
+            for c in torch.unique(data.labels).tolist()
+        ]
+        return {
+            "accuracy": correct / max(n, 1),
+            "balanced_accuracy": sum(recalls) / max(len(recalls), 1),
+            "loss": loss_sum / max(n, 1),
+        }
 
 
 # ---------------------------------------------------------------------------------
@@ -890,7 +903,9 @@ class Engine:
     def _summary_line(self, row: dict) -> str:
         parts = [f"round {row['round']}/{self.cfg.rounds}"]
         if "accuracy" in row:
-            parts.append(f"acc={row['accuracy']:.4f} loss={row['loss']:.4f}")
+            parts.append(
+                f"acc={row['accuracy']:.4f} bal_acc={row['balanced_accuracy']:.4f} loss={row['loss']:.4f}"
+            )
         if row.get("epsilon") is not None:
             parts.append(f"ε={row['epsilon']:.3f}")
         if "train_loss" in row:
@@ -1065,7 +1080,9 @@ class Engine:
             "client_ranks": self.client_ranks or None,
             "seeds": {"seed": cfg.seed},
             "versions": _versions(),
-            "metrics": {"final": {k: final.get(k) for k in ("accuracy", "loss") if k in final}},
+            "metrics": {
+                "final": {k: final.get(k) for k in ("accuracy", "balanced_accuracy", "loss") if k in final}
+            },
             "adapter_sha256": file_sha256(adapter / "adapter_model.safetensors"),
             "wall_seconds": wall,
             "log": self._log_lines[-50:],

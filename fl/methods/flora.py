@@ -1,0 +1,253 @@
+"""FLoRA (stacking-based heterogeneous federated LoRA): exact aggregation by stacking
+the client factors, merged into the base weights, with a fresh LoRA every round.
+
+Round t, client k with rank r_k <= R:
+- starts from the merged base W_0 + D_t (D_t = everything merged so far) and a fresh
+  LoRA: B = 0, A = the round's seeded random A (rows ≥ r_k zero and masked, so the
+  client trains exactly r_k ranks; ``U(−1/√n, 1/√n)`` like peft's default init);
+- trains A, B (its r_k ranks) and the head, sends B_k (m×r_k), A_k (r_k×n), head.
+
+Server: stacks B = [p_1 B_1 .. p_K B_K], A = [A_1; ..; A_K] (p_k ∝ n_k,
+:func:`fl.linalg.flora_stack`) so that B A = Σ p_k B_k A_k exactly, and merges
+D_{t+1} = D_t + s·B A into the base; the head is averaged (∝ n_k). s = alpha / R
+(``fl.factors``), the same for every client whatever r_k.
+
+Where the merged update lives. D_t is kept *exactly*, in factored float64 form, in the
+method state (``self.merged[mod] = (B_m, A_m)`` with D = B_m A_m, s included;
+checkpointed). Its width grows by Σ r_k a round; once it exceeds min(m, n) it is
+re-factored by an SVD at rank min(m, n), which is exact (rank D <= min(m, n)). Clients
+receive (B_m, A_m) and add B_m A_m to their frozen base weights for local training
+(restored exactly afterwards) — FLoRA's growing download is the price of exactness.
+
+What is released. The engine evaluates and saves a rank-R PEFT adapter on the
+*unmodified* base W_0, which cannot hold D_t exactly once rank(D_t) > R. The released
+adapter is the best rank-R approximation of D_t (truncated SVD, Eckart–Young) plus the
+head; its relative error ‖D − D_R‖_F/‖D‖_F (over all layers) is reported every round
+as ``release_rel_error``. The exact global model W_0 + D_t is evaluated separately
+(``merged_accuracy``, ``merged_loss``) when option ``eval_merged`` is true.
+
+Noise: init_noise = 0 (clients start from the global function: same merged base, B = 0);
+agg_noise = ‖s·B A − Σ p_k s·B_k A_k‖_F = 0 up to float64 rounding (exact stacking).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from fl import factors as F
+from fl.linalg import factored_svd, flora_stack, truncated_svd_factors
+from fl.methods.base import Method, Options, RoundInfo
+from fl.methods.plora import client_rank, head_average, mean, rank_mask
+from fl.methods.registry import register
+from fl.noise import agg_noise, state_distance
+
+
+def _lora_layer(model: torch.nn.Module, mod: str):
+    inner = model.base_model.model if hasattr(model, "base_model") else model
+    return inner.get_submodule(mod)
+
+
+@contextmanager
+def merged_base(model: torch.nn.Module, merged: dict):
+    """Temporarily set W_0 ← W_0 + B_m A_m in the base layer of every adapted module.
+
+    ``merged``: {module name: (B_m (m×w), A_m (w×n))}, the update with s already in it.
+    peft layers with ``fan_in_fan_out`` (GPT-2 Conv1D) store Wᵀ; the delta is transposed
+    for them. The original weights are copied back on exit (exact restore, not a
+    subtraction, so no rounding drift accumulates across clients).
+    """
+    saved = []
+    try:
+        with torch.no_grad():
+            for mod, (Bm, Am) in merged.items():
+                layer = _lora_layer(model, mod)
+                W = layer.base_layer.weight
+                D = Bm.double() @ Am.double()
+                if getattr(layer, "fan_in_fan_out", False):
+                    D = D.T
+                saved.append((W, W.detach().clone()))
+                W.add_(D.to(W.device, W.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for W, W0 in saved:
+                W.copy_(W0)
+
+
+def fresh_factors(template: dict, seed: int) -> dict:
+    """A fresh LoRA for every layer of ``template``: B = 0, A ~ U(−1/√n, 1/√n) (peft's
+    default kaiming_uniform(a=√5) bound) from one generator seeded with ``seed``
+    (layers in sorted order, so the draw does not depend on dict order)."""
+    g = torch.Generator().manual_seed(int(seed))
+    out = {}
+    for mod in sorted(template):
+        A0, B0 = template[mod]["A"], template[mod]["B"]
+        bound = 1.0 / math.sqrt(A0.shape[1])
+        A = (torch.rand(A0.shape, generator=g, dtype=torch.float64) * 2 - 1) * bound
+        out[mod] = {"A": A.to(A0.dtype), "B": torch.zeros_like(B0)}
+    return out
+
+
+def truncate_release(Bm: torch.Tensor, Am: torch.Tensor, R: int, s: float, dtype):
+    """Rank-R raw peft factors (B (m×R), A (R×n)) with s·B A = best rank-R approx of
+    D = B_m A_m, and (‖D − D_R‖_F², ‖D‖_F²) from the singular values."""
+    U, sv, Vh = factored_svd([Bm], [Am], None)
+    B, A = truncated_svd_factors([Bm], [Am], None, R, split="sqrt")
+    c = 1.0 / math.sqrt(s)
+    return (B * c).to(dtype), (A * c).to(dtype), float((sv[R:] ** 2).sum()), float((sv**2).sum())
+
+
+def compress_exact(Bm: torch.Tensor, Am: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-factor B_m A_m (m×w, w×n) at width min(m, n) when w exceeds it — exact, since
+    the product's rank is at most min(m, n)."""
+    cap = min(Bm.shape[0], Am.shape[1])
+    if Bm.shape[1] <= cap:
+        return Bm, Am
+    return truncated_svd_factors([Bm], [Am], None, cap, split="sqrt")
+
+
+@dataclass
+class FLoRAOptions(Options):
+    eval_merged: bool = field(
+        default=True,
+        metadata={"help": "evaluate the exact global model W_0 + D on the test set each eval"},
+    )
+
+
+@register
+class FLoRA(Method):
+    name = "flora"
+    Options = FLoRAOptions
+    dp_levels = ("none", "sample")
+    release_note = (
+        "rank-R truncated SVD of the merged update D (exact global model is W_0 + D; "
+        "release_rel_error in metrics) and the classification head"
+    )
+
+    def init_state(self, initial: dict) -> None:
+        super().init_state(initial)
+        self.merged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._release: dict | None = None
+        self._release_err = 0.0
+
+    def server_round(self, rnd: RoundInfo, clients, send) -> dict:
+        srv = self.server
+        s = srv.scaling
+        self.global_state["factors"] = fresh_factors(
+            self.global_state["factors"], rnd.derive("flora/init")
+        )
+        replies = send(clients, "train", {"state": self.global_state, "merged": self._payload()})
+        if not replies.ok:
+            return {"failed_clients": replies.failed, "skipped": "no client replied"}
+        cids = replies.senders
+        ns = [float(replies.ok[c]["n"]) for c in cids]
+        tot = sum(ns)
+        ps = [x / tot for x in ns]
+        round_stack, client_states = {}, []
+        for c in cids:
+            client_states.append({"factors": replies.ok[c]["factors"], "head": {}})
+        for mod in self.global_state["factors"]:
+            Bs = [replies.ok[c]["factors"][mod]["B"].double() for c in cids]
+            As = [replies.ok[c]["factors"][mod]["A"].double() for c in cids]
+            B, A = flora_stack(Bs, As, ps)
+            round_stack[mod] = {"B": B, "A": A}
+            if mod in self.merged:
+                Bm, Am = self.merged[mod]
+                Bm, Am = torch.cat([Bm, s * B], dim=1), torch.cat([Am, A], dim=0)
+            else:
+                Bm, Am = s * B, A
+            self.merged[mod] = compress_exact(Bm, Am)
+        self.global_state["head"] = head_average([replies.ok[c]["head"] for c in cids], ns)
+        self._refresh_release()
+        metrics = {
+            "train_loss": mean(replies.ok[c]["loss"] for c in cids),
+            "init_noise": mean(replies.ok[c]["init_noise"] for c in cids),
+            # ΔW_server of this round = s·B_stack A_stack vs Σ p_k s·B_k A_k.
+            "agg_noise": agg_noise({"factors": round_stack}, client_states, ns, s),
+            "release_rel_error": self._release_err,
+            "merged_width": max(Bm.shape[1] for Bm, _ in self.merged.values()),
+        }
+        cfg = srv.cfg
+        if self.opts.eval_merged and (
+            (rnd.index + 1) % cfg.eval_every == 0 or rnd.index + 1 == cfg.rounds
+        ):
+            eng = srv.e
+            with merged_base(eng.trainer.model, self.merged):
+                ev = eng.trainer.evaluate(self.global_state, eng.test_data, cfg.eval_batch_size)
+            metrics["merged_accuracy"] = ev["accuracy"]
+            metrics["merged_loss"] = ev["loss"]
+        if replies.failed:
+            metrics["failed_clients"] = replies.failed
+        return metrics
+
+    def _payload(self) -> dict:
+        return {mod: {"B": Bm, "A": Am} for mod, (Bm, Am) in self.merged.items()}
+
+    def _refresh_release(self) -> None:
+        if not self.merged:
+            self._release, self._release_err = None, 0.0
+            return
+        R = self.server.cfg.rank
+        s = self.server.scaling
+        factors, tail, total = {}, 0.0, 0.0
+        for mod, ab in self.global_state["factors"].items():
+            Bm, Am = self.merged[mod]
+            B, A, t, a = truncate_release(Bm, Am, R, s, ab["B"].dtype)
+            factors[mod] = {"A": A, "B": B}
+            tail, total = tail + t, total + a
+        self._release = {"factors": factors, "head": self.global_state["head"]}
+        self._release_err = math.sqrt(tail / total) if total > 0 else 0.0
+
+    def released_state(self) -> dict:
+        if self._release is None:
+            return self.global_state
+        return {"factors": self._release["factors"], "head": self.global_state["head"]}
+
+    def on_train(self, client, payload) -> dict:
+        glob = payload["state"]
+        r = client_rank(client)
+        start = F.clone_state(glob)
+        for ab in start["factors"].values():
+            ab["A"][r:, :] = 0.0  # padded ranks: A = B = 0 and masked, so they stay 0
+            ab["B"][:, r:] = 0.0
+        merged = {mod: (v["B"], v["A"]) for mod, v in payload["merged"].items()}
+        with merged_base(client.engine.trainer.model, merged):
+            res = client.train(
+                start, trainable=("A", "B", "head"), grad_mask=rank_mask(start, range(r))
+            )
+        factors = {
+            mod: {"B": ab["B"][:, :r].clone(), "A": ab["A"][:r, :].clone()}
+            for mod, ab in res.state["factors"].items()
+        }
+        return {
+            "factors": factors,
+            "head": res.state["head"],
+            "loss": res.loss,
+            "n": client.n,
+            # Same merged base as the global model; the LoRA parts differ only in A rows
+            # whose B columns are 0, so this is 0 (computed, not assumed).
+            "init_noise": state_distance(start, glob, client.scaling),
+        }
+
+    # ---- checkpointing: the merged update is server state beyond global_state --------
+    def state_dict(self):
+        tensors, meta = super().state_dict()
+        for mod, (Bm, Am) in self.merged.items():
+            tensors[f"flora/{mod}/B"] = Bm
+            tensors[f"flora/{mod}/A"] = Am
+        return tensors, meta
+
+    def load_state_dict(self, tensors, meta) -> None:
+        super().load_state_dict(tensors, meta)
+        self.merged = {}
+        for k, v in tensors.items():
+            if k.startswith("flora/"):
+                mod, which = k[len("flora/") :].rsplit("/", 1)
+                pair = self.merged.setdefault(mod, [None, None])
+                pair[0 if which == "B" else 1] = v.double()
+        self.merged = {m: (p[0], p[1]) for m, p in self.merged.items()}
+        self._refresh_release()

@@ -1,0 +1,213 @@
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fl import factors as F
+from fl.cli import main as cli_main
+from fl.engine import Engine, derive_seed, poisson_masks, train
+from fl.models import LoraSpec, load_base_model, wrap_lora
+from fl.privacy.accounting import Ledger, epsilon
+
+
+def _adapter(run):
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_run_directory_contract(tmp_path, tiny_cfg):
+    out = tmp_path / "run"
+    m = train(tiny_cfg(dp_level="sample", noise_multiplier=1.0), out)
+    for f in ("manifest.json", "metrics.jsonl", "splits.json", "ledger.json", "adapter/adapter_config.json"):
+        assert (out / f).is_file(), f
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all({"accuracy", "loss", "epsilon", "seconds", "init_noise", "agg_noise"} <= r.keys() for r in rows)
+    assert rows[0]["epsilon"] < rows[1]["epsilon"]
+    priv = m["privacy"]
+    assert priv["level"] == "sample" and priv["noise_multiplier"] == 1.0
+    led = Ledger.from_state_dict(priv["ledger"])
+    assert led.epsilon("pld") == pytest.approx(priv["epsilon"]["pld"])
+    # three clients, two rounds, all participate: 6 events of local_steps each
+    assert len(led.events) == 6 and all(e.count == 4 for e in led.events)
+    q = priv["sample_rates"]["0"]
+    assert priv["epsilon"]["pld"] == pytest.approx(epsilon(1.0, q, 8, priv["delta"]), rel=1e-9)
+    splits = json.loads((out / "splits.json").read_text())
+    members = sorted(i for ids in splits["clients"].values() for i in ids)
+    assert members == sorted(splits["members"])
+    assert not set(splits["members"]) & set(splits["nonmembers"])
+    # the adapter loads with peft on the same base model and reproduces the metrics
+    from peft import PeftModel
+
+    base = load_base_model("tiny-bert", 2, seed=0)
+    model = PeftModel.from_pretrained(base, str(out / "adapter"))
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_sigma_zero_huge_clip_equals_non_dp(tmp_path, tiny_cfg):
+    kw = dict(optimizer="sgd", lr=0.05, rounds=2)
+    train(tiny_cfg(**kw), tmp_path / "plain")
+    train(tiny_cfg(dp_level="sample", noise_multiplier=0.0, clip=1e9, **kw), tmp_path / "dp")
+    assert _max_diff(_adapter(tmp_path / "plain"), _adapter(tmp_path / "dp")) < 1e-5
+    m = json.loads((tmp_path / "dp" / "manifest.json").read_text())
+    assert m["privacy"]["epsilon"]["pld"] == "inf"  # σ = 0 never reports a finite ε
+
+
+def test_fedavg_one_client_equals_centralized_training(tmp_path, tiny_cfg):
+    """One client, full participation: the federated pipeline (state copies, weighted
+    average with weight 1, reloading every round) must equal a plain training loop."""
+    cfg = tiny_cfg(clients=1, rounds=3, local_steps=3, optimizer="sgd", lr=0.05, lora_dropout=0.0)
+    eng = Engine(cfg, tmp_path / "fed", quiet=True)
+    eng.run()
+    fed = _adapter(tmp_path / "fed")
+
+    data = eng.members_data
+    model = wrap_lora(load_base_model("tiny-bert", 2, seed=cfg.seed), LoraSpec(cfg.rank, cfg.alpha), seed=cfg.seed)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=cfg.lr)
+    n = len(data)
+    q = cfg.batch_size / n
+    for r in range(cfg.rounds):
+        parts = (cfg.seed, "round", r, "client", "0", "train")
+        torch.manual_seed(derive_seed(*parts, "dropout"))
+        for mask in poisson_masks(parts, n, q, cfg.local_steps):
+            idx = torch.arange(n)[mask]
+            opt.zero_grad()
+            b = data.batch(idx, "cpu")
+            y = b.pop("labels")
+            loss = torch.nn.functional.cross_entropy(model(**b).logits, y, reduction="sum") / (q * n)
+            loss.backward()
+            opt.step()
+    ref = F.get_state(model)
+    got = F.unflatten_state(
+        {
+            ("factors/" + k.replace("base_model.model.", "").replace(".lora_A.weight", "/A").replace(".lora_B.weight", "/B"))
+            if "lora_" in k
+            else "head/" + k.replace("base_model.model.", "").replace(".modules_to_save.default", "").replace("classifier.", "classifier."): v
+            for k, v in fed.items()
+        }
+    )
+    for k in ref["factors"]:
+        for w in ("A", "B"):
+            assert torch.allclose(ref["factors"][k][w], got["factors"][k][w], atol=1e-6), (k, w)
+
+
+def test_resume_equals_uninterrupted_and_keeps_budget(tmp_path, tiny_cfg):
+    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2, clients_per_round=2)
+    full = train(cfg, tmp_path / "full")
+
+    eng = Engine(cfg, tmp_path / "killed", quiet=True)
+    orig = eng._save_checkpoint
+
+    def crash_after_round_two(completed):
+        orig(completed)
+        if completed == 2:
+            raise KeyboardInterrupt  # as if killed right after the round-2 checkpoint
+
+    eng._save_checkpoint = crash_after_round_two
+    with pytest.raises(KeyboardInterrupt):
+        eng.run()
+    assert not (tmp_path / "killed" / "manifest.json").exists()
+    resumed = train(cfg, tmp_path / "killed", resume=True)
+    assert _max_diff(_adapter(tmp_path / "full"), _adapter(tmp_path / "killed")) < 1e-6
+    assert resumed["privacy"]["epsilon"]["pld"] == pytest.approx(full["privacy"]["epsilon"]["pld"], rel=1e-12)
+    assert len(resumed["privacy"]["ledger"]["events"]) == len(full["privacy"]["ledger"]["events"])
+    rows = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["round"] for r in rows] == [1, 2, 3]
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_cfg, capsys):
+    cfg = tiny_cfg(rounds=1)
+    train(cfg, tmp_path / "r")
+    st = next((tmp_path / "r" / "checkpoint").glob("state-*.safetensors"))
+    data = bytearray(st.read_bytes())
+    data[-1] ^= 0xFF
+    st.write_bytes(bytes(data))
+    assert cli_main(["train", "--resume", str(tmp_path / "r"), "--no-progress"]) == 2
+    assert "corrupt" in capsys.readouterr().err
+
+
+def test_budget_is_enforced_with_calibrated_sigma(tmp_path, tiny_cfg):
+    m = train(tiny_cfg(dp_level="sample", epsilon=4.0, rounds=2, clients_per_round=2), tmp_path / "r")
+    assert m["privacy"]["target_epsilon"] == 4.0
+    assert m["privacy"]["epsilon"]["pld"] <= 4.0
+    assert m["privacy"]["noise_multiplier"] > 0
+
+
+def test_client_level_dp_fedavg_records_one_event_per_round(tmp_path, tiny_cfg):
+    m = train(tiny_cfg(dp_level="client", noise_multiplier=1.0, clients=10, members=400, min_client_size=4), tmp_path / "c")
+    evs = m["privacy"]["ledger"]["events"]
+    assert len(evs) == 2 and all(e["unit"] == "federation" and e["kind"] == "gaussian" for e in evs)
+    assert m["privacy"]["epsilon"]["pld"] == pytest.approx(epsilon(1.0, 1.0, 2, m["privacy"]["delta"]), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--method", "nope"], "unknown method"),
+        (["--dp-level", "sample", "--epsilon", "-1"], "epsilon"),
+        (["--dp-level", "sample", "--noise-multiplier", "-0.5"], "σ"),
+        (["--dp-level", "sample", "--noise-multiplier", "1", "--delta", "0.5"], "delta"),
+        (["--dp-level", "sample", "--noise-multiplier", "1", "--delta", "1.5"], "delta"),
+        (["--clip", "0"], "clipping bound"),
+        (["--rank", "0"], "rank"),
+        (["--model", "/nonexistent/model"], "unknown model"),
+        (["--dataset", "nope"], "unknown dataset"),
+        (["--config", "/nonexistent.toml"], "config file not found"),
+        (["--epsilon", "8"], "--dp-level"),
+        (["--opt", "mu=0.1"], "unknown option"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
+    base = ["train", "--model", "tiny-bert", "--dataset", "synthetic", "--members", "240", "--test", "50",
+            "--nonmembers", "10", "--clients", "3", "--rounds", "1", "--no-progress", "--out", str(tmp_path / "o")]
+    rc = cli_main(base + args)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_existing_output_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    rc = cli_main(["train", "--model", "tiny-bert", "--dataset", "synthetic", "--members", "240", "--test", "50",
+                   "--rounds", "1", "--no-progress", "--out", str(out)])
+    assert rc == 2 and "not empty" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "precious"
+
+
+def test_toml_config_and_opts(tmp_path):
+    cfgf = tmp_path / "c.toml"
+    cfgf.write_text(
+        'method = "fedprox"\nmodel = "tiny-bert"\ndataset = "synthetic"\nmembers = 240\ntest = 50\n'
+        "nonmembers = 10\nclients = 3\nrounds = 1\nlocal_steps = 2\nprogress = false\n[opts]\nmu = 0.5\n"
+    )
+    rc = cli_main(["train", "--config", str(cfgf), "--rounds", "1", "--out", str(tmp_path / "o")])
+    assert rc == 0
+    m = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert m["method"] == "fedprox" and m["method_options"] == {"mu": 0.5}
+
+
+@pytest.mark.parametrize("method", ["ffa", "fedsa", "fedprox", "scaffold"])
+def test_homogeneous_methods_run_with_dp(tmp_path, tiny_cfg, method):
+    m = train(tiny_cfg(method=method, dp_level="sample", noise_multiplier=1.0, rounds=2), tmp_path / method)
+    assert math.isfinite(m["privacy"]["epsilon"]["pld"])
+    assert 0.0 <= m["metrics"]["final"]["accuracy"] <= 1.0
+    if method == "ffa":  # A frozen at its init: identical to the initial A
+        eng = Engine(tiny_cfg(method="ffa"), tmp_path / "x", quiet=True)
+        eng.setup()
+        init = eng.trainer.initial_state()
+        ad = _adapter(tmp_path / method)
+        for k, v in ad.items():
+            if "lora_A" in k:
+                mod = k.replace("base_model.model.", "").replace(".lora_A.weight", "")
+                assert torch.equal(v, init["factors"][mod]["A"])
