@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from analysis import figures, runs as runs_mod
+from analysis import figures
+from analysis import runs as runs_mod
 from analysis.schemas import validate
 from fl import linalg
 from fl.errors import UsageError
@@ -142,8 +143,15 @@ def synthetic_rows(
             )
     if "powerdp" in schemes:
         rows += _powerdp_rows(
-            B, A, sigmas, powerdp_trials or max(8, T // 5), clip, seed, powerdp_clients,
-            powerdp_iters, base,
+            B,
+            A,
+            sigmas,
+            powerdp_trials or max(8, T // 5),
+            clip,
+            seed,
+            powerdp_clients,
+            powerdp_iters,
+            base,
         )
     order = {s: i for i, s in enumerate(SCHEMES)}
     rows.sort(key=lambda row: (order.get(row["scheme"], 99), row["sigma"]))
@@ -154,8 +162,10 @@ def _powerdp_rows(B, A, sigmas, trials, clip, seed, K, iters, base) -> list[dict
     """PowerDP on W̄ = Σ_k (1/K) B_k A with B_k = B + perturbation (rank r, same row space)."""
     gen = torch.Generator().manual_seed(int(seed) + 7919)
     m, r = B.shape
-    Bs = [B + 0.3 * torch.randn(m, r, generator=gen, dtype=torch.float64) / math.sqrt(m)
-          for _ in range(K)]
+    Bs = [
+        B + 0.3 * torch.randn(m, r, generator=gen, dtype=torch.float64) / math.sqrt(m)
+        for _ in range(K)
+    ]
     As = [A] * K
     w = [1.0 / K] * K
     B0, A0, _ = pdp.powerdp(Bs, As, w, r, iters, 0.0, clip, dense=True, seed=seed)
@@ -283,7 +293,7 @@ def train_pair(cfg, out, sigma: float, level: str | None = None) -> tuple[Path, 
 # ---------------------------------------------------------------------------- driver
 
 
-def run(
+def _run(
     seed: int = 0,
     out=None,
     shapes=DEFAULT_SHAPES,
@@ -318,27 +328,37 @@ def run(
             if min(m, n, r) <= 0 or r > min(m, n):
                 raise UsageError(f"bad LoRA shape (m, n, r) = {(m, n, r)}")
             rows = synthetic_rows(
-                m, n, r, sig, trials, lr, clip, seed + 101 * i, powerdp_clients,
-                powerdp_iters, powerdp_trials,
+                m,
+                n,
+                r,
+                sig,
+                trials,
+                lr,
+                clip,
+                seed + 101 * i,
+                powerdp_clients,
+                powerdp_iters,
+                powerdp_trials,
             )
             doc["rows"] += rows
             by_shape.append({"shape": [m, n, r], "fits": fit_exponents(rows)})
         doc["fits"] = by_shape[0]["fits"]
         doc["fits_by_shape"] = by_shape
-        doc["setting"] = {"lr": lr, "clip": clip, "trials": trials, "powerdp_trials": powerdp_trials,
-                          "powerdp_clients": powerdp_clients, "powerdp_iters": powerdp_iters}
-    validate(figures_clean(doc))
+        doc["setting"] = {
+            "lr": lr,
+            "clip": clip,
+            "trials": trials,
+            "powerdp_trials": powerdp_trials,
+            "powerdp_clients": powerdp_clients,
+            "powerdp_iters": powerdp_iters,
+        }
+    doc = figures.jsonable(doc)
+    validate(doc)
     if out is not None:
         figures.write_json(doc, out, NAME)
         if figure:
             plot(doc, out)
     return doc
-
-
-def figures_clean(doc):
-    import json
-
-    return json.loads(figures.to_json_text(doc))
 
 
 _COLORS = {"both": "C3", "b_only": "C0", "w_space": "C2", "powerdp": "C1"}
@@ -356,17 +376,30 @@ def plot(doc: dict, out) -> dict:
             pts = [r for r in sub if r["scheme"] == scheme]
             x = [r["sigma"] for r in pts]
             c = _COLORS.get(scheme, "k")
-            ax.plot(x, [r["noise_power"] for r in pts], "o", ms=3.5, color=c,
-                    label=f"{scheme} (Monte Carlo)")
-            lab = "closed form" + (" (lower bound)" if scheme == "powerdp" else "")
-            ax.plot(x, [r["closed_form"] for r in pts], "-" if scheme != "powerdp" else "--",
-                    color=c, lw=1, label=f"{scheme} {lab}")
+            ax.plot(
+                x,
+                [r["noise_power"] for r in pts],
+                "o",
+                ms=3.5,
+                color=c,
+                label=f"{scheme}: Monte Carlo",
+            )
+            lab = "closed form" + (" (lower bd.)" if scheme == "powerdp" else "")
+            ax.plot(
+                x,
+                [r["closed_form"] for r in pts],
+                "-" if scheme != "powerdp" else "--",
+                color=c,
+                lw=1,
+                label=f"{scheme}: {lab}",
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("noise multiplier σ (noise std / clip C)")
         ax.set_ylabel("E‖ΔW_noise‖²_F (squared weight units)")
         ax.set_title(f"m={shp[0]}, n={shp[1]}, r={shp[2]}")
-        ax.legend(loc="upper left", ncol=1)
+        if shp == shapes[0]:
+            ax.legend(loc="upper left", fontsize=6)
     if run_rows:
         ax = axes[len(shapes)]
         for r in run_rows:
@@ -388,9 +421,24 @@ def table(doc: dict) -> str:
     rows = doc["rows"]
     sig = sorted({r["sigma"] for r in rows})
     ends = {sig[0], sig[-1]} | ({min(sig, key=lambda s: abs(math.log(s)))} if sig else set())
-    pick = [dict(r, ratio=(r["noise_power"] / r["closed_form"]) if r.get("closed_form") else None)
-            for r in rows if r["sigma"] in ends]
+    pick = [
+        dict(r, ratio=(r["noise_power"] / r["closed_form"]) if r.get("closed_form") else None)
+        for r in rows
+        if r["sigma"] in ends
+    ]
     lines.append("")
-    lines.append(figures.format_table(
-        pick, ["scheme", "m", "n", "r", "sigma", "noise_power", "closed_form", "ratio"]))
+    lines.append(
+        figures.format_table(
+            pick, ["scheme", "m", "n", "r", "sigma", "noise_power", "closed_form", "ratio"]
+        )
+    )
     return "\n".join(lines)
+
+
+def run(seed: int = 0, out=None, **kwargs) -> dict:
+    """Run the analysis (see :func:`_run` for the keyword arguments) on one torch thread."""
+    with figures.single_thread():
+        return _run(seed=seed, out=out, **kwargs)
+
+
+run.__doc__ = _run.__doc__

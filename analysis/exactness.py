@@ -27,7 +27,8 @@ import math
 
 import torch
 
-from analysis import figures, runs as runs_mod
+from analysis import figures
+from analysis import runs as runs_mod
 from analysis.schemas import validate
 from fl import linalg
 from fl.errors import UsageError
@@ -47,7 +48,9 @@ def client_factors(m: int, n: int, r: int, K: int, shared_a: bool, seed: int):
     Bs, As = [], []
     for _ in range(K):
         Bs.append(torch.randn(m, r, generator=g, dtype=torch.float64) / math.sqrt(m))
-        As.append(A0 if shared_a else torch.randn(r, n, generator=g, dtype=torch.float64) / math.sqrt(n))
+        As.append(
+            A0 if shared_a else torch.randn(r, n, generator=g, dtype=torch.float64) / math.sqrt(n)
+        )
     raw = [1.0 + k / K for k in range(K)]
     return Bs, As, [x / sum(raw) for x in raw]
 
@@ -70,8 +73,15 @@ def method_errors(Bs, As, w, oversketch=(0,), seed: int = 0, iters: int = 4) -> 
 
     def add(method, Bg, Ag, p=None, orank=None):
         num, den = _sq_parts(Bg, Ag, Bs, As, w)
-        out.append({"method": method, "oversketch": p, "output_rank": orank or Bg.shape[1],
-                    "num_sq": num, "den_sq": den})
+        out.append(
+            {
+                "method": method,
+                "oversketch": p,
+                "output_rank": orank or Bg.shape[1],
+                "num_sq": num,
+                "den_sq": den,
+            }
+        )
 
     if len(ranks) == 1:
         add("fedavg", *linalg.fedavg_aggregate(Bs, As, w))
@@ -103,9 +113,18 @@ def _rows_from(results: list[dict], K: int, r: int, shared, extra: dict) -> list
     rows = []
     for res in results:
         rel = math.sqrt(res["num_sq"]) / math.sqrt(res["den_sq"]) if res["den_sq"] > 0 else None
-        rows.append({"method": res["method"], "clients": K, "rank": r,
-                     "oversketch": res["oversketch"], "shared_a": shared,
-                     "relative_error": rel, "output_rank": res["output_rank"], **extra})
+        rows.append(
+            {
+                "method": res["method"],
+                "clients": K,
+                "rank": r,
+                "oversketch": res["oversketch"],
+                "shared_a": shared,
+                "relative_error": rel,
+                "output_rank": res["output_rank"],
+                **extra,
+            }
+        )
     return rows
 
 
@@ -144,15 +163,31 @@ def run_rows(run_dirs, oversketch, seed) -> list[dict]:
             acc = pooled.setdefault(key, [0.0, 0.0])
             acc[0] += res["num_sq"]
             acc[1] += res["den_sq"]
-    results = [{"method": k[0], "oversketch": k[1], "output_rank": k[2], "num_sq": v[0],
-                "den_sq": v[1]} for k, v in pooled.items()]
-    return _rows_from(results, K, max(ranks), shared_all,
-                      {"source": "runs", "modules": len(mods), "runs": [str(d) for d in run_dirs]})
+    results = [
+        {"method": k[0], "oversketch": k[1], "output_rank": k[2], "num_sq": v[0], "den_sq": v[1]}
+        for k, v in pooled.items()
+    ]
+    return _rows_from(
+        results,
+        K,
+        max(ranks),
+        shared_all,
+        {"source": "runs", "modules": len(mods), "runs": [str(d) for d in run_dirs]},
+    )
 
 
-def run(seed: int = 0, out=None, m: int = 64, n: int = 48, rank: int = 4,
-        clients=(2, 4, 8), oversketch=None, shared_a=(True, False), runs=None,
-        figure: bool = True) -> dict:
+def _run(
+    seed: int = 0,
+    out=None,
+    m: int = 64,
+    n: int = 48,
+    rank: int = 4,
+    clients=(2, 4, 8),
+    oversketch=None,
+    shared_a=(True, False),
+    runs=None,
+    figure: bool = True,
+) -> dict:
     """The exactness analysis. ``clients``: the K grid; ``oversketch``: FedASK's p grid
     (default 0..(max K − 1)·r + 2); ``shared_a``: which client settings to draw.
     ``runs``: run directories used as the clients instead. Returns the JSON document
@@ -167,22 +202,26 @@ def run(seed: int = 0, out=None, m: int = 64, n: int = 48, rank: int = 4,
         rows = run_rows(runs, oversketch, seed)
     else:
         rows = synthetic_rows(m, n, rank, list(clients), list(oversketch), list(shared_a), seed)
-    doc = {"analysis": NAME, "seed": seed,
-           "setting": {"m": m, "n": n, "rank": rank, "clients": list(clients),
-                       "oversketch": list(oversketch), "runs": bool(runs)},
-           "rows": rows}
-    validate(_jsonable(doc))
+    doc = {
+        "analysis": NAME,
+        "seed": seed,
+        "setting": {
+            "m": m,
+            "n": n,
+            "rank": rank,
+            "clients": list(clients),
+            "oversketch": list(oversketch),
+            "runs": bool(runs),
+        },
+        "rows": rows,
+    }
+    doc = figures.jsonable(doc)
+    validate(doc)
     if out is not None:
         figures.write_json(doc, out, NAME)
         if figure:
             plot(doc, out)
     return doc
-
-
-def _jsonable(doc):
-    import json
-
-    return json.loads(figures.to_json_text(doc))
 
 
 _FLOOR = 1e-17  # errors of exact methods are ~1e-16: drawn at a floor on the log axis
@@ -195,22 +234,44 @@ def plot(doc, out):
     Kp = max(Ks)
     for shared, ls in ((True, "-"), (False, "--")):
         for full, mk in ((False, "o"), (True, "s")):
-            pts = [r for r in rows if r["method"] == "fedask" and r["clients"] == Kp
-                   and r["shared_a"] == shared and (r["output_rank"] > r["rank"]) == full]
+            pts = [
+                r
+                for r in rows
+                if r["method"] == "fedask"
+                and r["clients"] == Kp
+                and r["shared_a"] == shared
+                and (r["output_rank"] > r["rank"]) == full
+            ]
             if full:
-                pts += [r for r in rows if r["method"] == "fedask" and r["clients"] == Kp
-                        and r["shared_a"] == shared and r["oversketch"] == 0]
+                pts += [
+                    r
+                    for r in rows
+                    if r["method"] == "fedask"
+                    and r["clients"] == Kp
+                    and r["shared_a"] == shared
+                    and r["oversketch"] == 0
+                ]
             pts.sort(key=lambda r: r["oversketch"])
             if not pts:
                 continue
-            ax1.plot([r["oversketch"] for r in pts],
-                     [max(r["relative_error"] or 0.0, _FLOOR) for r in pts], ls, marker=mk, ms=3,
-                     label=f"FedASK, {'shared A' if shared else 'independent A_k'}, "
-                     f"output rank {'r+p' if full else 'r'}")
+            ax1.plot(
+                [r["oversketch"] for r in pts],
+                [max(r["relative_error"] or 0.0, _FLOOR) for r in pts],
+                ls,
+                marker=mk,
+                ms=3,
+                label=f"FedASK, {'shared A' if shared else 'independent A_k'}, "
+                f"output rank {'r+p' if full else 'r'}",
+            )
         if not shared and any(r["shared_a"] is False for r in rows):
             r0 = next(r for r in rows if r["clients"] == Kp)
-            ax1.axvline((Kp - 1) * r0["rank"], color="gray", lw=0.8, ls=":",
-                        label=f"theory: exact for p ≥ (K−1)r = {(Kp - 1) * r0['rank']}")
+            ax1.axvline(
+                (Kp - 1) * r0["rank"],
+                color="gray",
+                lw=0.8,
+                ls=":",
+                label=f"theory: exact for p ≥ (K−1)r = {(Kp - 1) * r0['rank']}",
+            )
     ax1.set_yscale("log")
     ax1.set_xlabel(f"oversketch p (sketch width r + p), K = {Kp}")
     ax1.set_ylabel("relative aggregation error (dimensionless)")
@@ -222,16 +283,26 @@ def plot(doc, out):
             x["oversketch"] for x in rows if x["method"] == "fedask"
         ):
             continue
-        lab = r["method"] + ("" if r["output_rank"] is None else
-                             (" (rank r)" if r["output_rank"] == r["rank"] else " (full rank)"))
+        lab = r["method"] + (
+            ""
+            if r["output_rank"] is None
+            else (" (rank r)" if r["output_rank"] == r["rank"] else " (full rank)")
+        )
         if r["method"] in ("fedavg", "ffa", "hetlora", "flora"):
             lab = r["method"]
         lab += ", shared A" if r["shared_a"] else ", indep. A_k"
         series.setdefault(lab, []).append((r["clients"], max(r["relative_error"] or 0.0, _FLOOR)))
     for lab, pts in sorted(series.items()):
         pts.sort()
-        ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1,
-                 ls="-" if "shared" in lab else "--", label=lab)
+        ax2.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="o",
+            ms=3,
+            lw=1,
+            ls="-" if "shared" in lab else "--",
+            label=lab,
+        )
     ax2.set_yscale("log")
     ax2.set_xscale("log", base=2)
     ax2.set_xlabel("number of clients K")
@@ -244,5 +315,17 @@ def plot(doc, out):
 def table(doc):
     Kp = max(r["clients"] for r in doc["rows"])
     pick = [r for r in doc["rows"] if r["clients"] == Kp]
-    return figures.format_table(pick, ["method", "clients", "rank", "oversketch", "output_rank",
-                                       "shared_a", "relative_error"], max_rows=60)
+    return figures.format_table(
+        pick,
+        ["method", "clients", "rank", "oversketch", "output_rank", "shared_a", "relative_error"],
+        max_rows=60,
+    )
+
+
+def run(seed: int = 0, out=None, **kwargs) -> dict:
+    """Run the analysis (see :func:`_run` for the keyword arguments) on one torch thread."""
+    with figures.single_thread():
+        return _run(seed=seed, out=out, **kwargs)
+
+
+run.__doc__ = _run.__doc__

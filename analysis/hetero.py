@@ -32,7 +32,8 @@ import math
 
 import torch
 
-from analysis import figures, runs as runs_mod
+from analysis import figures
+from analysis import runs as runs_mod
 from analysis.schemas import validate
 from fl import linalg
 from fl.errors import UsageError
@@ -49,13 +50,21 @@ class _Problem:
         K = len(ranks)
         self.m, self.n, self.ranks = m, n, list(ranks)
         self.W0 = torch.randn(m, n, generator=g, dtype=torch.float64) / math.sqrt(n)
-        L = (torch.randn(m, true_rank, generator=g, dtype=torch.float64)
-             @ torch.randn(true_rank, n, generator=g, dtype=torch.float64)) / math.sqrt(m * n) * 2
+        L = (
+            (
+                torch.randn(m, true_rank, generator=g, dtype=torch.float64)
+                @ torch.randn(true_rank, n, generator=g, dtype=torch.float64)
+            )
+            / math.sqrt(m * n)
+            * 2
+        )
         self.Xs, self.Ys, sizes = [], [], []
         for k in range(K):
             Nk = int(samples * (1 + k) / K) + 8
-            E = (torch.randn(m, 2, generator=g, dtype=torch.float64)
-                 @ torch.randn(2, n, generator=g, dtype=torch.float64)) / math.sqrt(m * n)
+            E = (
+                torch.randn(m, 2, generator=g, dtype=torch.float64)
+                @ torch.randn(2, n, generator=g, dtype=torch.float64)
+            ) / math.sqrt(m * n)
             X = torch.randn(n, Nk, generator=g, dtype=torch.float64)
             self.Xs.append(X)
             self.Ys.append((self.W0 + L + E) @ X)
@@ -87,8 +96,9 @@ def _fro(M):
     return float(torch.linalg.matrix_norm(M))
 
 
-def simulate(method: str, m=32, n=32, ranks=(2, 4, 6, 8), rounds=8, steps=10, lr=0.1,
-             samples=64, seed=0) -> list[dict]:
+def simulate(
+    method: str, m=32, n=32, ranks=(2, 4, 6, 8), rounds=8, steps=10, lr=0.1, samples=64, seed=0
+) -> list[dict]:
     """One synthetic run of ``method``; returns one row per round
     {method, round, init_noise, agg_noise, init_noise_closed_form, agg_noise_closed_form, loss}."""
     if method not in METHODS:
@@ -149,23 +159,31 @@ def simulate(method: str, m=32, n=32, ranks=(2, 4, 6, 8), rounds=8, steps=10, lr
             new = merged
         elif method == "flexlora":
             Bg, Ag = linalg.flexlora_aggregate(
-                [b for b, _ in client_mods], [a for _, a in client_mods], P.p, R)
+                [b for b, _ in client_mods], [a for _, a in client_mods], P.p, R
+            )
             new = Bg @ Ag
         elif method == "hetlora":
             Bg, Ag = linalg.hetlora_aggregate(
-                [b for b, _ in client_mods], [a for _, a in client_mods], R, P.p)
+                [b for b, _ in client_mods], [a for _, a in client_mods], R, P.p
+            )
             new = Bg @ Ag
         else:
             Bg, Ag = linalg.plora_aggregate(Bg, Ag, client_mods, P.p)
             new = Bg @ Ag
         agg = _fro(new - ideal)
-        rows.append({
-            "method": method, "round": rnd, "init_noise": init_noise, "agg_noise": agg,
-            "init_noise_closed_form": sum(init_cf) / K,
-            "agg_noise_closed_form": 0.0 if method == "flora" else None,
-            "relative_agg_noise": agg / _fro(ideal) if _fro(ideal) > 0 else None,
-            "loss": loss, "source": "synthetic",
-        })
+        rows.append(
+            {
+                "method": method,
+                "round": rnd,
+                "init_noise": init_noise,
+                "agg_noise": agg,
+                "init_noise_closed_form": sum(init_cf) / K,
+                "agg_noise_closed_form": 0.0 if method == "flora" else None,
+                "relative_agg_noise": agg / _fro(ideal) if _fro(ideal) > 0 else None,
+                "loss": loss,
+                "source": "synthetic",
+            }
+        )
     return rows
 
 
@@ -179,14 +197,16 @@ def run_rows(run_dirs) -> list[dict]:
         if not metrics:
             raise UsageError(f"{d}: no metrics.jsonl rows")
         for i, row in enumerate(metrics):
-            rows.append({
-                "method": str(method),
-                "round": int(row.get("round", i)),
-                "init_noise": _num(row.get("init_noise")),
-                "agg_noise": _num(row.get("agg_noise")),
-                "loss": _num(row.get("loss", row.get("train_loss"))),
-                "source": str(d),
-            })
+            rows.append(
+                {
+                    "method": str(method),
+                    "round": int(row.get("round", i)),
+                    "init_noise": _num(row.get("init_noise")),
+                    "agg_noise": _num(row.get("agg_noise")),
+                    "loss": _num(row.get("loss", row.get("train_loss"))),
+                    "source": str(d),
+                }
+            )
     return rows
 
 
@@ -198,9 +218,20 @@ def _num(v):
     return x if math.isfinite(x) else None
 
 
-def run(seed: int = 0, out=None, methods=METHODS, m: int = 32, n: int = 32,
-        ranks=(2, 4, 6, 8), rounds: int = 8, steps: int = 10, lr: float = 0.1,
-        samples: int = 64, runs=None, figure: bool = True) -> dict:
+def _run(
+    seed: int = 0,
+    out=None,
+    methods=METHODS,
+    m: int = 32,
+    n: int = 32,
+    ranks=(2, 4, 6, 8),
+    rounds: int = 8,
+    steps: int = 10,
+    lr: float = 0.1,
+    samples: int = 64,
+    runs=None,
+    figure: bool = True,
+) -> dict:
     """The hetero analysis (synthetic simulation, or ``runs``' metrics). Returns the
     JSON document; writes hetero.{json,png,svg} to ``out`` when given."""
     if runs:
@@ -214,13 +245,23 @@ def run(seed: int = 0, out=None, methods=METHODS, m: int = 32, n: int = 32,
         rows = []
         for meth in methods:
             rows += simulate(meth, m, n, ranks, rounds, steps, lr, samples, seed)
-    doc = {"analysis": NAME, "seed": seed,
-           "setting": {"m": m, "n": n, "ranks": list(ranks), "rounds": rounds, "steps": steps,
-                       "lr": lr, "samples": samples, "runs": bool(runs)},
-           "rows": rows}
-    import json
-
-    validate(json.loads(figures.to_json_text(doc)))
+    doc = {
+        "analysis": NAME,
+        "seed": seed,
+        "setting": {
+            "m": m,
+            "n": n,
+            "ranks": list(ranks),
+            "rounds": rounds,
+            "steps": steps,
+            "lr": lr,
+            "samples": samples,
+            "runs": bool(runs),
+        },
+        "rows": rows,
+    }
+    doc = figures.jsonable(doc)
+    validate(doc)
     if out is not None:
         figures.write_json(doc, out, NAME)
         if figure:
@@ -238,12 +279,24 @@ def plot(doc, out):
         for i, meth in enumerate(dict.fromkeys(r["method"] for r in rows)):
             pts = [r for r in rows if r["method"] == meth and r[key] is not None]
             c = f"C{i}"
-            ax.plot([r["round"] for r in pts], [max(r[key], _FLOOR) for r in pts], "o", ms=3,
-                    color=c, label=f"{meth} (measured)")
+            ax.plot(
+                [r["round"] for r in pts],
+                [max(r[key], _FLOOR) for r in pts],
+                "o",
+                ms=3,
+                color=c,
+                label=f"{meth} (measured)",
+            )
             cf = [r for r in pts if r.get(f"{key}_closed_form") is not None]
             if cf:
-                ax.plot([r["round"] for r in cf], [max(r[f"{key}_closed_form"], _FLOOR) for r in cf],
-                        "-", lw=1, color=c, label=f"{meth} (closed form)")
+                ax.plot(
+                    [r["round"] for r in cf],
+                    [max(r[f"{key}_closed_form"], _FLOOR) for r in cf],
+                    "-",
+                    lw=1,
+                    color=c,
+                    label=f"{meth} (closed form)",
+                )
         ax.set_yscale("log")
         ax.set_xlabel("round")
         what = "initialization" if key == "init_noise" else "aggregation"
@@ -263,9 +316,24 @@ def table(doc):
         pts = [r for r in rows if r["method"] == meth]
         inits = [r["init_noise"] for r in pts if r["init_noise"] is not None]
         aggs = [r["agg_noise"] for r in pts if r["agg_noise"] is not None]
-        summary.append({"method": meth, "rounds": len(pts),
-                        "mean_init_noise": sum(inits) / len(inits) if inits else None,
-                        "mean_agg_noise": sum(aggs) / len(aggs) if aggs else None,
-                        "last_loss": last[meth].get("loss")})
-    return figures.format_table(summary, ["method", "rounds", "mean_init_noise",
-                                          "mean_agg_noise", "last_loss"])
+        summary.append(
+            {
+                "method": meth,
+                "rounds": len(pts),
+                "mean_init_noise": sum(inits) / len(inits) if inits else None,
+                "mean_agg_noise": sum(aggs) / len(aggs) if aggs else None,
+                "last_loss": last[meth].get("loss"),
+            }
+        )
+    return figures.format_table(
+        summary, ["method", "rounds", "mean_init_noise", "mean_agg_noise", "last_loss"]
+    )
+
+
+def run(seed: int = 0, out=None, **kwargs) -> dict:
+    """Run the analysis (see :func:`_run` for the keyword arguments) on one torch thread."""
+    with figures.single_thread():
+        return _run(seed=seed, out=out, **kwargs)
+
+
+run.__doc__ = _run.__doc__

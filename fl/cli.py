@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "analysis.cli",
     "attacks.cli",
     "audit.cli",
+    "audit.job",
     "benchmarks.cli",
 )
 

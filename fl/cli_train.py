@@ -93,13 +93,12 @@ def cmd_train(args) -> int:
         return 0
     if args.resume:
         run_dir = Path(args.resume)
-        ck_meta = sorted((run_dir / "checkpoint").glob("meta-*.json"))
-        if ck_meta:
-            saved = read_json(ck_meta[-1]).get("config")
+        if (run_dir / "config.json").exists():
+            saved = read_json(run_dir / "config.json")
         elif (run_dir / "manifest.json").exists():
             saved = read_json(run_dir / "manifest.json").get("config")
         else:
-            raise UsageError(f"--resume: {run_dir} has no checkpoint to resume from")
+            raise UsageError(f"--resume: {run_dir} is not a run directory (no config.json)")
         cfg = TrainConfig.from_dict(saved)
         for k in ("progress", "device"):
             if hasattr(args, k):

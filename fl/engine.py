@@ -435,11 +435,65 @@ class InProcessTransport:
                 continue
             reply = dict(reply)
             reply.setdefault("n", ctx.n)
+            problem = validate_reply(reply, method)
+            if problem:
+                # Rejected, not used: the round goes on without it. The client's DP
+                # steps still count (its data was touched), so its events are kept.
+                replies.failed[cid] = f"rejected update: {problem}"
+                eng.rejected_updates += 1
+                eng.log(
+                    f"round {rnd.index + 1}: rejected the update of client {cid} in stage {stage!r}: {problem}"
+                )
+                for ev in ctx.events:
+                    eng.ledger.record(ev)
+                continue
             eng.add_bytes(rnd, cid, "up", payload_bytes(reply))
             for ev in ctx.events:
                 eng.ledger.record(ev)
             replies.ok[cid] = reply
         return replies
+
+
+def _walk_tensors(obj, path=""):
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk_tensors(v, f"{path}/{k}" if path else str(k))
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from _walk_tensors(v, f"{path}/{i}")
+
+
+def validate_reply(reply: dict, method) -> str | None:
+    """Why a client's reply must be rejected (None = acceptable): any NaN/Inf tensor,
+    or — for methods whose clients send full states of the global shapes — a factor or
+    head tensor whose shape differs from the global one, or missing/extra modules."""
+    for path, t in _walk_tensors(reply):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"non-finite values in {path}"
+    n = reply.get("n")
+    if not isinstance(n, int) or n <= 0:
+        return f"invalid example count n={n!r}"
+    state = reply.get("state")
+    if state is not None and getattr(method, "state_shapes_match_global", True):
+        glob = getattr(method, "global_state", None) or {}
+        if not isinstance(state, dict) or "factors" not in state:
+            return "state is not a LoRA state"
+        gf, sf = glob.get("factors", {}), state["factors"]
+        if set(gf) != set(sf):
+            return f"modules differ from the global model: {sorted(set(gf) ^ set(sf))[:3]}"
+        for k, ab in gf.items():
+            for which, t in ab.items():
+                got = sf[k].get(which) if isinstance(sf[k], dict) else None
+                if got is None or tuple(got.shape) != tuple(t.shape):
+                    shape = None if got is None else tuple(got.shape)
+                    return f"{which} of {k} has shape {shape}, expected {tuple(t.shape)}"
+        for k, t in glob.get("head", {}).items():
+            got = state.get("head", {}).get(k)
+            if got is None or tuple(got.shape) != tuple(t.shape):
+                return f"head parameter {k} has a wrong or missing shape"
+    return None
 
 
 def payload_bytes(obj) -> int:
@@ -519,6 +573,7 @@ class Engine:
         self.client_states: dict[str, dict] = {}
         self.client_ranks: dict[str, int] = {}
         self._log_lines: list[str] = []
+        self.rejected_updates = 0
 
     # ---- output helpers ----------------------------------------------------------
     def progress(self, it, **kw):
@@ -811,16 +866,28 @@ class Engine:
     def prepare_out(self) -> None:
         out = self.out
         if self.resume:
-            if not (out / "checkpoint").is_dir():
-                raise UsageError(f"--resume: {out} has no checkpoint/ to resume from")
+            if not out.is_dir():
+                raise UsageError(f"--resume: {out} does not exist")
         else:
-            if out.exists() and any(out.iterdir()):
+            # A directory holding only a lock / temp files was killed before it wrote
+            # anything: starting it again is safe.
+            if out.exists() and (
+                not out.is_dir() or any(not p.name.startswith(".") for p in out.iterdir())
+            ):
                 raise UsageError(
                     f"output directory {out} is not empty (use --resume to continue a run)"
                 )
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError, PermissionError) as exc:
+            raise UsageError(
+                f"cannot create output directory {out}: {exc.strerror or exc}"
+            ) from None
         if not os.access(out, os.W_OK):
             raise UsageError(f"output directory {out} is not writable")
+        if not self.resume:
+            # First file of a run: from here on, `--resume DIR` knows the configuration.
+            atomic_write_json(out / "config.json", self.cfg.to_dict())
 
     def run(self) -> dict:
         self.prepare_out()
@@ -833,7 +900,7 @@ class Engine:
         cfg = self.cfg
         if self.resume:
             self._load_checkpoint()
-        else:
+        if self.start_round == 0 or not (self.out / "splits.json").exists():
             atomic_write_json(self.out / "splits.json", self._splits_doc())
         if self.start_round >= cfg.rounds and (self.out / "manifest.json").exists():
             self.log(f"run already complete ({cfg.rounds} rounds)")
@@ -864,7 +931,10 @@ class Engine:
                 )
                 break
             self.round_bytes = {}
-            if clients:
+            self.rejected_updates = 0
+            # Under client-level DP the server releases (noise) even for an empty cohort:
+            # skipping would reveal that no client was sampled.
+            if clients or cfg.dp_level == "client":
 
                 def send(cl, stage, payload, per_client=False, _rnd=rnd):
                     return transport.send(self.method, _rnd, list(cl), stage, payload, per_client)
@@ -886,6 +956,7 @@ class Engine:
             row["bytes_up"] = sum(v["up"] for v in self.round_bytes.values())
             row["bytes_down"] = sum(v["down"] for v in self.round_bytes.values())
             row["bytes_per_client"] = self.round_bytes
+            row["rejected_updates"] = self.rejected_updates
             row.update(extra)
             row["seconds"] = time.time() - rt
             self._append_metrics(row)
@@ -984,7 +1055,7 @@ class Engine:
 
     def _load_checkpoint(self) -> None:
         ck = self.out / "checkpoint"
-        metas = sorted(ck.glob("meta-*.json"), reverse=True)
+        metas = sorted(ck.glob("meta-*.json"), reverse=True) if ck.is_dir() else []
         if not metas:
             self.start_round = 0
             self.log("checkpoint/ has no completed round: starting from round 1")
@@ -1063,6 +1134,9 @@ class Engine:
                     "total_clients": cfg.clients,
                 },
                 "participation_accounting": self.participation_note,
+                "method_mechanism": self.method.privacy_note(),
+                "public_log_note": "metrics.jsonl and run.log are the operator's logs (they name "
+                "the sampled clients); the released artifact is the adapter",
                 "secure_rng": cfg.secure_rng,
                 "epsilon": eps,
                 "ledger": self.ledger.state_dict(),
@@ -1081,7 +1155,9 @@ class Engine:
             "seeds": {"seed": cfg.seed},
             "versions": _versions(),
             "metrics": {
-                "final": {k: final.get(k) for k in ("accuracy", "balanced_accuracy", "loss") if k in final}
+                "final": {
+                    k: final.get(k) for k in ("accuracy", "balanced_accuracy", "loss") if k in final
+                }
             },
             "adapter_sha256": file_sha256(adapter / "adapter_model.safetensors"),
             "wall_seconds": wall,

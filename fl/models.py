@@ -79,6 +79,7 @@ def load_base_model(model: str, num_labels: int, seed: int = 0) -> torch.nn.Modu
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # "newly initialized head" notice is expected
+    hf_logging.disable_progress_bar()  # our own progress bars say what is happening
     torch.manual_seed(seed)
     if model in ("tiny-bert", "tiny-gpt2"):
         from transformers import AutoModelForSequenceClassification as Auto

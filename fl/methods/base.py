@@ -108,6 +108,10 @@ class Method:
         """Extra states to evaluate (e.g. personalized models), name → state."""
         return {}
 
+    def privacy_note(self) -> str:
+        """Method-specific description of its DP mechanism (for the manifest)."""
+        return ""
+
     def client_dp_releases(self) -> int:
         """Gaussian releases per round under client-level DP (for calibration)."""
         return 1
@@ -191,6 +195,8 @@ class Method:
             upd = {k: flat[k].float() - base[k].float() for k in names}
             norm = math.sqrt(sum(float(u.pow(2).sum()) for u in upd.values()))
             norms.append(norm)
+            if not math.isfinite(norm):
+                continue  # a NaN/Inf update must not pass as small: it contributes zero
             factor = min(1.0, srv.clip / (norm + 1e-12))
             for k in names:
                 total[k] += factor * upd[k]
@@ -202,8 +208,10 @@ class Method:
             noise = srv.noise(tuple(total[k].shape), sigma * srv.clip, gen)
             out[k] = (base[k].float() + (total[k] + noise) / m).to(base[k].dtype)
         srv.record_client_level_release(rnd, stage="aggregate", count=1)
+        finite = [n for n in norms if math.isfinite(n)]
         stats = {
-            "update_norm_mean": sum(norms) / max(len(norms), 1),
-            "frac_clipped": sum(n > srv.clip for n in norms) / max(len(norms), 1),
+            "update_norm_mean": sum(finite) / max(len(finite), 1),
+            "frac_clipped": sum(n > srv.clip for n in finite) / max(len(finite), 1),
+            "nonfinite_updates": len(norms) - len(finite),
         }
         return F.unflatten_state(out), stats

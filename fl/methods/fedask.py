@@ -226,6 +226,16 @@ class FedASK(Method):
         if not r1.ok:
             metrics.update({"skipped": "no client replied in stage 1", "round_discarded": True})
             return metrics
+        for c in list(r1.ok):
+            bad = self._check_stage1(r1.ok[c], width)
+            if bad:
+                srv.log(f"round {rnd.index + 1}: fedask rejected client {c}'s sketch: {bad}")
+                r1.failed[c] = f"rejected sketch: {bad}"
+                del r1.ok[c]
+                metrics["stage1_failed"] = dict(r1.failed)
+        if not r1.ok:
+            metrics.update({"skipped": "no valid stage-1 reply", "round_discarded": True})
+            return metrics
         metrics["train_loss"] = _mean(r["loss"] for r in r1.ok.values())
         alive = list(r1.senders)
         stage2_failed: dict[str, str] = {}
@@ -234,10 +244,15 @@ class FedASK(Method):
         while alive:
             w = [r1.ok[c]["n"] for c in alive]
             Q = {
-                k: server_basis([r1.ok[c]["Y"][k] for c in alive], w).float()
-                for k in self.global_state["factors"]
+                k: server_basis([r1.ok[c]["Y"][k] for c in alive], w).to(ab["B"].dtype)
+                for k, ab in self.global_state["factors"].items()
             }
             r2 = send(alive, "project", {"Q": Q})
+            for c in list(r2.ok):
+                bad = self._check_stage2(r2.ok[c], Q)
+                if bad:
+                    r2.failed[c] = f"rejected projection: {bad}"
+                    del r2.ok[c]
             if not r2.failed and set(r2.ok) == set(alive):
                 result = (alive, w, Q, r2)
                 break
@@ -285,8 +300,42 @@ class FedASK(Method):
         metrics.update(self.angle_metrics())
         metrics.update(self._bytes(r1, r2, alive))
         if self.opts.measure_noise:
-            metrics.update(self.noise_metrics(r2))
+            from fl.noise import agg_noise
+
+            # Clients start exactly at the global state: init_noise is 0 by construction.
+            metrics["init_noise"] = 0.0
+            metrics["agg_noise"] = agg_noise(
+                self.global_state,
+                [{"factors": r2.ok[c]["measure_factors"]} for c in alive],
+                w,
+                srv.scaling,
+            )
         return metrics
+
+    def _check_stage1(self, reply: dict, width: int) -> str | None:
+        """Why a stage-1 reply is malformed (None = fine): every layer's Y_k must be
+        m×w and the head must have the global shapes."""
+        Y, head = reply.get("Y"), reply.get("head")
+        if not isinstance(Y, dict) or set(Y) != set(self.global_state["factors"]):
+            return "sketch layers differ from the global model"
+        for k, ab in self.global_state["factors"].items():
+            if tuple(Y[k].shape) != (ab["B"].shape[0], width):
+                return f"Y of {k} has shape {tuple(Y[k].shape)}"
+        if not isinstance(head, dict) or set(head) != set(self.global_state["head"]):
+            return "head parameters differ from the global model"
+        for k, t in self.global_state["head"].items():
+            if tuple(head[k].shape) != tuple(t.shape):
+                return f"head parameter {k} has shape {tuple(head[k].shape)}"
+        return None
+
+    def _check_stage2(self, reply: dict, Q: dict) -> str | None:
+        Yt = reply.get("Yt")
+        if not isinstance(Yt, dict) or set(Yt) != set(Q):
+            return "projection layers differ from the global model"
+        for k, ab in self.global_state["factors"].items():
+            if tuple(Yt[k].shape) != (ab["A"].shape[1], Q[k].shape[1]):
+                return f"Ỹ of {k} has shape {tuple(Yt[k].shape)}"
+        return None
 
     def angle_metrics(self) -> dict:
         """a_rowspace_angle: max over layers of the largest principal angle (radians)
@@ -364,8 +413,7 @@ class FedASK(Method):
         out = {"Yt": Yt, "n": client.n}
         if self.opts.measure_noise:
             # Measurement side-channel (agg_noise): not part of the protocol.
-            out["state"] = {"factors": fac, "head": {}}
-            out["init_noise"] = 0.0  # clients start exactly at the global state
+            out["measure_factors"] = fac
         return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fl.methods.base import Method, Options, RoundInfo
+from fl.methods.base import Method, Options, Replies, RoundInfo
 from fl.methods.registry import register
 
 
@@ -31,8 +31,9 @@ class FedAvg(Method):
         return {"state": self.global_state}
 
     def server_round(self, rnd, clients, send):
-        replies = send(clients, "train", {"state": self.global_state})
-        if not replies.ok:
+        replies = send(clients, "train", {"state": self.global_state}) if clients else Replies()
+        # Under client-level DP an empty cohort still gets a pure-noise release.
+        if not replies.ok and self.server.dp_level != "client":
             return {"failed_clients": replies.failed, "skipped": "no client replied"}
         metrics = {"train_loss": _mean(r["loss"] for r in replies.ok.values())}
         if replies.failed:

@@ -63,7 +63,7 @@ class FedPowerOptions(Options):
         default="powerdp", metadata={"help": "powerdp | input | output | none"}
     )
     power_iters: int = field(
-        default=2, metadata={"help": "PowerDP power iterations t (2t+1 noisy projections)"}
+        default=1, metadata={"help": "PowerDP power iterations t (2t+1 noisy projections)"}
     )
     server_clip: float = field(
         default=0.0,
@@ -244,9 +244,7 @@ def server_aggregate(
     layers = list(global_state["factors"])
     wb = float(weight_bound) if weight_bound is not None else max(abs(w) for w in weights)
     dt = torch.float64
-    Bs = {
-        ly: [scaling * c["factors"][ly]["B"].to(dt) for c in client_states] for ly in layers
-    }
+    Bs = {ly: [scaling * c["factors"][ly]["B"].to(dt) for c in client_states] for ly in layers}
     As = {ly: [c["factors"][ly]["A"].to(dt) for c in client_states] for ly in layers}
     Bc, norms, facs = joint_clip(Bs, As, clip)
     factors, releases, sub_err = {}, {}, {}

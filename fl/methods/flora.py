@@ -207,14 +207,21 @@ class FLoRA(Method):
             return self.global_state
         return {"factors": self._release["factors"], "head": self.global_state["head"]}
 
+    @staticmethod
+    def client_start(glob: dict, payload: dict, r: int) -> tuple[dict, dict]:
+        """A rank-r client's start: (LoRA state, merged update {mod: (B_m, A_m)} to add to
+        its frozen base). Ranks ≥ r are zero in A and B (and masked in training)."""
+        start = F.clone_state(glob)
+        for ab in start["factors"].values():
+            ab["A"][r:, :] = 0.0
+            ab["B"][:, r:] = 0.0
+        merged = {mod: (v["B"], v["A"]) for mod, v in payload["merged"].items()}
+        return start, merged
+
     def on_train(self, client, payload) -> dict:
         glob = payload["state"]
         r = client_rank(client)
-        start = F.clone_state(glob)
-        for ab in start["factors"].values():
-            ab["A"][r:, :] = 0.0  # padded ranks: A = B = 0 and masked, so they stay 0
-            ab["B"][:, r:] = 0.0
-        merged = {mod: (v["B"], v["A"]) for mod, v in payload["merged"].items()}
+        start, merged = self.client_start(glob, payload, r)
         with merged_base(client.engine.trainer.model, merged):
             res = client.train(
                 start, trainable=("A", "B", "head"), grad_mask=rank_mask(start, range(r))

@@ -190,8 +190,8 @@ class PLoRA(Method):
             out["factors"][mod] = {"A": A, "B": B}
         return out
 
-    def on_train(self, client, payload) -> dict:
-        glob = payload["state"]
+    def client_start(self, client, glob: dict) -> tuple[dict, list[int]]:
+        """The client's start state and its selected modules K_i for this round."""
         R = next(iter(glob["factors"].values()))["A"].shape[0]
         r = client_rank(client)
         policy = SELECTION_POLICIES[self.opts.selection]
@@ -205,6 +205,11 @@ class PLoRA(Method):
             (Bf, Af), Bk, Ak = fold_modules(ab["B"], ab["A"], idx)
             B, A = unfold_modules(Bk, Ak, idx, Bf, Af)
             start["factors"][mod] = {"A": A, "B": B}
+        return start, idx
+
+    def on_train(self, client, payload) -> dict:
+        glob = payload["state"]
+        start, idx = self.client_start(client, glob)
         res = client.train(start, trainable=("A", "B", "head"), grad_mask=rank_mask(start, idx))
         modules = {
             mod: {"B": ab["B"][:, idx].clone(), "A": ab["A"][idx, :].clone()}

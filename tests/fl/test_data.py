@@ -20,7 +20,10 @@ def test_split_is_deterministic_and_disjoint():
     a = split_dataset(1000, 300, 200, 100, seed=3)
     b = split_dataset(1000, 300, 200, 100, seed=3)
     c = split_dataset(1000, 300, 200, 100, seed=4)
-    assert all(np.array_equal(x, y) for x, y in zip((a.members, a.nonmembers, a.test), (b.members, b.nonmembers, b.test)))
+    assert all(
+        np.array_equal(x, y)
+        for x, y in zip((a.members, a.nonmembers, a.test), (b.members, b.nonmembers, b.test))
+    )
     assert not np.array_equal(a.members, c.members)
     allidx = np.concatenate([a.members, a.nonmembers, a.test])
     assert len(set(allidx.tolist())) == 600
@@ -41,7 +44,12 @@ def test_dirichlet_skew_grows_as_alpha_shrinks():
     labels = np.random.default_rng(0).integers(0, 4, size=4000)
     skews = []
     for a in (100.0, 1.0, 0.1):
-        s = np.mean([label_skew(labels, partition(labels, 10, "dirichlet", a, seed=s, min_size=1), 4) for s in range(5)])
+        s = np.mean(
+            [
+                label_skew(labels, partition(labels, 10, "dirichlet", a, seed=s, min_size=1), 4)
+                for s in range(5)
+            ]
+        )
         skews.append(s)
     assert skews[0] < skews[1] < skews[2]
     iid = label_skew(labels, partition(labels, 10, "iid", seed=0), 4)

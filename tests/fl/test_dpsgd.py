@@ -1,6 +1,5 @@
 import math
 
-import numpy as np
 import pytest
 import torch
 from scipy import stats

@@ -24,11 +24,20 @@ def _max_diff(a, b):
 def test_run_directory_contract(tmp_path, tiny_cfg):
     out = tmp_path / "run"
     m = train(tiny_cfg(dp_level="sample", noise_multiplier=1.0), out)
-    for f in ("manifest.json", "metrics.jsonl", "splits.json", "ledger.json", "adapter/adapter_config.json"):
+    for f in (
+        "manifest.json",
+        "metrics.jsonl",
+        "splits.json",
+        "ledger.json",
+        "adapter/adapter_config.json",
+    ):
         assert (out / f).is_file(), f
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2]
-    assert all({"accuracy", "loss", "epsilon", "seconds", "init_noise", "agg_noise"} <= r.keys() for r in rows)
+    assert all(
+        {"accuracy", "loss", "epsilon", "seconds", "init_noise", "agg_noise"} <= r.keys()
+        for r in rows
+    )
     assert rows[0]["epsilon"] < rows[1]["epsilon"]
     priv = m["privacy"]
     assert priv["level"] == "sample" and priv["noise_multiplier"] == 1.0
@@ -68,7 +77,9 @@ def test_fedavg_one_client_equals_centralized_training(tmp_path, tiny_cfg):
     fed = _adapter(tmp_path / "fed")
 
     data = eng.members_data
-    model = wrap_lora(load_base_model("tiny-bert", 2, seed=cfg.seed), LoraSpec(cfg.rank, cfg.alpha), seed=cfg.seed)
+    model = wrap_lora(
+        load_base_model("tiny-bert", 2, seed=cfg.seed), LoraSpec(cfg.rank, cfg.alpha), seed=cfg.seed
+    )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=cfg.lr)
@@ -82,15 +93,25 @@ def test_fedavg_one_client_equals_centralized_training(tmp_path, tiny_cfg):
             opt.zero_grad()
             b = data.batch(idx, "cpu")
             y = b.pop("labels")
-            loss = torch.nn.functional.cross_entropy(model(**b).logits, y, reduction="sum") / (q * n)
+            loss = torch.nn.functional.cross_entropy(model(**b).logits, y, reduction="sum") / (
+                q * n
+            )
             loss.backward()
             opt.step()
     ref = F.get_state(model)
     got = F.unflatten_state(
         {
-            ("factors/" + k.replace("base_model.model.", "").replace(".lora_A.weight", "/A").replace(".lora_B.weight", "/B"))
+            (
+                "factors/"
+                + k.replace("base_model.model.", "")
+                .replace(".lora_A.weight", "/A")
+                .replace(".lora_B.weight", "/B")
+            )
             if "lora_" in k
-            else "head/" + k.replace("base_model.model.", "").replace(".modules_to_save.default", "").replace("classifier.", "classifier."): v
+            else "head/"
+            + k.replace("base_model.model.", "")
+            .replace(".modules_to_save.default", "")
+            .replace("classifier.", "classifier."): v
             for k, v in fed.items()
         }
     )
@@ -117,7 +138,9 @@ def test_resume_equals_uninterrupted_and_keeps_budget(tmp_path, tiny_cfg):
     assert not (tmp_path / "killed" / "manifest.json").exists()
     resumed = train(cfg, tmp_path / "killed", resume=True)
     assert _max_diff(_adapter(tmp_path / "full"), _adapter(tmp_path / "killed")) < 1e-6
-    assert resumed["privacy"]["epsilon"]["pld"] == pytest.approx(full["privacy"]["epsilon"]["pld"], rel=1e-12)
+    assert resumed["privacy"]["epsilon"]["pld"] == pytest.approx(
+        full["privacy"]["epsilon"]["pld"], rel=1e-12
+    )
     assert len(resumed["privacy"]["ledger"]["events"]) == len(full["privacy"]["ledger"]["events"])
     rows = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["round"] for r in rows] == [1, 2, 3]
@@ -135,17 +158,26 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_cfg, capsys):
 
 
 def test_budget_is_enforced_with_calibrated_sigma(tmp_path, tiny_cfg):
-    m = train(tiny_cfg(dp_level="sample", epsilon=4.0, rounds=2, clients_per_round=2), tmp_path / "r")
+    m = train(
+        tiny_cfg(dp_level="sample", epsilon=4.0, rounds=2, clients_per_round=2), tmp_path / "r"
+    )
     assert m["privacy"]["target_epsilon"] == 4.0
     assert m["privacy"]["epsilon"]["pld"] <= 4.0
     assert m["privacy"]["noise_multiplier"] > 0
 
 
 def test_client_level_dp_fedavg_records_one_event_per_round(tmp_path, tiny_cfg):
-    m = train(tiny_cfg(dp_level="client", noise_multiplier=1.0, clients=10, members=400, min_client_size=4), tmp_path / "c")
+    m = train(
+        tiny_cfg(
+            dp_level="client", noise_multiplier=1.0, clients=10, members=400, min_client_size=4
+        ),
+        tmp_path / "c",
+    )
     evs = m["privacy"]["ledger"]["events"]
     assert len(evs) == 2 and all(e["unit"] == "federation" and e["kind"] == "gaussian" for e in evs)
-    assert m["privacy"]["epsilon"]["pld"] == pytest.approx(epsilon(1.0, 1.0, 2, m["privacy"]["delta"]), rel=1e-9)
+    assert m["privacy"]["epsilon"]["pld"] == pytest.approx(
+        epsilon(1.0, 1.0, 2, m["privacy"]["delta"]), rel=1e-9
+    )
 
 
 @pytest.mark.parametrize(
@@ -166,8 +198,26 @@ def test_client_level_dp_fedavg_records_one_event_per_round(tmp_path, tiny_cfg):
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
-    base = ["train", "--model", "tiny-bert", "--dataset", "synthetic", "--members", "240", "--test", "50",
-            "--nonmembers", "10", "--clients", "3", "--rounds", "1", "--no-progress", "--out", str(tmp_path / "o")]
+    base = [
+        "train",
+        "--model",
+        "tiny-bert",
+        "--dataset",
+        "synthetic",
+        "--members",
+        "240",
+        "--test",
+        "50",
+        "--nonmembers",
+        "10",
+        "--clients",
+        "3",
+        "--rounds",
+        "1",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     rc = cli_main(base + args)
     err = capsys.readouterr().err.strip()
     assert rc == 2
@@ -179,8 +229,24 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys):
     out = tmp_path / "o"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    rc = cli_main(["train", "--model", "tiny-bert", "--dataset", "synthetic", "--members", "240", "--test", "50",
-                   "--rounds", "1", "--no-progress", "--out", str(out)])
+    rc = cli_main(
+        [
+            "train",
+            "--model",
+            "tiny-bert",
+            "--dataset",
+            "synthetic",
+            "--members",
+            "240",
+            "--test",
+            "50",
+            "--rounds",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 2 and "not empty" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "precious"
 
@@ -199,7 +265,10 @@ def test_toml_config_and_opts(tmp_path):
 
 @pytest.mark.parametrize("method", ["ffa", "fedsa", "fedprox", "scaffold"])
 def test_homogeneous_methods_run_with_dp(tmp_path, tiny_cfg, method):
-    m = train(tiny_cfg(method=method, dp_level="sample", noise_multiplier=1.0, rounds=2), tmp_path / method)
+    m = train(
+        tiny_cfg(method=method, dp_level="sample", noise_multiplier=1.0, rounds=2),
+        tmp_path / method,
+    )
     assert math.isfinite(m["privacy"]["epsilon"]["pld"])
     assert 0.0 <= m["metrics"]["final"]["accuracy"] <= 1.0
     if method == "ffa":  # A frozen at its init: identical to the initial A

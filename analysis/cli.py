@@ -1,0 +1,178 @@
+"""`fedlora analyze NAME`: the noise analyses as sub-commands.
+
+Every analysis takes ``--seed``, ``--out DIR`` (default reports/analysis/NAME),
+``--json`` (print only the JSON document), ``--runs DIR...`` (measure factors or
+metrics of run directories instead of synthetic ones) and ``--no-figure``, plus its
+own size flags. It writes NAME.json, NAME.png and NAME.svg to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from analysis import figures
+from fl.errors import UsageError
+
+ANALYSES = {
+    "amplification": "noise power reaching ΔW = BA vs σ: both factors / B only / W-space / PowerDP",
+    "exactness": "relative aggregation error of every server rule vs oversketch p and clients K",
+    "hetero": "initialization and aggregation noise per round (FLoRA, FlexLoRA, HETLoRA, PLoRA)",
+    "refactorization": "PowerDP vs input vs output perturbation at equal ε",
+    "claims": "the papers' claims checked as experiments (holds / does not hold)",
+}
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise UsageError(f"{what}: expected comma-separated numbers, got {text!r}") from exc
+    if not vals:
+        raise UsageError(f"{what}: empty list")
+    return vals
+
+
+def _ints(text: str, what: str) -> list[int]:
+    vals = _floats(text, what)
+    if any(v != int(v) for v in vals):
+        raise UsageError(f"{what}: expected integers, got {text!r}")
+    return [int(v) for v in vals]
+
+
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    out = []
+    for part in text.split(","):
+        bits = part.strip().lower().split("x")
+        try:
+            m, n, r = (int(b) for b in bits)
+        except ValueError as exc:
+            raise UsageError(f"--shapes: expected MxNxR[,MxNxR...], got {part!r}") from exc
+        out.append((m, n, r))
+    return out
+
+
+def _add_common(p: argparse.ArgumentParser, runs_help: str) -> None:
+    p.add_argument("--seed", type=int, default=0, help="seed (the analysis is deterministic)")
+    p.add_argument("--out", default=None, help="output folder (default reports/analysis/NAME)")
+    p.add_argument("--json", action="store_true", help="print only the JSON document")
+    p.add_argument("--runs", nargs="+", default=None, metavar="DIR", help=runs_help)
+    p.add_argument("--no-figure", action="store_true", help="skip the PNG/SVG figure")
+
+
+def _kwargs(name: str, a: argparse.Namespace) -> dict:
+    kw: dict = {}
+    if name == "amplification":
+        if a.shapes:
+            kw["shapes"] = _shapes(a.shapes)
+        if a.sigmas:
+            kw["sigmas"] = _floats(a.sigmas, "--sigmas")
+        kw.update(trials=a.trials, lr=a.lr, clip=a.clip, powerdp_trials=a.powerdp_trials)
+        if a.runs:
+            if len(a.runs) % 2:
+                raise UsageError("--runs takes pairs: NOISY_RUN CLEAN_RUN [NOISY CLEAN ...]")
+            kw["runs"] = list(zip(a.runs[0::2], a.runs[1::2]))
+    elif name == "exactness":
+        kw.update(m=a.m, n=a.n, rank=a.rank, clients=_ints(a.clients, "--clients"))
+        if a.oversketch:
+            kw["oversketch"] = _ints(a.oversketch, "--oversketch")
+        kw["shared_a"] = {"both": (True, False), "shared": (True,), "independent": (False,)}[
+            a.shared_a
+        ]
+    elif name == "hetero":
+        kw.update(
+            m=a.m,
+            n=a.n,
+            ranks=_ints(a.ranks, "--ranks"),
+            rounds=a.rounds,
+            steps=a.steps,
+            lr=a.lr,
+            methods=[x.strip() for x in a.methods.split(",") if x.strip()],
+        )
+    elif name == "refactorization":
+        kw.update(
+            m=a.m,
+            n=a.n,
+            rank=a.rank,
+            clients=a.clients,
+            delta=a.delta,
+            iters=a.iters,
+            trials=a.trials,
+        )
+        if a.epsilons:
+            kw["epsilons"] = _floats(a.epsilons, "--epsilons")
+    if a.runs and "runs" not in kw:
+        kw["runs"] = list(a.runs)
+    return kw
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    name = args.analysis
+    mod = importlib.import_module(f"analysis.{name}")
+    out = args.out if args.out is not None else str(figures.default_out(name))
+    doc = mod.run(seed=args.seed, out=out, figure=not args.no_figure, **_kwargs(name, args))
+    if args.json:
+        sys.stdout.write(figures.to_json_text(doc) + "\n")
+    else:
+        print(f"fedlora analyze {name} (seed {args.seed})")
+        print(mod.table(doc))
+        files = [f"{name}.json"] + ([] if args.no_figure else [f"{name}.png", f"{name}.svg"])
+        print(f"\nwrote {', '.join(files)} to {out}")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `analyze` with one sub-command per analysis to the fedlora CLI."""
+    p = subparsers.add_parser(
+        "analyze", help="noise analyses with figures (analysis/)", description=__doc__
+    )
+    sub = p.add_subparsers(dest="analysis", metavar="NAME", parser_class=type(p))
+    sub.required = True
+    for name, helptext in ANALYSES.items():
+        q = sub.add_parser(name, help=helptext, description=helptext)
+        if name == "amplification":
+            _add_common(q, "pairs of run directories NOISY CLEAN (same seed, σ > 0 and σ = 0)")
+            q.add_argument(
+                "--shapes", default=None, help="LoRA shapes MxNxR,... (64x64x4,128x32x8)"
+            )
+            q.add_argument("--sigmas", default=None, help="σ grid, comma-separated (1e-2..1e1)")
+            q.add_argument("--trials", type=int, default=200, help="Monte Carlo draws per σ")
+            q.add_argument("--powerdp-trials", type=int, default=30, help="PowerDP draws per σ")
+            q.add_argument("--lr", type=float, default=1.0, help="learning rate η of the DP step")
+            q.add_argument("--clip", type=float, default=1.0, help="clipping bound C")
+        elif name == "exactness":
+            _add_common(q, "run directories, each used as one client")
+            q.add_argument("--m", type=int, default=64)
+            q.add_argument("--n", type=int, default=48)
+            q.add_argument("--rank", type=int, default=4, help="client rank r")
+            q.add_argument("--clients", default="2,4,8", help="grid of client counts K")
+            q.add_argument("--oversketch", default=None, help="FedASK oversketch grid p")
+            q.add_argument(
+                "--shared-a",
+                choices=("both", "shared", "independent"),
+                default="both",
+                help="client A factors shared, independent or both",
+            )
+        elif name == "hetero":
+            _add_common(q, "run directories (metrics.jsonl init_noise / agg_noise)")
+            q.add_argument("--methods", default="flora,flexlora,hetlora,plora")
+            q.add_argument("--m", type=int, default=32)
+            q.add_argument("--n", type=int, default=32)
+            q.add_argument("--ranks", default="2,4,6,8", help="client ranks (global R = max)")
+            q.add_argument("--rounds", type=int, default=8)
+            q.add_argument("--steps", type=int, default=10, help="local gradient steps")
+            q.add_argument("--lr", type=float, default=0.1)
+        elif name == "refactorization":
+            _add_common(q, "run directories (their aggregated update, per module)")
+            q.add_argument("--m", type=int, default=64)
+            q.add_argument("--n", type=int, default=48)
+            q.add_argument("--rank", type=int, default=4)
+            q.add_argument("--clients", type=int, default=200, help="clients K (Δ = C/K)")
+            q.add_argument("--epsilons", default=None, help="ε grid (0.25..32)")
+            q.add_argument("--delta", type=float, default=1e-5)
+            q.add_argument("--iters", type=int, default=2, help="PowerDP power iterations")
+            q.add_argument("--trials", type=int, default=4)
+        else:
+            _add_common(q, "run directories (a_rowspace_angle, init_noise, agg_noise metrics)")
+        q.set_defaults(func=_cmd)

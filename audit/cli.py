@@ -1,0 +1,140 @@
+"""`fedlora audit`: check the privacy claim of a run directory or of a claim file.
+
+    fedlora audit RUN_DIR [--json] [--one-run] [--alpha A]
+    fedlora audit --claim FILE [--json]
+
+Exit codes: 0 = nothing understated and no error finding; 1 = ε understated, tampering,
+or any other error-severity finding (e.g. δ >= 1/n); 2 = bad input (one line on stderr).
+``--json`` prints only the JSON document (non-finite numbers as the strings "inf"/"nan").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from fl.errors import UsageError
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "audit",
+        help="recompute ε of a run or a claim and flag understatements and tampering",
+        description=(
+            "Recompute ε (PLD, RDP beside) from a run's recorded mechanism, or from a claim "
+            "file describing a mechanism, and name the accounting mistakes that explain an "
+            "understated ε. Exit 0: ok; 1: understated, tampered or other error finding; "
+            "2: bad input."
+        ),
+    )
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="run directory to audit")
+    p.add_argument("--claim", metavar="FILE", help="claim file (JSON or TOML) to check instead")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.add_argument(
+        "--one-run",
+        action="store_true",
+        help="also bound ε from below with the run's canaries (Steinke et al. 2023)",
+    )
+    p.add_argument(
+        "--alpha", type=float, default=0.05, help="1 - confidence of the empirical bound"
+    )
+    p.set_defaults(func=cmd_audit)
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _num(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:.4g}" if isinstance(x, int | float) else str(x)
+
+
+def exit_code(result: dict) -> int:
+    """0 when nothing is understated and no error finding, else 1."""
+    bad = result.get("understated") or result.get("tampered")
+    bad = bad or any(f["severity"] == "error" for f in result.get("findings", []))
+    return 1 if bad else 0
+
+
+def _human(result: dict, title: str) -> str:
+    lines = [title]
+    rows = [("claimed ε", result.get("claimed_epsilon")), ("δ", result.get("delta"))]
+    rec = result.get("recomputed")
+    if rec:
+        rows += [
+            (
+                "ledger ε (PLD / RDP)",
+                f"{_num(rec['ledger']['pld'])} / {_num(rec['ledger']['rdp'])}",
+            ),
+            (
+                "config ε (PLD / RDP)",
+                f"{_num(rec['config']['pld'])} / {_num(rec['config']['rdp'])}",
+            ),
+        ]
+    rows += [
+        ("recomputed ε (PLD)", result.get("epsilon_pld")),
+        ("recomputed ε (RDP)", result.get("epsilon_rdp")),
+        ("ratio recomputed/claimed", result.get("ratio")),
+        ("understated", "YES" if result.get("understated") else "no"),
+    ]
+    if "tampered" in result:
+        rows.append(("tampering", "YES" if result["tampered"] else "no"))
+    if result.get("mechanism"):
+        rows.append(("mechanism", result["mechanism"]))
+    one = result.get("one_run")
+    if one:
+        rows.append(
+            (
+                "one-run ε lower bound",
+                f"{_num(one['epsilon_lb'])} (m={one['m']} canaries, {one['r']} guesses, "
+                f"{one['v']} correct, confidence {1 - one['alpha']:g})",
+            )
+        )
+    w = max(len(k) for k, _ in rows)
+    lines += [f"  {k:<{w}}  {_num(v) if not isinstance(v, str) else v}" for k, v in rows]
+    findings = result.get("findings", [])
+    if findings:
+        lines.append("findings:")
+        lines += [f"  [{f['severity']}] {f['code']}: {f['message']}" for f in findings]
+    else:
+        lines.append("findings: none")
+    return "\n".join(lines)
+
+
+def cmd_audit(args) -> int:
+    if args.claim and args.run_dir:
+        raise UsageError("give either RUN_DIR or --claim FILE, not both")
+    if not args.claim and not args.run_dir:
+        raise UsageError("give a RUN_DIR to audit or --claim FILE")
+    if args.claim:
+        if args.one_run:
+            raise UsageError("--one-run needs a RUN_DIR (a claim file has no canaries)")
+        from audit.claims import check_claim, load_claim
+
+        result = check_claim(load_claim(args.claim))
+        title = f"fedlora audit --claim {args.claim}"
+    else:
+        if not (0.0 < args.alpha < 1.0):
+            raise UsageError(f"--alpha must be in (0, 1), got {args.alpha}")
+        from audit.runaudit import audit_run
+
+        result = audit_run(args.run_dir, one_run=args.one_run, alpha=args.alpha)
+        title = (
+            f"fedlora audit {args.run_dir}  (method {result['method']}, level {result['level']})"
+        )
+    if args.json:
+        sys.stdout.write(json.dumps(_jsonable(result), indent=2) + "\n")
+    else:
+        sys.stdout.write(_human(result, title) + "\n")
+    return exit_code(result)

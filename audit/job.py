@@ -1,0 +1,273 @@
+"""The main job (`fedlora run`) and `fedlora report`.
+
+`fedlora run` trains the default methods under the default budgets, runs the noise
+analyses, the membership-inference attacks and the audits, and writes the report.
+Presets:
+
+- ``quick``: tiny-bert on synthetic text (about 2–3 minutes on 2 CPU cores); what the
+  test suite runs end to end.
+- ``default``: all-MiniLM-L6-v2 on the tweets corpus (within about 15 minutes on 2 CPU
+  cores).
+
+A stage that cannot run (a method or package that does not exist) is reported as
+missing in the report; a stage that fails is reported with its error, and the job
+exits non-zero.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from fl.config import TrainConfig
+from fl.errors import UsageError
+
+PRESETS: dict[str, dict] = {
+    "quick": {
+        "base": dict(
+            model="tiny-bert",
+            dataset="synthetic",
+            members=240,
+            nonmembers=120,
+            test=100,
+            max_length=24,
+            clients=3,
+            rounds=3,
+            local_steps=6,
+            batch_size=16,
+            lr=0.02,
+            rank=4,
+            alpha=8.0,
+        ),
+        "attacks": ("loss", "calibration", "lira", "rmia"),
+        "shadows": 4,
+        "attack_runs": ("fedavg-nodp", "fedavg-eps8"),
+        "canaries": 40,
+    },
+    "default": {
+        "base": dict(
+            model="minilm",
+            dataset="tweets",
+            members=1000,
+            nonmembers=500,
+            test=500,
+            max_length=48,
+            clients=5,
+            rounds=4,
+            local_steps=8,
+            batch_size=32,
+            lr=5e-3,
+            rank=8,
+            alpha=16.0,
+        ),
+        "attacks": ("loss", "calibration", "lira", "rmia"),
+        "shadows": 4,
+        "attack_runs": ("fedavg-nodp", "fedavg-eps8"),
+        "canaries": 100,
+    },
+}
+
+# (run name, method, overrides). Methods not registered are reported as missing.
+RUNS = (
+    ("fedavg-nodp", "fedavg", dict()),
+    ("fedavg-eps8", "fedavg", dict(dp_level="sample", epsilon=8.0, canaries=-1)),
+    ("ffa-eps8", "ffa", dict(dp_level="sample", epsilon=8.0)),
+    ("fedask-eps8", "fedask", dict(dp_level="sample", epsilon=8.0)),
+    ("fedpower-eps8", "fedpower", dict(dp_level="sample", epsilon=8.0)),
+    ("plora-eps8", "plora", dict(dp_level="sample", epsilon=8.0, client_ranks="2,4")),
+)
+ANALYSES = ("amplification", "exactness", "hetero", "refactorization", "claims")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_job(
+    preset: str = "default", out: str = "reports/latest", seed: int = 0, progress: bool = True
+) -> dict:
+    if preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    spec = PRESETS[preset]
+    outp = Path(out)
+    if outp.exists() and any(outp.iterdir()):
+        raise UsageError(f"output directory {outp} is not empty; choose a new --out")
+    outp.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    from fl.engine import train
+    from fl.methods import registry
+
+    status: dict = {"preset": preset, "runs": {}, "attacks": {}, "analyses": {}, "errors": []}
+    run_dirs = []
+    commands = [f"fedlora run --preset {preset} --out {out}"]
+    todo = [r for r in RUNS if r[1] in registry.names()]
+    for name, method, _ in RUNS:
+        if method not in registry.names():
+            status["runs"][name] = "missing: method not available"
+    for i, (name, method, over) in enumerate(todo, 1):
+        base = dict(spec["base"])
+        if preset == "default" and method == "plora":
+            over = dict(over, client_ranks="4,8")
+        over = dict(over)
+        if over.pop("canaries", 0) == -1:
+            over["canaries"] = spec["canaries"]
+            over["nonmembers"] = max(base["nonmembers"], spec["canaries"] + 50)
+        cfg = TrainConfig(**{**base, **over, "method": method, "seed": seed, "progress": progress})
+        _log(
+            f"[{i}/{len(todo)}] training {name} ({method}, {cfg.dp_level} DP, {cfg.model}/{cfg.dataset})"
+        )
+        rd = outp / "runs" / name
+        try:
+            m = train(cfg, rd, quiet=not progress)
+        except Exception as exc:  # noqa: BLE001 - reported, job exits non-zero
+            status["runs"][name] = f"failed: {type(exc).__name__}: {exc}"
+            status["errors"].append(f"train {name}: {traceback.format_exc(limit=3)}")
+            continue
+        eps = m["privacy"]["epsilon"]["pld"]
+        status["runs"][name] = {"accuracy": m["metrics"]["final"].get("accuracy"), "epsilon": eps}
+        run_dirs.append(rd)
+
+    # --- attacks
+    try:
+        attacks_mod = importlib.import_module("attacks.run")
+    except ModuleNotFoundError:
+        attacks_mod = None
+        status["attacks"] = "missing: attacks package not available"
+    if attacks_mod is not None:
+        for rd in run_dirs:
+            names = spec["attacks"] if rd.name in spec["attack_runs"] else ("loss",)
+            _log(f"attacking {rd.name}: {', '.join(names)}")
+            try:
+                res = attacks_mod.run_attacks(
+                    str(rd),
+                    attacks=names,
+                    shadows=spec["shadows"],
+                    out=str(rd / "attacks"),
+                    seed=seed,
+                )
+                status["attacks"][rd.name] = {
+                    k: v.get("auc")
+                    for k, v in (res.get("results", res)).items()
+                    if isinstance(v, dict)
+                }
+            except Exception as exc:  # noqa: BLE001
+                status["attacks"][rd.name] = f"failed: {type(exc).__name__}: {exc}"
+                status["errors"].append(f"attack {rd.name}: {traceback.format_exc(limit=3)}")
+
+    # --- analyses
+    adir = outp / "analysis"
+    claims_doc = None
+    for name in ANALYSES:
+        try:
+            mod = importlib.import_module(f"analysis.{name}")
+        except ModuleNotFoundError:
+            status["analyses"][name] = "missing: analysis not available"
+            continue
+        _log(f"analysis: {name}")
+        try:
+            doc = mod.run(seed=seed, out=str(adir / name))
+            status["analyses"][name] = "ok"
+            if name == "claims":
+                claims_doc = doc
+        except Exception as exc:  # noqa: BLE001
+            status["analyses"][name] = f"failed: {type(exc).__name__}: {exc}"
+            status["errors"].append(f"analysis {name}: {traceback.format_exc(limit=3)}")
+
+    # --- report (audits are run inside, per run)
+    from audit.report import build_report
+
+    _log("writing the report")
+    summary = build_report(
+        [str(d) for d in run_dirs],
+        str(outp / "report"),
+        analyses_dir=str(adir),
+        claims=claims_doc,
+        commands=commands,
+        title=f"fedlora-audit report ({preset} preset)",
+    )
+    status["report"] = summary["html"]
+    status["report_md"] = summary["markdown"]
+    status["missing_sections"] = summary["missing"]
+    status["seconds"] = time.time() - t0
+    (outp / "summary.json").write_text(json.dumps(status, indent=2, default=str))
+    return status
+
+
+def _print_summary(st: dict) -> None:
+    print(f"\nfedlora run ({st['preset']}) finished in {st['seconds']:.0f}s")
+    for name, r in st["runs"].items():
+        if isinstance(r, dict):
+            eps = r["epsilon"]
+            eps_s = (
+                "non-private"
+                if eps is None
+                else f"ε={eps:.3g}"
+                if isinstance(eps, float)
+                else f"ε={eps}"
+            )
+            print(f"  {name:16s} accuracy={r['accuracy']:.3f}  {eps_s}")
+        else:
+            print(f"  {name:16s} {r}")
+    if isinstance(st["attacks"], dict):
+        for name, a in st["attacks"].items():
+            if isinstance(a, dict):
+                print(
+                    f"  attacks on {name}: "
+                    + ", ".join(f"{k} AUC={v:.3f}" for k, v in a.items() if v is not None)
+                )
+            else:
+                print(f"  attacks on {name}: {a}")
+    if st.get("missing_sections"):
+        print(f"  missing report sections: {', '.join(st['missing_sections'])}")
+    for e in st["errors"]:
+        print(f"  ERROR {e.splitlines()[0]}")
+    print(f"report: {st['report']}")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="the main job: train, analyze, attack, audit, report")
+    p.add_argument(
+        "--preset",
+        default="default",
+        choices=sorted(PRESETS),
+        help="quick (tiny model) or default (minilm/tweets)",
+    )
+    p.add_argument(
+        "--out", default=None, help="output directory (default: reports/<preset>-<timestamp>)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=cmd_run)
+
+    r = sub.add_parser("report", help="write report.html and report.md for run directories")
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    r.add_argument("--out", required=True, metavar="DIR")
+    r.add_argument(
+        "--analyses", metavar="DIR", help="folder with analysis results (NAME/NAME.json + figures)"
+    )
+    r.set_defaults(func=cmd_report)
+
+
+def cmd_run(args) -> int:
+    out = args.out or time.strftime(f"reports/{args.preset}-%Y%m%d-%H%M%S")
+    st = run_job(args.preset, out, seed=args.seed, progress=args.progress)
+    _print_summary(st)
+    return 1 if st["errors"] else 0
+
+
+def cmd_report(args) -> int:
+    claims = None
+    if args.analyses:
+        cp = Path(args.analyses) / "claims" / "claims.json"
+        if cp.exists():
+            claims = json.loads(cp.read_text())
+    from audit.report import build_report
+
+    s = build_report(args.runs, args.out, analyses_dir=args.analyses, claims=claims)
+    print(f"report: {s['html']}")
+    print(f"markdown: {s['markdown']}")
+    return 0

@@ -1,0 +1,520 @@
+"""Reports: one self-contained HTML file (figures embedded) and a Markdown twin.
+
+The report gathers what exists and says plainly what does not: a section whose inputs
+were not produced is marked *missing*, never filled with placeholders.
+
+Sections: runs (method, level, ε claimed and recomputed, accuracy), noise analyses,
+membership-inference attacks (ROC figures and tables), empirical ε lower bounds vs
+the claimed ε, the papers' claims check, environment, and the exact commands to
+reproduce every run.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import platform
+import shlex
+import shutil
+from dataclasses import fields
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from fl.config import TrainConfig
+from fl.errors import UsageError
+from fl.io import atomic_write_text, read_json
+
+SECTIONS = (
+    "Runs",
+    "Noise analyses",
+    "Membership inference",
+    "Empirical privacy",
+    "Claims check",
+    "Environment",
+    "Reproduce",
+)
+
+
+def _fmt(x, nd=4) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, str):
+        return x
+    if isinstance(x, float):
+        if math.isinf(x):
+            return "∞"
+        if math.isnan(x):
+            return "nan"
+        return f"{x:.{nd}g}"
+    return str(x)
+
+
+def _eps(v):
+    if v in ("inf", "Infinity"):
+        return math.inf
+    return v
+
+
+def train_command(config: dict, out: str) -> str:
+    """The `fedlora train` command line that reproduces a run's configuration."""
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.name != "opts"}
+    args = ["fedlora", "train"]
+    for k, v in config.items():
+        if k in ("opts", "progress") or k not in defaults or v == defaults[k]:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            args.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            args += [flag, str(v)]
+    for k, v in (config.get("opts") or {}).items():
+        args += ["--opt", f"{k}={v}"]
+    args += ["--out", out]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _run_summary(run_dir: Path) -> dict:
+    m = read_json(run_dir / "manifest.json")
+    priv = m.get("privacy", {})
+    row = {
+        "run": run_dir.name,
+        "path": str(run_dir),
+        "method": m.get("method"),
+        "level": priv.get("level"),
+        "noise_multiplier": priv.get("noise_multiplier"),
+        "delta": priv.get("delta"),
+        "epsilon_claimed": _eps((priv.get("epsilon") or {}).get("pld")),
+        "target_epsilon": priv.get("target_epsilon"),
+        "accuracy": (m.get("metrics", {}).get("final") or {}).get("accuracy"),
+        "balanced_accuracy": (m.get("metrics", {}).get("final") or {}).get("balanced_accuracy"),
+        "wall_seconds": m.get("wall_seconds"),
+        "config": m.get("config", {}),
+        "versions": m.get("versions", {}),
+        "manifest": m,
+    }
+    try:
+        from audit.runaudit import audit_run
+
+        a = audit_run(str(run_dir))
+        row["audit"] = a
+        row["epsilon_recomputed"] = a.get("epsilon_pld")
+        row["understated"] = a.get("understated")
+    except ImportError:
+        row["audit"] = None
+    except UsageError as exc:
+        row["audit"] = {"error": str(exc)}
+    metrics = []
+    mp = run_dir / "metrics.jsonl"
+    if mp.exists():
+        for line in mp.read_text(encoding="utf-8").splitlines():
+            try:
+                metrics.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    row["metrics"] = metrics
+    att = run_dir / "attacks" / "attacks.json"
+    row["attacks"] = read_json(att) if att.exists() else None
+    scores = run_dir / "attacks" / "scores.npz"
+    row["scores_path"] = str(scores) if scores.exists() else None
+    roc = sorted((run_dir / "attacks").glob("*.png")) if (run_dir / "attacks").is_dir() else []
+    row["roc_figures"] = [str(p) for p in roc]
+    return row
+
+
+def empirical_bounds(row: dict, alpha: float = 0.05) -> list[dict]:
+    """ε lower bounds (Clopper–Pearson and GDP) from every attack's saved scores."""
+    if not row.get("scores_path"):
+        return []
+    from audit.empirical import epsilon_lower_bound
+
+    data = np.load(row["scores_path"])
+    is_member = data["is_member"].astype(bool)
+    delta = row.get("delta") or 1e-5
+    out = []
+    for key in data.files:
+        # every numeric array aligned with is_member is one attack's scores
+        if (
+            key == "is_member"
+            or data[key].shape != is_member.shape
+            or data[key].dtype.kind not in "fi"
+        ):
+            continue
+        s = data[key].astype(float)
+        if not np.isfinite(s).all():
+            continue
+        name = key.removeprefix("scores_").removeprefix("score_")
+        for method in ("clopper_pearson", "gdp"):
+            b = epsilon_lower_bound(s[is_member], s[~is_member], delta, alpha=alpha, method=method)
+            out.append({"attack": name, "method": method, "epsilon_lb": b["epsilon_lb"]})
+    return out
+
+
+def _plot_bounds(rows: list[dict], path_stem: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [
+        (r["run"], b) for r in rows for b in r.get("bounds", []) if b["method"] == "clopper_pearson"
+    ]
+    if not pts:
+        return []
+    runs = [r["run"] for r in rows if r.get("bounds")]
+    attacks = sorted({b["attack"] for _, b in pts})
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(runs) + 2), 3.6))
+    width = 0.8 / max(len(attacks), 1)
+    for j, a in enumerate(attacks):
+        xs, ys = [], []
+        for i, run in enumerate(runs):
+            v = [b["epsilon_lb"] for rn, b in pts if rn == run and b["attack"] == a]
+            if v:
+                xs.append(i + (j - (len(attacks) - 1) / 2) * width)
+                ys.append(v[0])
+        ax.bar(xs, ys, width=width, label=f"{a} (lower bound)")
+    for i, r in enumerate([r for r in rows if r.get("bounds")]):
+        c = r.get("epsilon_claimed")
+        if isinstance(c, int | float) and math.isfinite(c):
+            ax.hlines(
+                c,
+                i - 0.45,
+                i + 0.45,
+                colors="k",
+                linestyles="--",
+                label="claimed ε" if i == 0 else None,
+            )
+    ax.set_xticks(range(len(runs)))
+    ax.set_xticklabels(runs, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("ε (privacy loss, nats)")
+    ax.set_title("Empirical ε lower bounds (95% confidence) vs claimed ε")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths = [path_stem.with_suffix(".png"), path_stem.with_suffix(".svg")]
+    for p in paths:
+        fig.savefig(p, dpi=130)
+    plt.close(fig)
+    return paths
+
+
+def _img_tag(path: Path) -> str:
+    data = base64.b64encode(Path(path).read_bytes()).decode()
+    return f'<img alt="{html.escape(Path(path).name)}" src="data:image/png;base64,{data}" style="max-width:100%">'
+
+
+def _table_html(headers: list[str], rows: list[list]) -> str:
+    h = "".join(f"<th>{html.escape(x)}</th>" for x in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows
+    )
+    return f"<table><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _table_md(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def build_report(
+    run_dirs: list[str],
+    out: str,
+    analyses_dir: str | None = None,
+    claims: dict | None = None,
+    commands: list[str] | None = None,
+    title: str = "fedlora-audit report",
+) -> dict:
+    """Write report.html and report.md into ``out``; returns a summary dict (the
+    numbers the report shows, for tests and for `fedlora run`'s final summary)."""
+    outp = Path(out)
+    outp.mkdir(parents=True, exist_ok=True)
+    figdir = outp / "figures"
+    figdir.mkdir(exist_ok=True)
+    rows = []
+    for d in run_dirs:
+        p = Path(d)
+        if not (p / "manifest.json").is_file():
+            raise UsageError(f"{p} is not a finished run directory (no manifest.json)")
+        r = _run_summary(p)
+        r["bounds"] = empirical_bounds(r)
+        rows.append(r)
+
+    H: list[str] = []  # html body parts
+    M: list[str] = [
+        f"# {title}",
+        "",
+        f"Generated {datetime.now(UTC).isoformat(timespec='seconds')}.",
+        "",
+    ]
+    summary: dict = {"runs": [], "sections": list(SECTIONS), "missing": []}
+
+    # --- Runs
+    headers = [
+        "run",
+        "method",
+        "DP level",
+        "σ",
+        "δ",
+        "ε claimed (PLD)",
+        "ε recomputed",
+        "understated",
+        "accuracy",
+        "balanced acc.",
+        "seconds",
+    ]
+    table = [
+        [
+            r["run"],
+            r["method"],
+            r["level"],
+            r["noise_multiplier"],
+            r["delta"],
+            r["epsilon_claimed"],
+            r.get("epsilon_recomputed", "missing (audit not available)"),
+            r.get("understated"),
+            r["accuracy"],
+            r["balanced_accuracy"],
+            r["wall_seconds"],
+        ]
+        for r in rows
+    ]
+    H.append("<h2>Runs</h2>" + _table_html(headers, table))
+    M += ["## Runs", "", _table_md(headers, table), ""]
+    for r in rows:
+        summary["runs"].append(
+            {
+                k: r.get(k)
+                for k in (
+                    "run",
+                    "method",
+                    "level",
+                    "epsilon_claimed",
+                    "epsilon_recomputed",
+                    "accuracy",
+                )
+            }
+        )
+        findings = (r.get("audit") or {}).get("findings") or []
+        if findings:
+            items = "".join(
+                f"<li><b>{html.escape(f['code'])}</b> ({html.escape(f['severity'])}): {html.escape(f['message'])}</li>"
+                for f in findings
+            )
+            H.append(f"<p>Audit findings for {html.escape(r['run'])}:</p><ul>{items}</ul>")
+            M += (
+                [f"Audit findings for {r['run']}:", ""]
+                + [f"- **{f['code']}** ({f['severity']}): {f['message']}" for f in findings]
+                + [""]
+            )
+    acc_fig = _plot_accuracy(rows, figdir / "accuracy")
+    if acc_fig:
+        H.append(_img_tag(acc_fig[0]))
+        M += [f"![accuracy per round](figures/{acc_fig[0].name})", ""]
+
+    # --- Noise analyses
+    H.append("<h2>Noise analyses</h2>")
+    M += ["## Noise analyses", ""]
+    analyses = []
+    if analyses_dir and Path(analyses_dir).is_dir():
+        for js in sorted(Path(analyses_dir).glob("*/*.json")) + sorted(
+            Path(analyses_dir).glob("*.json")
+        ):
+            try:
+                doc = read_json(js)
+            except UsageError:
+                continue
+            if not isinstance(doc, dict) or "analysis" not in doc or doc["analysis"] == "claims":
+                continue
+            analyses.append((js, doc))
+    if not analyses:
+        H.append("<p><i>missing: no analysis results were given.</i></p>")
+        M += ["*missing: no analysis results were given.*", ""]
+        summary["missing"].append("Noise analyses")
+    for js, doc in analyses:
+        name = doc["analysis"]
+        H.append(f"<h3>{html.escape(name)}</h3>")
+        M += [f"### {name}", ""]
+        for png in sorted(js.parent.glob("*.png")):
+            dst = figdir / f"{name}-{png.name}"
+            shutil.copyfile(png, dst)
+            H.append(_img_tag(dst))
+            M += [f"![{name}](figures/{dst.name})", ""]
+        rows_a = doc.get("rows") or []
+        if rows_a:
+            keys = list(rows_a[0].keys())[:6]
+            t = [[ra.get(k) for k in keys] for ra in rows_a[:12]]
+            H.append(
+                _table_html(keys, t)
+                + (
+                    f"<p>({len(rows_a)} rows in {html.escape(str(js))})</p>"
+                    if len(rows_a) > 12
+                    else ""
+                )
+            )
+            M += [_table_md(keys, t), ""]
+        fits = doc.get("fits")
+        if fits:
+            t = [[k, v.get("exponent_low"), v.get("exponent_high")] for k, v in fits.items()]
+            H.append(_table_html(["scheme", "slope (low σ)", "slope (high σ)"], t))
+            M += [_table_md(["scheme", "slope (low σ)", "slope (high σ)"], t), ""]
+
+    # --- Attacks
+    H.append("<h2>Membership inference</h2>")
+    M += ["## Membership inference", ""]
+    any_att = False
+    for r in rows:
+        att = r.get("attacks")
+        if not att:
+            continue
+        any_att = True
+        res = att.get("results", att)
+        t = []
+        for name, a in res.items():
+            if not isinstance(a, dict) or "auc" not in a:
+                continue
+            ci = a.get("ci", {}).get("auc")
+            tpr = a.get("tpr_at_fpr", {})
+            t.append(
+                [
+                    name,
+                    a["auc"],
+                    f"[{_fmt(ci[0], 3)}, {_fmt(ci[1], 3)}]" if ci else "—",
+                    tpr.get("0.01"),
+                    tpr.get("0.001"),
+                    a.get("threat_model", ""),
+                ]
+            )
+        hd = ["attack", "AUC", "AUC 95% CI", "TPR@1%FPR", "TPR@0.1%FPR", "threat model"]
+        H.append(f"<h3>{html.escape(r['run'])}</h3>" + _table_html(hd, t))
+        M += [f"### {r['run']}", "", _table_md(hd, t), ""]
+        for fig in r["roc_figures"]:
+            dst = figdir / f"{r['run']}-{Path(fig).name}"
+            shutil.copyfile(fig, dst)
+            H.append(_img_tag(dst))
+            M += [f"![ROC {r['run']}](figures/{dst.name})", ""]
+    if not any_att:
+        H.append(
+            "<p><i>missing: no attack results in the runs (run `fedlora attack RUN_DIR`).</i></p>"
+        )
+        M += ["*missing: no attack results in the runs (run `fedlora attack RUN_DIR`).*", ""]
+        summary["missing"].append("Membership inference")
+
+    # --- Empirical privacy
+    H.append("<h2>Empirical privacy</h2>")
+    M += ["## Empirical privacy", ""]
+    bt = [
+        [r["run"], b["attack"], b["method"], b["epsilon_lb"], r["epsilon_claimed"]]
+        for r in rows
+        for b in r["bounds"]
+    ]
+    one_run = [
+        [r["run"], (r.get("audit") or {}).get("one_run", {}).get("epsilon_lb")]
+        for r in rows
+        if (r.get("audit") or {}).get("one_run")
+    ]
+    if bt:
+        hd = ["run", "attack", "bound", "ε lower bound (95%)", "ε claimed"]
+        H.append(_table_html(hd, bt))
+        M += [_table_md(hd, bt), ""]
+        fig = _plot_bounds(rows, figdir / "epsilon_bounds")
+        if fig:
+            H.append(_img_tag(fig[0]))
+            M += [f"![bounds](figures/{fig[0].name})", ""]
+        summary["bounds"] = [
+            dict(zip(["run", "attack", "method", "epsilon_lb", "epsilon_claimed"], b)) for b in bt
+        ]
+    if one_run:
+        H.append(_table_html(["run", "one-run ε lower bound (canaries)"], one_run))
+        M += [_table_md(["run", "one-run ε lower bound (canaries)"], one_run), ""]
+    if not bt and not one_run:
+        H.append("<p><i>missing: no attack scores or canaries to bound ε from below.</i></p>")
+        M += ["*missing: no attack scores or canaries to bound ε from below.*", ""]
+        summary["missing"].append("Empirical privacy")
+
+    # --- Claims check
+    H.append("<h2>Claims check</h2>")
+    M += ["## Claims check", ""]
+    if claims and claims.get("claims"):
+        t = [
+            [
+                c.get("paper"),
+                c.get("statement"),
+                "holds" if c.get("holds") else "does not hold",
+                c.get("measured"),
+                c.get("setting"),
+            ]
+            for c in claims["claims"]
+        ]
+        hd = ["paper", "claim", "verdict", "measured", "setting"]
+        H.append(_table_html(hd, t))
+        M += [_table_md(hd, t), ""]
+    else:
+        H.append("<p><i>missing: the claims analysis was not run.</i></p>")
+        M += ["*missing: the claims analysis was not run.*", ""]
+        summary["missing"].append("Claims check")
+
+    # --- Environment
+    versions = rows[0]["versions"] if rows else {}
+    env = [["python", platform.python_version()], ["platform", platform.platform()]] + [
+        [k, v] for k, v in versions.items() if k != "python"
+    ]
+    H.append("<h2>Environment</h2>" + _table_html(["component", "version"], env))
+    M += ["## Environment", "", _table_md(["component", "version"], env), ""]
+
+    # --- Reproduce
+    cmds = list(commands or []) + [train_command(r["config"], r["path"]) for r in rows]
+    H.append("<h2>Reproduce</h2><pre>" + html.escape("\n".join(cmds)) + "</pre>")
+    M += ["## Reproduce", "", "```bash", *cmds, "```", ""]
+
+    css = (
+        "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+        "table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}"
+        "th{background:#f3f3f3}pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:12px}h2{border-bottom:2px solid #ddd}"
+    )
+    page = (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{css}</style></head><body><h1>{html.escape(title)}</h1>"
+        f"<p>Generated {html.escape(datetime.now(UTC).isoformat(timespec='seconds'))} by fedlora-audit.</p>"
+        + "".join(H)
+        + "</body></html>"
+    )
+    atomic_write_text(outp / "report.html", page)
+    atomic_write_text(outp / "report.md", "\n".join(M))
+    summary["html"] = str(outp / "report.html")
+    summary["markdown"] = str(outp / "report.md")
+    return summary
+
+
+def _plot_accuracy(rows: list[dict], stem: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [
+        (
+            r["run"],
+            [(m["round"], m["accuracy"]) for m in r["metrics"] if m.get("accuracy") is not None],
+        )
+        for r in rows
+    ]
+    series = [(n, s) for n, s in series if s]
+    if not series:
+        return []
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, s in series:
+        ax.plot([x for x, _ in s], [y for _, y in s], marker="o", label=name)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (fraction)")
+    ax.set_title("Test accuracy of the released global adapter")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths = [stem.with_suffix(".png"), stem.with_suffix(".svg")]
+    for p in paths:
+        fig.savefig(p, dpi=130)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,177 @@
+"""`fedlora bench [NAME...] [--quick] [--json] [--out DIR] [--device D]`.
+
+Runs the benchmarks (all when no NAME is given), each in this one process, and prints
+a Markdown table (or, with ``--json``, the JSON document). ``--out DIR`` also writes
+``DIR/bench.json`` and ``DIR/bench.md``. Every row states its workload, its baseline,
+its candidate and the ratio (``time``: candidate/baseline, lower is better;
+``speedup``: baseline/candidate, higher is better).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from fl.errors import UsageError
+
+BENCHMARKS = (
+    "dp_overhead",
+    "fedask_clip",
+    "engine_overhead",
+    "aggregation",
+    "attacks",
+    "accounting",
+)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="run performance benchmarks (ratios measured in one process)",
+        description=(
+            "Run performance benchmarks; each reports a ratio of a candidate against a "
+            f"baseline timed interleaved in this process. Names: {', '.join(BENCHMARKS)}."
+        ),
+    )
+    p.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
+    p.add_argument("--quick", action="store_true", help="small workloads (smoke test, < 1 min)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
+    p.add_argument("--out", default=None, help="folder for bench.json and bench.md")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.set_defaults(func=main)
+
+
+def resolve_names(names: list[str]) -> list[str]:
+    if not names:
+        return list(BENCHMARKS)
+    bad = [n for n in names if n not in BENCHMARKS]
+    if bad:
+        raise UsageError(f"unknown benchmark(s) {bad}; choose from {list(BENCHMARKS)}")
+    return list(dict.fromkeys(names))
+
+
+def _device(dev: str) -> str:
+    import torch
+
+    if dev == "cpu":
+        return dev
+    if dev.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda asked for, but no CUDA device is available")
+        return dev
+    raise UsageError(f"unknown device {dev!r}; use cpu or cuda")
+
+
+def run_benchmarks(names: list[str], quick: bool, device: str = "cpu", log=None) -> dict:
+    """Run ``names`` in order; returns the JSON document {"meta", "results"}."""
+    results = []
+    for name in resolve_names(names):
+        mod = importlib.import_module(f"benchmarks.{name}")
+        if log:
+            log(f"bench: {name}{' (quick)' if quick else ''} ...")
+        t = time.perf_counter()
+        res = mod.run(quick, device=device)
+        res["seconds"] = time.perf_counter() - t
+        if log:
+            log(f"bench: {name}: {_ratio_text(res)} in {res['seconds']:.1f}s")
+        results.append(res)
+    return clean({"meta": _meta(quick, device), "results": results})
+
+
+def _meta(quick: bool, device: str) -> dict:
+    import os
+
+    import torch
+
+    return {
+        "created": datetime.now(UTC).isoformat(),
+        "quick": quick,
+        "device": device,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "note": "ratios come from interleaved repetitions in one process; absolute seconds "
+        "depend on machine load",
+    }
+
+
+def _ratio_text(res: dict) -> str:
+    if not res.get("available", True):
+        return "not available"
+    r = res.get("ratio")
+    if r is None:
+        return "n/a"
+    kind = "x slower" if res["ratio_kind"] == "time" else "x faster"
+    return f"{r:.3g}{kind}"
+
+
+def clean(obj):
+    """JSON-safe copy: non-finite floats become null (strict JSON has no NaN)."""
+    if isinstance(obj, dict):
+        return {str(k): clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [clean(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if obj is None or isinstance(obj, str | int | bool):
+        return obj
+    return str(obj)
+
+
+def _cell(s) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(doc: dict) -> str:
+    """The Markdown table of a bench JSON document."""
+    m = doc["meta"]
+    lines = [
+        f"# fedlora bench ({'quick' if m['quick'] else 'full'}, device {m['device']})",
+        "",
+        f"{m['created']} · torch {m['torch']} · {m['torch_threads']} threads · "
+        f"load average {m.get('load_average')}. {m['note']}.",
+        "",
+        "| benchmark | workload | baseline | candidate | ratio | spread (min–max) | target | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        if not r.get("available", True):
+            why = r["details"].get("reason", "")
+            lines.append(f"| {r['name']} | not available: {_cell(why)} | | | | | | |")
+            continue
+        sp = r.get("spread") or {}
+        spread = f"{sp['min']:.3g}–{sp['max']:.3g}" if "min" in sp else ""
+        kind = "cand/base time" if r["ratio_kind"] == "time" else "speed-up base/cand"
+        ratio = f"{r['ratio']:.3g} ({kind})" if r["ratio"] is not None else "n/a"
+        met = {True: "yes", False: "**no**", None: "–"}[r["met"]]
+        lines.append(
+            f"| {r['name']} | {_cell(r['workload'])} | {_cell(r['baseline'])} | "
+            f"{_cell(r['candidate'])} | {ratio} | {spread} | {_cell(r['target'] or '–')} | {met} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(args) -> int:
+    names = resolve_names(args.names)
+    device = _device(args.device)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} exists and is not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+    doc = run_benchmarks(names, args.quick, device, log=lambda s: print(s, file=sys.stderr))
+    md = markdown(doc)
+    text = json.dumps(doc, indent=2, allow_nan=False)
+    if out is not None:
+        (out / "bench.json").write_text(text + "\n", encoding="utf-8")
+        (out / "bench.md").write_text(md, encoding="utf-8")
+    print(text if args.json else md)
+    return 0

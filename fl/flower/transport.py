@@ -1,0 +1,304 @@
+"""The Flower transport: the engine's ``send(clients, stage, payload)`` over Flower's
+Message API (``grid.send_and_receive``).
+
+Two ways a grid is found:
+
+- inside a Flower ``ServerApp`` (``flwr run``, simulation or deployment): the
+  ServerApp's main (``fl.flower.serverapp``) binds its grid with :func:`bind_grid` and
+  runs the engine's round loop itself, so the method's server program runs in the
+  ServerApp main over ``grid.send_and_receive``;
+- ``fedlora train --transport flower`` (no grid bound): the transport starts Flower's
+  simulation runtime (Ray) in a background thread with one virtual SuperNode per
+  client, whose ServerApp main hands its grid to this process and waits; the engine
+  thread then drives the same grid. The session is reused by later runs in the same
+  process with the same number of clients, and stopped at exit (or
+  :func:`shutdown_simulation`).
+
+Node ↔ client mapping: each SuperNode holds one partition (``partition-id`` in its
+node config; the simulation runtime sets it); at start the server asks every node for
+it (``query.partition``) and addresses client ``str(partition-id)``.
+
+Faults: a node whose reply is a Flower error, or that does not reply within the
+timeout (``FEDLORA_FLOWER_TIMEOUT`` seconds, default 600), or whose handler raised
+``ClientFailure``, goes to ``replies.failed`` and the run log says so; the DP events it
+reported before failing are still recorded. Any other exception in a handler is a
+bug and is re-raised on the server with the client's traceback (as in-process).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import time
+from contextlib import contextmanager
+
+from flwr.app import Message, RecordDict
+
+from fl.flower import records as R
+from fl.flower.clientapp import META
+
+_BOUND = threading.local()
+
+
+def default_timeout() -> float:
+    return float(os.environ.get("FEDLORA_FLOWER_TIMEOUT", "600"))
+
+
+@contextmanager
+def bind_grid(grid, timeout: float | None = None):
+    """Make ``grid`` the one FlowerTransport uses in this thread (ServerApp main)."""
+    prev = getattr(_BOUND, "grid", None), getattr(_BOUND, "timeout", None)
+    _BOUND.grid, _BOUND.timeout = grid, timeout
+    try:
+        yield grid
+    finally:
+        _BOUND.grid, _BOUND.timeout = prev
+
+
+class FlowerTransport:
+    """``send`` for :class:`fl.engine.Engine` over a Flower grid (see the module doc)."""
+
+    name = "flower"
+
+    def __init__(self, engine, grid=None, timeout: float | None = None):
+        self.engine = engine
+        self._grid = grid if grid is not None else getattr(_BOUND, "grid", None)
+        self.timeout = timeout or getattr(_BOUND, "timeout", None) or default_timeout()
+        self.nodes: dict[str, int] | None = None  # client id -> node id
+
+    # ---- grid and node mapping -------------------------------------------------------
+    def grid(self):
+        if self._grid is None:
+            self._grid = simulation_grid(self.engine.cfg.clients, self.engine.log)
+        return self._grid
+
+    def node_map(self) -> dict[str, int]:
+        """client id → node id, by asking every node its partition id; waits (up to
+        the timeout) until every client of the run has a node."""
+        if self.nodes is not None:
+            return self.nodes
+        from fl.errors import UsageError
+
+        grid, want = self.grid(), set(self.engine.client_ids())
+        found: dict[str, int] = {}
+        asked: set[int] = set()
+        deadline = time.time() + self.timeout
+        while True:
+            new = [n for n in grid.get_node_ids() if n not in asked]
+            if new:
+                msgs = [
+                    Message(
+                        content=R.encode({}, RecordDict(), META),
+                        dst_node_id=n,
+                        message_type="query.partition",
+                    )
+                    for n in new
+                ]
+                for rep in grid.send_and_receive(msgs, timeout=max(1.0, deadline - time.time())):
+                    node = rep.metadata.src_node_id
+                    if rep.has_error():
+                        continue  # asked again if it reconnects as a new node
+                    asked.add(node)
+                    pid = R.decode(rep.content, META)["partition_id"]
+                    if pid is None:
+                        self.engine.log(f"flower: node {node} has no partition-id; ignored")
+                        continue
+                    cid = str(pid)
+                    if cid in found and found[cid] != node:
+                        raise UsageError(
+                            f"two SuperNodes ({found[cid]}, {node}) hold partition-id {cid}"
+                        )
+                    found[cid] = node
+            if want <= set(found):
+                break
+            if time.time() > deadline:
+                raise UsageError(
+                    f"flower: no SuperNode for client(s) {sorted(want - set(found), key=int)} "
+                    f"after {self.timeout:.0f}s (start one per partition with "
+                    f"--node-config 'partition-id=K num-partitions={len(want)}')"
+                )
+            time.sleep(0.5)
+        extra = sorted(set(found) - want)
+        if extra:
+            self.engine.log(f"flower: nodes for unknown partitions {extra} are not used")
+        self.nodes = {c: found[c] for c in want}
+        self.engine.log(f"flower: client → node {self.nodes}")
+        return self.nodes
+
+    # ---- the transport interface --------------------------------------------------------
+    def send(self, method, rnd, clients, stage, payload, per_client=False):
+        from fl.engine import payload_bytes
+        from fl.methods.base import Replies
+        from fl.privacy.accounting import Event
+
+        eng = self.engine
+        if getattr(method, f"on_{stage}", None) is None:
+            raise RuntimeError(f"method {method.name!r} has no handler for stage {stage!r}")
+        if not stage.isidentifier():
+            raise RuntimeError(f"stage name {stage!r} is not a Flower action name")
+        nodes = self.node_map()
+        grid = self.grid()
+        cfg_dict = eng.cfg.to_dict()
+        msgs, by_node = [], {}
+        for cid in clients:
+            p = payload[cid] if per_client else payload
+            eng.add_bytes(rnd, cid, "down", payload_bytes(p))
+            fault = eng.fault_injector(rnd, cid, stage) if eng.fault_injector else None
+            meta = {
+                "cfg": cfg_dict,
+                "sigma": float(eng.sigma),
+                "index": rnd.index,
+                "seed": rnd.seed,
+                "clients": list(rnd.clients),
+                "cid": cid,
+                "fault": fault,
+            }
+            content = R.encode(p, RecordDict(), "payload")
+            R.encode(meta, content, META)
+            msgs.append(
+                Message(
+                    content=content,
+                    dst_node_id=nodes[cid],
+                    message_type=f"train.{stage}",
+                    group_id=f"round-{rnd.index + 1}",
+                )
+            )
+            by_node[nodes[cid]] = cid
+        got: dict[str, Message] = {}
+        for rep in grid.send_and_receive(msgs, timeout=self.timeout):
+            cid = by_node.get(rep.metadata.src_node_id)
+            if cid is not None:
+                got[cid] = rep
+        replies = Replies()
+        # Clients in the order sent, so the ledger composes in the in-process order.
+        for cid in clients:
+            rep = got.get(cid)
+            if rep is None:
+                why = f"Timeout: no reply within {self.timeout:g}s"
+            elif rep.has_error():
+                why = f"FlowerError {rep.error.code}: {rep.error.reason}"
+            else:
+                why = None
+            if why is not None:
+                replies.failed[cid] = why
+                eng.log(f"round {rnd.index + 1}: client {cid} failed in stage {stage!r}: {why}")
+                continue
+            meta = R.decode(rep.content, META)
+            for ev in meta.get("events", []):
+                eng.ledger.record(Event.from_dict(ev))
+            if meta.get("error"):
+                raise RuntimeError(
+                    f"client {cid} raised in stage {stage!r} (over Flower):\n{meta['error']}"
+                )
+            if meta.get("failed"):
+                replies.failed[cid] = meta["failed"]
+                eng.log(
+                    f"round {rnd.index + 1}: client {cid} failed in stage {stage!r}: {meta['failed']}"
+                )
+                continue
+            reply = R.decode(rep.content, "payload")
+            eng.add_bytes(rnd, cid, "up", payload_bytes(reply))
+            replies.ok[cid] = reply
+        return replies
+
+
+# ---------------------------------------------------------------------------------
+# Flower's simulation runtime, driven from this process
+# ---------------------------------------------------------------------------------
+class SimulationSession:
+    """``flwr.simulation.run_simulation`` in a daemon thread. Its ServerApp main puts
+    its grid on a queue and waits until :meth:`close`; the caller uses the grid."""
+
+    def __init__(self, num_supernodes: int, backend_config: dict | None = None, log=print):
+        from flwr.serverapp import ServerApp
+
+        from fl.flower.clientapp import app as client_app
+
+        self.num_supernodes = num_supernodes
+        self._grid_q: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        server_app = ServerApp()
+
+        @server_app.main()
+        def _main(grid, context):
+            self._grid_q.put(grid)
+            self._stop.wait()
+
+        cpus = int(os.environ.get("FEDLORA_FLOWER_CPUS", "1"))
+        self.backend_config = backend_config or {
+            "client_resources": {"num_cpus": cpus, "num_gpus": 0.0},
+            "init_args": {"include_dashboard": False, "log_to_driver": False},
+        }
+
+        def _run():
+            from flwr.simulation import run_simulation
+
+            try:
+                run_simulation(
+                    server_app=server_app,
+                    client_app=client_app,
+                    num_supernodes=num_supernodes,
+                    backend_config=self.backend_config,
+                )
+            except BaseException as exc:  # noqa: BLE001 - reported to the waiting caller
+                self.error = exc
+                self._grid_q.put(None)
+
+        t0 = time.time()
+        self.thread = threading.Thread(target=_run, name="flower-simulation", daemon=True)
+        self.thread.start()
+        grid = self._grid_q.get(timeout=600)
+        if grid is None:
+            raise RuntimeError(f"Flower simulation failed to start: {self.error!r}")
+        self.grid = grid
+        log(
+            f"flower: simulation runtime up ({num_supernodes} SuperNodes) in {time.time() - t0:.1f}s"
+        )
+
+    def close(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        self.thread.join(timeout)
+
+
+_SESSION: SimulationSession | None = None
+
+
+def simulation_grid(num_supernodes: int, log=print):
+    """The grid of the process's simulation session (started or restarted for this
+    number of SuperNodes)."""
+    global _SESSION
+    if _SESSION is not None and (
+        _SESSION.num_supernodes != num_supernodes or not _SESSION.thread.is_alive()
+    ):
+        shutdown_simulation()
+    if _SESSION is None:
+        _SESSION = SimulationSession(num_supernodes, log=log)
+    return _SESSION.grid
+
+
+def shutdown_simulation() -> None:
+    global _SESSION
+    if _SESSION is not None:
+        _SESSION.close()
+        _SESSION = None
+
+
+# Interpreter exit joins non-daemon threads (Ray's, Flower's) *before* atexit handlers
+# run, so a plain atexit hook would wait forever; threading's own exit hook runs first
+# (what concurrent.futures uses).
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(shutdown_simulation)
+else:  # pragma: no cover - every supported Python has it
+    atexit.register(shutdown_simulation)
+
+__all__ = [
+    "FlowerTransport",
+    "bind_grid",
+    "simulation_grid",
+    "shutdown_simulation",
+    "SimulationSession",
+]

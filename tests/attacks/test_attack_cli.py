@@ -1,0 +1,95 @@
+"""`fedlora attack`: files written, --json output, the foreign-adapter form, and one-line
+errors with exit code 2."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fl.cli import main
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # On shared, busy cores a second intra-op thread slows tiny models down several times.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from fl.config import TrainConfig
+    from fl.engine import train
+
+    cfg = TrainConfig(
+        model="tiny-bert", dataset="synthetic", members=16, nonmembers=8, test=8,
+        max_length=16, clients=1, rounds=1, local_steps=4, batch_size=8, lr=0.02, rank=4,
+        alpha=8.0, progress=False, device="cpu", seed=5,
+    )  # fmt: skip
+    d = tmp_path_factory.mktemp("cli") / "run"
+    train(cfg, d, quiet=True)
+    return d
+
+
+def test_cli_writes_results_and_json(run_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["attack", str(run_dir), "--attacks", "loss", "--json", "--out", str(out),
+               "--device", "cpu", "--bootstrap", "10"])  # fmt: skip
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)  # --json: stdout is exactly one JSON document
+    assert set(doc["attacks"]) == {"loss"}
+    assert (
+        json.loads((out / "attacks.json").read_text())["attacks"]["loss"]["auc"]
+        == doc["attacks"]["loss"]["auc"]
+    )
+    z = np.load(out / "scores.npz")
+    assert z["loss"].shape == (24,) and z["is_member"].sum() == 16
+    assert (out / "roc.png").is_file()
+
+
+def test_cli_foreign_adapter_matches_run_mode(run_dir, tmp_path, capsys):
+    from attacks.signals import load_run
+
+    run = load_run(run_dir)
+    files = {}
+    for role in ("member", "nonmember"):
+        p = tmp_path / f"{role}s.jsonl"
+        with open(p, "w") as fh:
+            for t, y in zip(np.array(run.texts)[run.role == role], run.labels[run.role == role]):
+                fh.write(json.dumps({"text": str(t), "label": int(y)}) + "\n")
+        files[role] = p
+    out = tmp_path / "foreign"
+    rc = main(["attack", "--adapter", str(run_dir / "adapter"), "--model", "tiny-bert",
+               "--members", str(files["member"]), "--nonmembers", str(files["nonmember"]),
+               "--max-length", "16", "--base-seed", "5", "--out", str(out),
+               "--device", "cpu", "--bootstrap", "0"])  # fmt: skip
+    assert rc == 0
+    assert "loss" in capsys.readouterr().out  # the table
+    rc = main(["attack", str(run_dir), "--attacks", "loss", "--out", str(tmp_path / "r"),
+               "--device", "cpu", "--bootstrap", "0"])  # fmt: skip
+    assert rc == 0
+    a = np.load(out / "scores.npz")["loss"]
+    b = np.load(tmp_path / "r" / "scores.npz")["loss"]
+    np.testing.assert_allclose(a, b, rtol=1e-5)  # same adapter, same examples, same order
+
+
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["attack", "/nonexistent/run"], "run directory not found"),
+        (["attack"], "give RUN_DIR"),
+        (["attack", "{run}", "--attacks", "loss,nope"], "unknown attack"),
+        (["attack", "{run}", "--attacks", "lira", "--shadows", "1"], "shadows >= 2"),
+        (["attack", "{run}", "--adapter", "x"], "either RUN_DIR"),
+    ],
+)
+def test_cli_errors_are_one_line_exit_2(run_dir, tmp_path, capsys, argv, msg):
+    argv = [a.replace("{run}", str(run_dir)) for a in argv]
+    if argv[1:2] == [str(run_dir)]:
+        argv += ["--out", str(tmp_path / "o"), "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0], err

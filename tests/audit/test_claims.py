@@ -1,0 +1,244 @@
+"""The claim checker: recomputes ε for the described mechanism and names the mistakes.
+
+Each mistaken claim is crafted by computing, with the accountant directly, the ε the
+mistake produces; the checker must recognise it. References: fl.privacy.accounting.epsilon
+(the composed subsampled Gaussian), which the checker must reproduce for a correct claim.
+"""
+
+import json
+import math
+
+import pytest
+
+from audit.claims import check_claim, load_claim, validate_claim
+from fl.errors import UsageError
+from fl.privacy.accounting import epsilon
+
+DELTA = 1e-6
+SIGMA = 1.0
+B, N, S, R, M, K = 32, 1000, 10, 10, 5, 10  # batch, records/client, steps, rounds, clients
+Q = B / N
+
+BASE = dict(
+    level="sample",
+    noise_multiplier=SIGMA,
+    clipping_norm=1.0,
+    sampling="poisson",
+    batch_size=B,
+    dataset_size=N,
+    steps_per_round=S,
+    rounds=R,
+    clients_per_round=M,
+    total_clients=K,
+    accounting="composed",
+    delta=DELTA,
+)
+
+
+def codes(res, severity=None):
+    return {f["code"] for f in res["findings"] if severity is None or f["severity"] == severity}
+
+
+@pytest.fixture(scope="module")
+def eps_true():
+    return epsilon(SIGMA, Q, S * R, DELTA)
+
+
+def test_correct_claim_passes(eps_true):
+    res = check_claim(dict(BASE, claimed_epsilon=eps_true))
+    assert res["epsilon_pld"] == pytest.approx(eps_true, rel=1e-9)
+    assert res["epsilon_rdp"] == pytest.approx(epsilon(SIGMA, Q, S * R, DELTA, "rdp"), rel=1e-9)
+    assert res["epsilon_rdp"] >= res["epsilon_pld"]
+    assert not res["understated"]
+    assert res["ratio"] == pytest.approx(1.0)
+    assert not codes(res, "error")
+    assert set(res) >= {"claimed_epsilon", "delta", "epsilon_pld", "epsilon_rdp", "understated"}
+    # an RDP-computed (looser) correct claim is not understated either
+    assert not check_claim(dict(BASE, claimed_epsilon=res["epsilon_rdp"]))["understated"]
+
+
+def test_no_composition_across_rounds(eps_true):
+    one_round = epsilon(SIGMA, Q, S, DELTA)
+    res = check_claim(dict(BASE, claimed_epsilon=one_round, accounting="unknown"))
+    assert res["understated"] and res["ratio"] == pytest.approx(eps_true / one_round)
+    assert codes(res, "error") == {"no_composition_across_rounds"}
+    msg = next(f["message"] for f in res["findings"])
+    assert f"{R} rounds" in msg and f"{one_round:.4g}" in msg and f"{eps_true:.4g}" in msg
+    # the direct rule: the claimant says so
+    res = check_claim(dict(BASE, claimed_epsilon=one_round, accounting="per_round"))
+    assert "no_composition_across_rounds" in codes(res, "error")
+    # ... a per_round label on a correct figure is only a warning
+    res = check_claim(dict(BASE, claimed_epsilon=eps_true, accounting="per_round"))
+    assert codes(res, "warning") == {"no_composition_across_rounds"} and not codes(res, "error")
+
+
+def test_wrong_sample_rate():
+    wrong = epsilon(SIGMA, B / (K * N), S * R, DELTA)  # batch over the whole federation
+    res = check_claim(dict(BASE, claimed_epsilon=wrong))
+    assert res["understated"]
+    assert codes(res, "error") == {"wrong_sample_rate"}
+    msg = res["findings"][0]["message"]
+    assert f"{K * N}" in msg and f"{Q:.4g}" in msg
+
+
+@pytest.mark.parametrize("sampling", ["shuffle", "fixed_batch"])
+def test_amplification_without_random_sampling(sampling):
+    poisson = epsilon(SIGMA, Q, S * R, DELTA)
+    res = check_claim(dict(BASE, sampling=sampling, claimed_epsilon=poisson))
+    # reference: no amplification. shuffle: one plain Gaussian per pass over the client's
+    # data (ceil(S*q) = 1 pass per round); fixed_batch: a plain Gaussian every step.
+    count = R * math.ceil(S * Q) if sampling == "shuffle" else R * S
+    assert res["epsilon_pld"] == pytest.approx(epsilon(SIGMA, 1.0, count, DELTA), rel=1e-4)
+    assert res["understated"]
+    assert codes(res, "error") == {"amplification_without_random_sampling"}
+    assert sampling in res["findings"][0]["message"]
+
+
+def test_client_sampling_ignored_client_level():
+    kw = dict(
+        level="client",
+        noise_multiplier=SIGMA,
+        sampling="fixed_batch",
+        rounds=20,
+        clients_per_round=10,
+        total_clients=100,
+        delta=1e-4,
+    )
+    amplified = epsilon(SIGMA, 0.1, 20, 1e-4)
+    res = check_claim(dict(kw, claimed_epsilon=amplified))
+    assert res["epsilon_pld"] == pytest.approx(epsilon(SIGMA, 1.0, 20, 1e-4), rel=1e-4)
+    assert codes(res, "error") == {"client_sampling_ignored"}
+    assert "10/100" in res["findings"][0]["message"]
+    # with Poisson client sampling the amplified figure is the correct one
+    res = check_claim(dict(kw, sampling="poisson", claimed_epsilon=amplified))
+    assert not res["understated"] and not codes(res, "error")
+
+
+def test_client_sampling_ignored_sample_level():
+    amplified = epsilon(SIGMA, Q * M / K, S * R, DELTA)
+    res = check_claim(dict(BASE, claimed_epsilon=amplified))
+    assert codes(res, "error") == {"client_sampling_ignored"}
+
+
+def test_delta_too_large(eps_true):
+    n = K * N
+    delta = 2.0 / n
+    e = epsilon(SIGMA, Q, S * R, delta)
+    res = check_claim(dict(BASE, delta=delta, claimed_epsilon=e))
+    assert not res["understated"]
+    assert codes(res, "error") == {"delta_too_large"}
+    assert str(n) in res["findings"][0]["message"]
+    # client level: n = clients
+    res = check_claim(
+        dict(level="client", noise_multiplier=2.0, sampling="all", rounds=3,
+             clients_per_round=5, total_clients=5, delta=0.25, claimed_epsilon=100.0)
+    )  # fmt: skip
+    assert codes(res, "error") == {"delta_too_large"}
+
+
+def test_unexplained_and_no_noise(eps_true):
+    res = check_claim(dict(BASE, claimed_epsilon=eps_true * 0.8))
+    assert codes(res, "error") == {"unexplained_understatement"}
+    res = check_claim(dict(BASE, noise_multiplier=0.0, claimed_epsilon=1.0))
+    assert res["understated"] and math.isinf(res["epsilon_pld"]) and math.isinf(res["ratio"])
+    assert "noise_not_applied" in codes(res, "error")
+
+
+def test_missing_clipping_norm_is_info(eps_true):
+    kw = {k: v for k, v in BASE.items() if k != "clipping_norm"}
+    res = check_claim(dict(kw, claimed_epsilon=eps_true))
+    assert codes(res) == {"clipping_norm_missing"} and not codes(res, "error")
+
+
+def test_sample_rate_instead_of_batch(eps_true):
+    kw = {k: v for k, v in BASE.items() if k not in ("batch_size", "dataset_size")}
+    res = check_claim(dict(kw, sample_rate=Q, claimed_epsilon=eps_true))
+    assert res["epsilon_pld"] == pytest.approx(eps_true, rel=1e-9) and not codes(res, "error")
+
+
+def test_load_json_and_toml(tmp_path, eps_true):
+    claim = dict(BASE, claimed_epsilon=eps_true, name="paper X, table 2")
+    pj = tmp_path / "c.json"
+    pj.write_text(json.dumps(claim))
+    lines = [f"{k} = {json.dumps(v)}" for k, v in claim.items()]
+    pt = tmp_path / "c.toml"
+    pt.write_text("\n".join(lines) + "\n")
+    a, b = load_claim(pj), load_claim(pt)
+    assert a == b == validate_claim(claim)
+    assert check_claim(a)["epsilon_pld"] == pytest.approx(eps_true, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"level": "record"}, "level"),
+        ({"sampling": "random"}, "sampling"),
+        ({"accounting": "daily"}, "accounting"),
+        ({"noise_multiplier": "1.0"}, "noise_multiplier"),
+        ({"noise_multiplier": -1.0}, "noise_multiplier"),
+        ({"delta": 1.5}, "delta"),
+        ({"rounds": 2.5}, "rounds"),
+        ({"claimed_epsilon": 0}, "claimed_epsilon"),
+        ({"epsilon": 3.0}, "epsilon"),
+        ({"batch_size": 5000}, "batch_size"),
+        ({"sample_rate": 0.5}, "sample_rate"),
+        ({"clients_per_round": 50}, "clients_per_round"),
+    ],
+)
+def test_schema_errors_name_the_field(change, field):
+    with pytest.raises(UsageError, match=field):
+        validate_claim({**BASE, "claimed_epsilon": 1.0, **change})
+
+
+@pytest.mark.parametrize(
+    "missing", ["level", "rounds", "delta", "claimed_epsilon", "steps_per_round"]
+)
+def test_missing_fields(missing):
+    claim = {k: v for k, v in dict(BASE, claimed_epsilon=1.0).items() if k != missing}
+    with pytest.raises(UsageError, match=missing):
+        validate_claim(claim)
+
+
+def test_client_level_needs_client_counts():
+    with pytest.raises(UsageError, match="total_clients"):
+        validate_claim(
+            dict(level="client", noise_multiplier=1.0, sampling="poisson", rounds=3,
+                 clients_per_round=2, delta=1e-5, claimed_epsilon=1.0)
+        )  # fmt: skip
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(UsageError, match="cannot read"):
+        load_claim(tmp_path / "nope.json")
+    p = tmp_path / "c.toml"
+    p.write_text("level = \n")
+    with pytest.raises(UsageError, match="cannot parse"):
+        load_claim(p)
+    p = tmp_path / "c.json"
+    p.write_text("[1, 2]")
+    with pytest.raises(UsageError, match="object"):
+        load_claim(p)
+
+
+def test_cli_exit_codes(tmp_path, capsys, eps_true):
+    from fl.cli import main
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(dict(BASE, claimed_epsilon=eps_true)))
+    assert main(["audit", "--claim", str(good), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["understated"] is False and doc["epsilon_pld"] == pytest.approx(eps_true)
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(BASE, claimed_epsilon=epsilon(SIGMA, Q, S, DELTA))))
+    assert main(["audit", "--claim", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "understated" in out and "no_composition_across_rounds" in out
+
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(dict(BASE)))
+    assert main(["audit", "--claim", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "claimed_epsilon" in err and err.count("\n") == 1
+    assert main(["audit", "--claim", str(good), "/some/run"]) == 2
+    assert main(["audit", "--claim", str(good), "--one-run"]) == 2

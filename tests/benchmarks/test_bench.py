@@ -1,0 +1,83 @@
+"""The benchmark harness: ratios and spreads against hand-computed values, the CLI, and
+every benchmark in --quick mode producing a well-formed record (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import cli, harness
+
+KEYS = {"name", "workload", "baseline", "candidate", "ratio", "target", "met", "details"}
+
+
+def test_paired_ratio_against_hand_values():
+    base = [1.0, 2.0, 4.0]
+    cand = [1.5, 2.0, 2.0]  # ratios 1.5, 1.0, 0.5
+    r = harness.paired_ratio(base, cand)
+    assert r["median"] == pytest.approx(1.0)
+    assert r["min"] == pytest.approx(0.5) and r["max"] == pytest.approx(1.5)
+    assert r["min"] <= r["boot_lo"] <= r["median"] <= r["boot_hi"] <= r["max"]
+    assert r["n"] == 3
+    with pytest.raises(ValueError):
+        harness.paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_interleaved_rotates_order_and_counts():
+    calls = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in "abc"}
+    times = harness.interleaved(fns, reps=3, warmup=1)
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    # warm-up a b c, then a b c / b c a / c a b: each side leads once.
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab")
+    assert all(t >= 0 for v in times.values() for t in v)
+
+
+def test_summarize_divides_by_steps():
+    s = harness.summarize([2.0, 4.0, 6.0], per=2.0)
+    assert (s["median_s"], s["min_s"], s["max_s"], s["reps"]) == (2.0, 1.0, 3.0, 3)
+
+
+def test_result_rejects_unknown_ratio_kind_and_nan():
+    with pytest.raises(ValueError):
+        harness.result("x", "w", "b", "c", 1.0, "faster")
+    assert harness.result("x", "w", "b", "c", math.nan, "time")["ratio"] is None
+
+
+def test_unknown_benchmark_is_a_usage_error(capsys):
+    from fl.cli import main
+
+    assert main(["bench", "nope", "--quick"]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
+
+
+def _check_record(r: dict) -> None:
+    assert KEYS <= set(r), r.keys()
+    assert r["ratio_kind"] in ("time", "speedup")
+    if not r["available"]:
+        assert r["ratio"] is None and r["details"]["reason"]
+        return
+    assert isinstance(r["ratio"], float) and r["ratio"] > 0
+    assert r["workload"] and r["baseline"] and r["candidate"]
+    assert r["met"] in (True, False, None)
+    sp = r["spread"]
+    assert sp["min"] <= r["ratio"] <= sp["max"]
+
+
+@pytest.mark.parametrize("name", cli.BENCHMARKS)
+def test_each_benchmark_quick(name, tmp_path):
+    """Each benchmark runs in --quick mode through the CLI and writes strict JSON with a
+    ratio, plus a Markdown row naming it."""
+    from fl.cli import main
+
+    assert main(["bench", name, "--quick", "--json", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "bench.json").read_text()
+    doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
+    assert doc["meta"]["quick"] is True
+    (r,) = doc["results"]
+    assert r["name"] == name
+    _check_record(r)
+    md = (tmp_path / "bench.md").read_text()
+    assert f"| {name} |" in md

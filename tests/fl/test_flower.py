@@ -1,0 +1,338 @@
+"""The Flower transport: record conversion, equivalence with the in-process engine on
+Flower's simulation runtime, faults, and a real loopback deployment (SuperLink +
+SuperNodes started as processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from fl.engine import Engine  # noqa: E402
+from fl.flower import records as R  # noqa: E402
+from fl.methods import registry  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+
+
+# ------------------------------------------------------------------ record conversion
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+        )
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and list(a) == list(b)
+            and all(type(k) is type(kb) for k, kb in zip(a, b))
+            and all(_same(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and a != a:
+        return isinstance(b, float) and b != b
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {},
+        {"empty": {}, "nested": {"deeper": {}}},
+        {
+            "state": {
+                "factors": {
+                    "base_model.layer.0.query": {
+                        "A": torch.randn(4, 8, dtype=torch.float64),
+                        "B": torch.randn(8, 4),
+                    }
+                },
+                "head": {"w": torch.randn(2, 3, dtype=torch.float16)},
+            },
+            "omega_seed": (1 << 63) - 1,
+            "huge": 1 << 80,
+            "width": 6,
+            "loss": float("nan"),
+            "inf": float("-inf"),
+            "name": "a/b%2Fc",
+            "k/with/slash": True,
+            "none": None,
+            "bytes": b"\x00\x01",
+        },
+        {
+            "bf16": torch.tensor([1.5, -2.25, 3e38], dtype=torch.bfloat16),
+            "ints": torch.arange(5, dtype=torch.int64),
+            "bool": torch.tensor([True, False]),
+            "scalar": torch.tensor(3.0, dtype=torch.float64),
+            "zero_size": torch.zeros(0, 3),
+            "np": np.arange(6, dtype=np.int32).reshape(2, 3),
+            "list": [1, 2.5, "x", [torch.ones(2)], {"a": 1}],
+            "tuple": (1, "two"),
+            "_opt": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"params": [0]}]},
+        },
+    ],
+)
+def test_record_roundtrip(obj):
+    rd = R.encode(obj)
+    back = R.decode(rd)
+    assert _same(obj, back)
+    # Tensors travel in the ArrayRecord, scalars in the ConfigRecord.
+    n_tensors = len(rd["payload.arrays"])
+    assert n_tensors == sum(1 for _ in _leaves(obj) if isinstance(_, torch.Tensor | np.ndarray))
+
+
+def _leaves(o):
+    if isinstance(o, dict):
+        for v in o.values():
+            yield from _leaves(v)
+    elif isinstance(o, list | tuple):
+        for v in o:
+            yield from _leaves(v)
+    else:
+        yield o
+
+
+def test_record_rejects_unsendable():
+    with pytest.raises(TypeError, match="cannot send a object"):
+        R.encode({"x": object()})
+    with pytest.raises(TypeError, match="keys must be str or int"):
+        R.encode({(1, 2): 3})
+
+
+# -------------------------------------------------------------- simulation equivalence
+def _small(tiny_cfg, **kw):
+    base = dict(members=120, nonmembers=30, test=40, clients=2, local_steps=2, rounds=2)
+    base.update(kw)
+    return tiny_cfg(**base)
+
+
+def _adapter(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+def _run(cfg, out: Path, fault=None) -> tuple[dict, Engine]:
+    eng = Engine(cfg, out, quiet=True)
+    eng.fault_injector = fault
+    manifest = eng.run()
+    return manifest, eng
+
+
+def _events(manifest: dict) -> list[dict]:
+    return manifest["privacy"]["ledger"]["events"]
+
+
+def _compare(out_a: Path, out_b: Path, man_a: dict, man_b: dict, tol=1e-6) -> None:
+    a, b = _adapter(out_a), _adapter(out_b)
+    assert set(a) == set(b)
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    assert diff <= tol, diff
+    assert _events(man_a) == _events(man_b)
+    assert man_a["privacy"]["epsilon"] == man_b["privacy"]["epsilon"]
+    ra = [json.loads(x) for x in (out_a / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(x) for x in (out_b / "metrics.jsonl").read_text().splitlines()]
+    for x, y in zip(ra, rb, strict=True):
+        assert x["bytes_per_client"] == y["bytes_per_client"]
+        assert x["clients"] == y["clients"]
+
+
+@pytest.fixture(scope="module")
+def flower_sim():
+    from fl.flower.transport import shutdown_simulation
+
+    yield
+    shutdown_simulation()
+
+
+METHODS = [
+    ("fedavg", dict(dp_level="sample", noise_multiplier=1.0)),
+    ("fedask", dict(dp_level="sample", noise_multiplier=1.0)),
+    ("fedpower", dict()),
+    ("plora", dict()),
+]
+
+
+@pytest.mark.parametrize(
+    "method,kw", [m for m in METHODS if m[0] in registry.names()], ids=lambda m: str(m)
+)
+def test_flower_simulation_matches_inprocess(tmp_path, tiny_cfg, flower_sim, method, kw):
+    cfg = _small(tiny_cfg, method=method, **kw)
+    man_a, _ = _run(cfg, tmp_path / "inprocess")
+    man_b, _ = _run(_small(tiny_cfg, method=method, transport="flower", **kw), tmp_path / "flower")
+    _compare(tmp_path / "inprocess", tmp_path / "flower", man_a, man_b)
+    if kw.get("dp_level") == "sample":
+        assert len(_events(man_b)) == 2 * 2  # 2 rounds × 2 clients, recorded on the server
+    log = (tmp_path / "flower" / "run.log").read_text()
+    assert "flower: client → node" in log
+
+
+@pytest.mark.skipif("fedask" not in registry.names(), reason="fedask not present")
+def test_fedask_client_failing_between_stages(tmp_path, tiny_cfg, flower_sim):
+    """Client 1 fails in stage 2 (project) of round 1 after training in stage 1: the
+    round completes with the survivor, its DP steps stay in the ledger — identically
+    in-process and over Flower (the failure is raised on the Flower client)."""
+    kw = dict(method="fedask", clients=3, dp_level="sample", noise_multiplier=1.0)
+
+    def fault(rnd, cid, stage):
+        return "killed" if (rnd.index, cid, stage) == (0, "1", "project") else None
+
+    man_a, _ = _run(_small(tiny_cfg, **kw), tmp_path / "a", fault)
+    man_b, _ = _run(_small(tiny_cfg, transport="flower", **kw), tmp_path / "b", fault)
+    _compare(tmp_path / "a", tmp_path / "b", man_a, man_b)
+    row = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["stage2_failed"] == {"1": "ClientFailure: killed"}
+    assert row["survivors"] == ["0", "2"]
+    assert {e["unit"] for e in _events(man_b) if e["round"] == 0} == {
+        "client:0",
+        "client:1",
+        "client:2",
+    }
+    assert "client 1 failed in stage 'project'" in (tmp_path / "b" / "run.log").read_text()
+
+
+def test_flower_resume_keeps_ledger(tmp_path, tiny_cfg, flower_sim):
+    """The server stops in round 2 (an exception on the server side); resuming over
+    Flower from the round-1 checkpoint gives the adapter and ledger of an
+    uninterrupted run (the ledger is restored, not reset)."""
+    kw = dict(method="fedavg", dp_level="sample", noise_multiplier=1.0, transport="flower")
+    full, _ = _run(_small(tiny_cfg, **kw), tmp_path / "full")
+
+    class Stop(Exception):
+        pass
+
+    def stop(rnd, cid, stage):
+        if rnd.index == 1:
+            raise Stop("server stopped")
+
+    with pytest.raises(Stop):
+        _run(_small(tiny_cfg, **kw), tmp_path / "part", stop)
+    assert (tmp_path / "part" / "checkpoint" / "meta-00001.json").exists()
+    eng = Engine(_small(tiny_cfg, **kw), tmp_path / "part", resume=True, quiet=True)
+    resumed = eng.run()
+    _compare(tmp_path / "full", tmp_path / "part", full, resumed)
+    assert "resumed from checkpoint after round 1" in (tmp_path / "part" / "run.log").read_text()
+
+
+# --------------------------------------------------------------- loopback deployment
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(
+    os.environ.get("FEDLORA_FLOWER_DEPLOY") != "1",
+    reason="slow (several minutes on 2 cores: one flwr-clientapp process per message); "
+    "set FEDLORA_FLOWER_DEPLOY=1",
+)
+def test_deployment_loopback(tmp_path):
+    """A real SuperLink and two SuperNodes on 127.0.0.1 (insecure only on loopback),
+    2 rounds of FedASK (fedavg if absent) submitted with `flwr run`; every process is
+    started in its own session and killed (process group) in a finally."""
+    method = "fedask" if "fedask" in registry.names() else "fedavg"
+    env = dict(
+        os.environ, FLWR_HOME=str(tmp_path / "flwr"), PATH=f"{VENV_BIN}:{os.environ['PATH']}"
+    )
+    port = _free_port()
+    (tmp_path / "flwr").mkdir()
+    (tmp_path / "flwr" / "config.toml").write_text(
+        f'[superlink]\ndefault = "dep"\n[superlink.dep]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+    out = tmp_path / "run"
+    procs = []
+
+    def start(args, log):
+        fh = open(tmp_path / log, "w")  # noqa: SIM115 - closed with the process
+        procs.append(
+            subprocess.Popen(
+                args, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+            )
+        )
+
+    try:
+        start(
+            [
+                str(VENV_BIN / "flower-superlink"),
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--disable-runtime-dependency-installation",
+            ],
+            "superlink.log",
+        )
+        for k in range(2):
+            start(
+                [
+                    str(VENV_BIN / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--port",
+                    str(_free_port()),
+                    "--node-config",
+                    f"partition-id={k} num-partitions=2",
+                ],
+                f"supernode{k}.log",
+            )
+        time.sleep(5)
+        rc = (
+            f"out-dir='{out}' method='{method}' clients=2 rounds=2 members=120 nonmembers=30 "
+            "test=40 local-steps=2 dp-level='sample' noise-multiplier=1.0 stage-timeout=120.0"
+        )
+        run = subprocess.run(
+            [
+                str(VENV_BIN / "flwr"),
+                "run",
+                str(ROOT / "flower_app"),
+                "dep",
+                "--stream",
+                "--run-config",
+                rc,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+            cwd=tmp_path,
+        )
+        assert (out / "manifest.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
+        man = json.loads((out / "manifest.json").read_text())
+        assert man["privacy"]["rounds_completed"] == 2
+        assert len(_events(man)) == 4  # 2 rounds × 2 clients, in the server's ledger
+        assert man["config"]["transport"] == "flower"
+        a = _adapter(out)
+        assert a and all(torch.isfinite(v).all() for v in a.values())
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 15
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
