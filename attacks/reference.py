@@ -146,7 +146,9 @@ def train_shadows(
             shutil.rmtree(run_dir)
         with open(data_path, "w", encoding="utf-8") as fh:
             for r in rows:
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+                # ASCII escapes: load_local splits lines with str.splitlines, which also breaks
+                # at U+2028, U+0085 and other characters that occur in real text.
+                fh.write(json.dumps(r, ensure_ascii=True) + "\n")
         t0 = time.perf_counter()
         train(scfg, run_dir, quiet=True)
         dt = time.perf_counter() - t0

@@ -1,8 +1,9 @@
 """Orchestration: signals of the target and the shadows → every attack → metrics and files.
 
 Outputs (in ``out``, default ``RUN_DIR/attacks/``):
-- ``attacks.json``: {"attacks": {name: roc_metrics(...) + threat_model + seconds}, "shadows":
-  {...}, "target": {...}};
+- ``attacks.json``: {"attacks": {name: roc_metrics(...) + threat_model + seconds (scoring)
+  [+ shared_shadow_seconds: training + signals of the shadows, shared by the reference-based
+  attacks]}, "shadows": {...}, "target": {...}};
 - ``scores.npz``: ``ids`` (n,), ``is_member`` (n,) bool and one (n,) float64 array of
   scores per attack (higher = member), over the evaluation points;
 - ``roc.png`` / ``roc.svg``: log-log ROC of all attacks;
@@ -126,7 +127,8 @@ def _attack_core(
         shadow_doc = {
             "k": shadows,
             "design": (
-                "each shadow is a fedlora training run with the target's configuration on a "
+                "each shadow is a fedlora training run with the target's configuration "
+                "(method, federation, steps, DP level and seed) on a "
                 "random half of the attacker pool (complementary pairs: every pool example "
                 f"is IN half of the shadows); pool = {pool_note}"
             ),
@@ -195,7 +197,12 @@ def _attack_core(
     for name, s in scores.items():
         r = roc_metrics(s, is_member, n_bootstrap=n_bootstrap, seed=seed)
         r["threat_model"] = threat[name]
-        r["seconds"] = secs[name]
+        r["seconds"] = secs[name]  # scoring only
+        if shadow_doc is not None and name != "loss":
+            # The shadows' cost, shared by every reference-based attack of this call.
+            r["shared_shadow_seconds"] = float(
+                np.nansum(shadow_doc["train_seconds_each"]) + shadow_doc["signal_seconds_total"]
+            )
         results[name] = r
     ids = np.asarray([pool_ids[i] for i in eval_idx])
     np.savez(

@@ -330,7 +330,9 @@ class RunData:
 
 
 def load_run(run_dir: str | Path) -> RunData:
-    """Read manifest.json + splits.json and rebuild the examples from the dataset."""
+    """Read manifest.json + splits.json and rebuild the examples from the dataset
+    (ids ``<dataset>:<row>`` → rows via ``TextDataset.ids``); ids touched by audit
+    canaries are left out (see below)."""
     from fl.data import load_dataset
     from fl.io import read_json
 
@@ -348,9 +350,22 @@ def load_run(run_dir: str | Path) -> RunData:
         cfg["dataset"], cfg.get("text_column", "text"), cfg.get("label_column", "label")
     )
     pos = {i: k for k, i in enumerate(ds.ids)}
+    # Audit canaries (handled by audit/) make some ids ambiguous: an included canary
+    # replaced the member at its position (that member was never trained on), and a
+    # canary's source is a non-member whose text (mislabelled) may have been trained on.
+    # Both are left out of the attack.
+    skip = set()
+    for c in splits.get("canaries", []) or []:
+        if c.get("source_id"):
+            skip.add(c["source_id"])
+        p = c.get("position")
+        if c.get("included") and p is not None and 0 <= int(p) < len(splits.get("members", [])):
+            skip.add(splits["members"][int(p)])
     texts, labels, ids, role = [], [], [], []
     for r, key in (("member", "members"), ("nonmember", "nonmembers"), ("test", "test")):
         for i in splits.get(key, []):
+            if i in skip:
+                continue
             if i not in pos:
                 raise UsageError(f"{d}/splits.json: id {i!r} is not in dataset {cfg['dataset']!r}")
             texts.append(ds.texts[pos[i]])

@@ -40,7 +40,9 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
-    p.add_argument("--quick", action="store_true", help="small workloads (smoke test, < 1 min)")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke-test workloads (same code paths, small sizes)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.md")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")

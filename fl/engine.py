@@ -204,6 +204,9 @@ class LocalTrainer:
         if opt_state is not None:
             opt.load_state_dict(opt_state)
         start_vals = [p.detach().clone() for p in params] if prox_mu > 0 else None
+        # Frozen (masked) coordinates must not move at all — not even by AdamW's
+        # decoupled weight decay, which ignores gradients: they are restored each step.
+        frozen_vals = [p.detach().clone() for p in params] if grad_mask else None
         pos_t = torch.as_tensor(positions, dtype=torch.long)
         use_hooks = dp is not None
         if use_hooks:
@@ -269,6 +272,12 @@ class LocalTrainer:
                         if mk is not None:
                             p.grad.mul_(mk.to(p.device, p.dtype))
                 opt.step()
+                if frozen_vals is not None and masks is not None:
+                    with torch.no_grad():
+                        for p, mk, p0 in zip(params, masks, frozen_vals):
+                            if mk is not None:
+                                m = mk.to(p.device, p.dtype)
+                                p.copy_(m * p + (1 - m) * p0)
         finally:
             if use_hooks:
                 self.gsm.disable_hooks()

@@ -138,3 +138,20 @@ def test_schemas_are_valid_json_schema(doc):
     for s in SCHEMAS.values():
         jsonschema.Draft202012Validator.check_schema(s)
     jsonschema.validate(json.loads(json.dumps(doc)), SCHEMAS["claims"])
+
+
+def test_claims_read_runs(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "manifest.json").write_text(json.dumps({"method": "plora", "config": {}}))
+    rows = [
+        {"round": 1, "init_noise": 0.0, "agg_noise": 0.1, "a_rowspace_angle": 0.3},
+        {"round": 2, "init_noise": 0.0, "agg_noise": 0.1, "a_rowspace_angle": 0.5},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d = claims.run(runs=[run], figure=False)
+    validate(d)
+    c = {x["id"]: x for x in d["claims"]}
+    assert c["fedask_updates_both"]["measured"]["runs_max_a_rowspace_angle_rad"] == 0.5
+    assert c["fedask_updates_both"]["holds"] is True  # the run's row space did move
+    assert c["plora_zero_init_noise:run"]["holds"] is True

@@ -47,7 +47,8 @@ def test_errors_match_dense_references():
     s = torch.linalg.svdvals(S)
     ey = float(torch.sqrt(torch.sum(s[r:] ** 2)) / torch.sqrt(torch.sum(s**2)))
     assert abs(_by(res, "flexlora", orank=r) - ey) < 1e-10
-    assert abs(_by(res, "fedpower", orank=r) - ey) < 1e-3  # 4 power iterations
+    # power iteration (4 iterations, no noise) approaches but cannot beat Eckart–Young
+    assert ey - 1e-12 <= _by(res, "fedpower", orank=r) < 1.1 * ey
     # exact ones
     assert _by(res, "flora") < 1e-12
     assert _by(res, "flexlora", orank=K * r) < 1e-12

@@ -117,25 +117,24 @@ def test_calibration_matches_loop():
     np.testing.assert_allclose(calibration.calibration_scores(t, ref, inm), want)
 
 
-def test_shadow_classifier_learns_and_does_not_invent():
+def test_shadow_classifier_learns_what_the_shadows_show():
     rng = np.random.default_rng(3)
     k, m, n = 6, 200, 200
     sy = rng.integers(0, 3, m)
     sin = rng.random((k, m)) < 0.5
-    # Members get a larger true-class logit, in shadows and in the target alike.
-    sl = rng.normal(size=(k, m, 3))
-    sl[np.arange(k)[:, None], np.arange(m)[None, :], sy[None, :]] += 3.0 * sin
     ty = rng.integers(0, 3, n)
     is_mem = rng.random(n) < 0.5
     tl = rng.normal(size=(n, 3))
-    tl[np.arange(n), ty] += 3.0 * is_mem
-    for pc in (True, False):
-        s = shadow.shadow_scores(tl, ty, sl, sy, sin, per_class=pc)
-        assert roc_metrics(s, is_mem, n_bootstrap=0)["auc"] > 0.85
-        # Labels unrelated to the outputs: nothing to learn.
-        s0 = shadow.shadow_scores(tl, ty, sl, sy, sin, per_class=pc)
-        perm = np.random.default_rng(4).permutation(is_mem)
-        assert abs(roc_metrics(s0, perm, n_bootstrap=0)["auc"] - 0.5) < 0.12
+    tl[np.arange(n), ty] += 3.0 * is_mem  # target members: larger true-class logit
+    for sign, check in ((1.0, lambda a: a > 0.85), (-1.0, lambda a: a < 0.15)):
+        # Shadows where IN raises (sign +1) or, perversely, lowers (-1) the true logit: the
+        # attack model must follow its training data, not a fixed "confident = member" rule.
+        sl = rng.normal(size=(k, m, 3))
+        sl[np.arange(k)[:, None], np.arange(m)[None, :], sy[None, :]] += sign * 3.0 * sin
+        for pc in (True, False):
+            s = shadow.shadow_scores(tl, ty, sl, sy, sin, per_class=pc)
+            auc = roc_metrics(s, is_mem, n_bootstrap=0)["auc"]
+            assert check(auc), (sign, pc, auc)
 
 
 # ---------------------------------------------------------------- end to end, tiny-bert

@@ -137,3 +137,22 @@ def test_load_run_errors(tmp_path, tiny_run):
     (bad / "splits.json").write_text(json.dumps(sp))
     with pytest.raises(UsageError, match="999999"):
         load_run(bad)
+
+
+def test_load_run_leaves_out_ids_touched_by_canaries(tmp_path, tiny_run):
+    d, _ = tiny_run
+    c = tmp_path / "canary"
+    shutil.copytree(d, c, ignore=shutil.ignore_patterns("checkpoint"))
+    sp = json.loads((c / "splits.json").read_text())
+    replaced, source = sp["members"][3], sp["nonmembers"][0]
+    sp["canaries"] = [
+        {"id": "canary:0", "source_id": source, "text": "x", "label": 1, "included": True,
+         "position": 3},
+        {"id": "canary:1", "source_id": sp["nonmembers"][1], "text": "y", "label": 0,
+         "included": False, "position": None},
+    ]  # fmt: skip
+    (c / "splits.json").write_text(json.dumps(sp))
+    run = load_run(c)
+    assert replaced not in run.ids and source not in run.ids
+    assert sp["nonmembers"][1] not in run.ids
+    assert (run.role == "member").sum() == 23 and (run.role == "nonmember").sum() == 10

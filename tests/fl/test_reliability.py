@@ -55,7 +55,7 @@ def test_sigkill_at_random_points_then_resume_equals_uninterrupted(tmp_path):
     run = tmp_path / "killed"
     p = _cli(["train", *TINY, "--out", str(run)])
     done_kills = 0
-    for attempt in range(kills + 10):
+    for _attempt in range(kills + 10):
         delay = rng.uniform(0.3, max(0.6, full_time * 0.8))
         try:
             p.wait(timeout=delay)
