@@ -31,15 +31,15 @@ PRESETS: dict[str, dict] = {
         "base": dict(
             model="tiny-bert",
             dataset="synthetic",
-            members=240,
+            members=300,
             nonmembers=120,
             test=100,
             max_length=24,
             clients=3,
             rounds=3,
-            local_steps=6,
-            batch_size=16,
-            lr=0.02,
+            local_steps=10,
+            batch_size=32,
+            lr=0.01,
             rank=4,
             alpha=8.0,
         ),
@@ -148,10 +148,11 @@ def run_job(
                     shadows=spec["shadows"],
                     out=str(rd / "attacks"),
                     seed=seed,
+                    progress=progress,
                 )
                 status["attacks"][rd.name] = {
                     k: v.get("auc")
-                    for k, v in (res.get("results", res)).items()
+                    for k, v in (res.get("attacks") or {}).items()
                     if isinstance(v, dict)
                 }
             except Exception as exc:  # noqa: BLE001
@@ -205,7 +206,7 @@ def _print_summary(st: dict) -> None:
             eps_s = (
                 "non-private"
                 if eps is None
-                else f"ε={eps:.3g}"
+                else f"ε={eps:.3f}"
                 if isinstance(eps, float)
                 else f"ε={eps}"
             )

@@ -370,7 +370,7 @@ def build_report(
         if not att:
             continue
         any_att = True
-        res = att.get("results", att)
+        res = att.get("attacks") or {}
         t = []
         for name, a in res.items():
             if not isinstance(a, dict) or "auc" not in a:

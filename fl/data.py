@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -129,7 +130,8 @@ def load_local(path: str, text_column: str = "text", label_column: str = "label"
         except UnicodeDecodeError:
             content = raw.decode("latin-1")
         if p.suffix.lower() in (".jsonl", ".json"):
-            for ln, line in enumerate(content.splitlines(), 1):
+            # split on "\n" only: str.splitlines also breaks on U+0085/U+2028 inside text
+            for ln, line in enumerate(content.split("\n"), 1):
                 if not line.strip():
                     continue
                 try:
@@ -141,7 +143,7 @@ def load_local(path: str, text_column: str = "text", label_column: str = "label"
                 rows.append(obj)
         elif p.suffix.lower() in (".csv", ".tsv"):
             delim = "\t" if p.suffix.lower() == ".tsv" else ","
-            rows = list(csv.DictReader(content.splitlines(), delimiter=delim))
+            rows = list(csv.DictReader(io.StringIO(content, newline=""), delimiter=delim))
         else:
             raise UsageError(f"unsupported dataset format {p.suffix!r} (use .csv, .tsv or .jsonl)")
     except csv.Error as exc:
