@@ -45,7 +45,7 @@ PRESETS: dict[str, dict] = {
         ),
         "attacks": ("loss", "calibration", "lira", "rmia"),
         "shadows": 4,
-        "attack_runs": ("fedavg-nodp", "fedavg-eps8"),
+        "attack_runs": ("fedavg-nodp",),
         "canaries": 40,
     },
     "default": {

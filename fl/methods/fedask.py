@@ -185,6 +185,17 @@ class FedASK(Method):
         super().__init__(server, options)
         self.A0: dict[str, torch.Tensor] = {}
 
+    def privacy_note(self) -> str:
+        if self.server.dp_level != "sample":
+            return ""
+        if self.opts.clip_space == "w":
+            return (
+                "W-space per-example clipping: the joint norm of [∂l/∂W per LoRA layer, ∂l/∂head] "
+                "is clipped to C, N(0, σ²C²) is added in W-space (m×n per layer) and on the head, "
+                "B.grad = s·(·)Aᵀ/(q·n) (post-processing); Poisson sampling; A fixed at the global A"
+            )
+        return "per-example clipping of (∂l/∂B, ∂l/∂head) to C, N(0, σ²C²) on both; A fixed"
+
     # ---- server ------------------------------------------------------------------
     def init_state(self, initial: dict) -> None:
         super().init_state(initial)

@@ -87,8 +87,16 @@ def test_dataset_files_never_traceback(tmp_path_factory, data, suffix):
 
 
 JSONISH = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False), st.text(max_size=6)),
-    lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=8), c, max_size=4)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-3, 3),
+        st.floats(allow_nan=False),
+        st.text(max_size=6),
+    ),
+    lambda c: st.one_of(
+        st.lists(c, max_size=3), st.dictionaries(st.text(max_size=8), c, max_size=4)
+    ),
     max_leaves=12,
 )
 

@@ -1,0 +1,229 @@
+"""A warm ``flwr-clientapp`` for SuperNodes: fork a pre-imported process per message.
+
+A Flower 1.42 SuperNode runs every message in a new ``flwr-clientapp`` process
+(started by ``flower-superexec`` from ``PATH``). For fedlora that process spends
+~7 s of CPU importing torch, transformers, peft and opacus before it does
+~0.3 s of work (the client engine setup), for every stage of every round.
+
+This module removes the import cost without changing what Flower runs:
+
+- ``python -m fl.flower.warm serve SOCKET`` imports everything once and listens on a
+  Unix socket; per request it forks, and the child runs Flower's own
+  ``flwr-clientapp`` entry point (``flwr.supernode.cli.flwr_clientapp``) with the
+  request's arguments and standard streams. The parent stays single-threaded and
+  never runs torch ops, so forking it is safe.
+- ``python -m fl.flower.warm shim DIR SOCKET`` writes an executable
+  ``DIR/flwr-clientapp`` that forwards its arguments, stdin/stdout/stderr (passed as
+  file descriptors) to the server, relays SIGTERM/SIGINT to the forked child and exits
+  with its exit code. Put ``DIR`` first on the SuperNode's ``PATH``. If the server is
+  not reachable the shim runs the real ``flwr-clientapp`` (the next one on ``PATH``).
+
+Optional: without it a SuperNode works as Flower ships it, only slower.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import stat
+import sys
+from pathlib import Path
+
+PRELOAD = (
+    "flwr.supernode.cli.flwr_clientapp",
+    "flwr.supernode.runtime.run_clientapp",
+    "fl.flower.clientapp",
+    "fl.engine",
+    "fl.methods",
+    "transformers",
+    "transformers.models.bert.modeling_bert",
+    "transformers.models.bert.tokenization_bert",
+    "peft",
+    "opacus",
+)
+
+
+def preload() -> None:
+    """Import what every ClientApp message needs (imports only: no torch ops, so no
+    thread pools exist when the server forks)."""
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional dependency absent here is absent in the child too
+            pass
+    # fl.methods registers methods lazily on first lookup; do it before forking.
+    from fl.flower.clientapp import stage_names
+
+    stage_names()
+
+
+def _child(conn: socket.socket, argv: list[str], fds: list[int]) -> None:
+    """In the forked child: take the caller's stdio, run flwr-clientapp, exit."""
+    for i, fd in enumerate(fds[:3]):
+        os.dup2(fd, i)
+        os.close(fd)
+    code = 1
+    try:
+        from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
+
+        sys.argv = ["flwr-clientapp", *argv]
+        flwr_clientapp()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported on the caller's stderr, exit 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(sock_path: str) -> None:
+    """Run the warm server on ``sock_path`` until SIGTERM/SIGINT."""
+    preload()
+    path = Path(sock_path)
+    if path.exists():
+        path.unlink()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(64)
+    sel = selectors.DefaultSelector()
+    sel.register(srv, selectors.EVENT_READ)
+    waiting: dict[int, socket.socket] = {}  # child pid -> the shim's connection
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    print(f"fedlora warm clientapp server on {path} (pid {os.getpid()})", flush=True)
+    try:
+        while not stop:
+            for _key, _ev in sel.select(timeout=0.1):
+                conn, _ = srv.accept()
+                try:
+                    msg, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+                    argv = json.loads(msg.decode())
+                except (OSError, ValueError):
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    srv.close()
+                    for c in waiting.values():
+                        c.close()
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    _child(conn, argv, fds)
+                for fd in fds:
+                    os.close(fd)
+                try:
+                    conn.sendall(f"pid {pid}\n".encode())
+                except OSError:
+                    pass
+                waiting[pid] = conn
+            # Reap finished children and tell their shims the exit code.
+            while waiting:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                conn = waiting.pop(pid, None)
+                if conn is not None:
+                    try:
+                        conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+                    except OSError:
+                        pass
+                    conn.close()
+    finally:
+        for pid in waiting:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        srv.close()
+        path.unlink(missing_ok=True)
+
+
+SHIM = """#!{python}
+# fedlora warm flwr-clientapp shim (written by `python -m fl.flower.warm shim`).
+import json, os, shutil, signal, socket, sys
+SOCK = {sock!r}
+def real():
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if p and os.path.abspath(p) != here)
+    exe = shutil.which("flwr-clientapp", path=path)
+    if exe is None:
+        sys.exit("flwr-clientapp not found on PATH")
+    os.execv(exe, [exe, *sys.argv[1:]])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect(SOCK)
+    socket.send_fds(s, [json.dumps(sys.argv[1:]).encode()], [0, 1, 2])
+except OSError:
+    s.close()
+    real()
+f = s.makefile("r")
+child = None
+def fwd(sig, _frame):
+    if child:
+        try:
+            os.kill(child, sig)
+        except ProcessLookupError:
+            pass
+signal.signal(signal.SIGTERM, fwd)
+signal.signal(signal.SIGINT, fwd)
+code = 1
+for line in f:
+    kind, _, val = line.strip().partition(" ")
+    if kind == "pid":
+        child = int(val)
+    elif kind == "exit":
+        code = int(val)
+        break
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+def write_shim(directory: str, sock_path: str) -> Path:
+    """Write the ``flwr-clientapp`` shim into ``directory``; returns its path."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / "flwr-clientapp"
+    p.write_text(SHIM.format(python=sys.executable, sock=str(sock_path)))
+    p.chmod(p.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m fl.flower.warm", description=__doc__.split("\n")[0]
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the warm server")
+    s.add_argument("socket")
+    w = sub.add_parser("shim", help="write DIR/flwr-clientapp forwarding to SOCKET")
+    w.add_argument("dir")
+    w.add_argument("socket")
+    a = ap.parse_args(argv)
+    if a.cmd == "serve":
+        serve(a.socket)
+    else:
+        print(write_shim(a.dir, a.socket))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["serve", "write_shim", "preload", "main"]

@@ -1,0 +1,58 @@
+"""The main job end to end on the quick preset: every report section exists and the
+numbers in the report are the numbers in the run files."""
+
+import json
+import math
+import re
+
+import pytest
+
+from audit.job import run_job
+from audit.report import SECTIONS
+
+
+@pytest.mark.timeout(900)
+def test_quick_preset_end_to_end(tmp_path):
+    out = tmp_path / "job"
+    st = run_job("quick", str(out), seed=0, progress=False)
+    assert st["errors"] == [], st["errors"]
+    assert st["missing_sections"] == []
+    html = (out / "report" / "report.html").read_text()
+    md = (out / "report" / "report.md").read_text()
+    for sec in SECTIONS:
+        assert f"<h2>{sec}</h2>" in html
+        assert f"## {sec}" in md
+    # figures are embedded in the single HTML file
+    assert html.count("data:image/png;base64,") >= 5
+    runs = sorted((out / "runs").iterdir())
+    assert {r.name for r in runs} >= {"fedavg-nodp", "fedavg-eps8", "ffa-eps8"}
+    for r in runs:
+        m = json.loads((r / "manifest.json").read_text())
+        acc = m["metrics"]["final"]["accuracy"]
+        eps = m["privacy"]["epsilon"]["pld"]
+        # the Runs table row of this run shows the manifest's numbers
+        row = next(line for line in md.splitlines() if line.startswith(f"| {r.name} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[8]) == pytest.approx(acc, abs=5e-4)
+        if eps is None:
+            assert cells[5] == "—"
+        else:
+            assert float(cells[5]) == pytest.approx(eps, rel=1e-3)
+            assert float(cells[6]) == pytest.approx(eps, rel=1e-3)  # recomputed by the audit
+            assert cells[7] == "False"  # not understated
+            assert eps <= 8.0
+        assert st["runs"][r.name]["accuracy"] == acc
+    # the non-private run learned the synthetic task
+    assert st["runs"]["fedavg-nodp"]["accuracy"] > 0.75
+    # attacks ran and their AUCs in the report come from attacks.json
+    att = json.loads((out / "runs" / "fedavg-nodp" / "attacks" / "attacks.json").read_text())
+    auc = att["attacks"]["loss"]["auc"]
+    assert re.search(rf"\| loss \| {re.escape(f'{auc:.4g}')} \|", md)
+    assert all(0.0 <= v <= 1.0 for v in st["attacks"]["fedavg-nodp"].values())
+    # the claims check and analyses are present
+    claims = json.loads((out / "analysis" / "claims" / "claims.json").read_text())
+    assert len(claims["claims"]) >= 6
+    for c in claims["claims"]:
+        assert c["statement"] in md
+    assert all(v == "ok" for v in st["analyses"].values())
+    assert math.isfinite(st["seconds"])
