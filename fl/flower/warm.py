@@ -13,12 +13,13 @@ This module removes the import cost without changing what Flower runs:
   request's arguments and standard streams. The parent stays single-threaded and
   never runs torch ops, so forking it is safe.
 - ``python -m fl.flower.warm shim DIR SOCKET`` writes an executable
-  ``DIR/flwr-clientapp`` that forwards its arguments, stdin/stdout/stderr (passed as
-  file descriptors) to the server, relays SIGTERM/SIGINT to the forked child and exits
+  ``DIR/flwr-clientapp`` that forwards its arguments, environment, working directory
+  and stdin/stdout/stderr (passed as file descriptors) to the server, relays SIGTERM/SIGINT to the forked child and exits
   with its exit code. Put ``DIR`` first on the SuperNode's ``PATH``. If the server is
   not reachable the shim runs the real ``flwr-clientapp`` (the next one on ``PATH``).
 
-Optional: without it a SuperNode works as Flower ships it, only slower.
+The socket is created mode 0600 (only the SuperNode's user may use it). Optional:
+without it a SuperNode works as Flower ships it, only slower.
 """
 
 from __future__ import annotations
@@ -62,8 +63,13 @@ def preload() -> None:
     stage_names()
 
 
-def _child(conn: socket.socket, argv: list[str], fds: list[int]) -> None:
-    """In the forked child: take the caller's stdio, run flwr-clientapp, exit."""
+def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
+    """In the forked child: take the caller's stdio, environment (``FLWR_HOME`` is the
+    SuperNode's) and working directory, run flwr-clientapp, exit."""
+    argv = list(req["argv"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
     for i, fd in enumerate(fds[:3]):
         os.dup2(fd, i)
         os.close(fd)
@@ -93,7 +99,12 @@ def serve(sock_path: str) -> None:
     if path.exists():
         path.unlink()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(path))
+    # Only this user may connect: a request runs code with the environment it sends.
+    old_umask = os.umask(0o177)
+    try:
+        srv.bind(str(path))
+    finally:
+        os.umask(old_umask)
     srv.listen(64)
     sel = selectors.DefaultSelector()
     sel.register(srv, selectors.EVENT_READ)
@@ -107,8 +118,8 @@ def serve(sock_path: str) -> None:
             for _key, _ev in sel.select(timeout=0.1):
                 conn, _ = srv.accept()
                 try:
-                    msg, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
-                    argv = json.loads(msg.decode())
+                    msg, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+                    req = json.loads(msg.decode())
                 except (OSError, ValueError):
                     conn.close()
                     continue
@@ -119,7 +130,7 @@ def serve(sock_path: str) -> None:
                         c.close()
                     signal.signal(signal.SIGTERM, signal.SIG_DFL)
                     signal.signal(signal.SIGINT, signal.default_int_handler)
-                    _child(conn, argv, fds)
+                    _child(conn, req, fds)
                 for fd in fds:
                     os.close(fd)
                 try:
@@ -167,7 +178,8 @@ def real():
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 try:
     s.connect(SOCK)
-    socket.send_fds(s, [json.dumps(sys.argv[1:]).encode()], [0, 1, 2])
+    req = dict(argv=sys.argv[1:], env=dict(os.environ), cwd=os.getcwd())
+    socket.send_fds(s, [json.dumps(req).encode()], [0, 1, 2])
 except OSError:
     s.close()
     real()

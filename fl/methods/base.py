@@ -146,6 +146,42 @@ class Method:
             new["head"] = {k: v.clone() for k, v in self.global_state["head"].items()}
         return new
 
+    def update_norms(self, replies: Replies) -> dict:
+        """‖θ_k − θ_global‖ of each replied state against the current (pre-aggregation)
+        global state: reported every round so that an enormous — possibly poisoned —
+        update is visible even for methods without clipping. Call before aggregating."""
+        out: dict = {}
+        cids = [c for c in replies.senders if "state" in replies.ok[c]]
+        if not cids:
+            return out
+        # Update norms are reported so that an enormous (possibly poisoned) update is
+        # visible even for methods without clipping.
+        base = F.flatten_state(self.global_state)
+        norms = {}
+        for c in cids:
+            flat = F.flatten_state(replies.ok[c]["state"])
+            norms[c] = math.sqrt(
+                sum(
+                    float((flat[k].float() - base[k].float()).pow(2).sum())
+                    for k in base
+                    if k in flat and flat[k].shape == base[k].shape
+                )
+            )
+        vals = sorted(norms.values())
+        med = vals[len(vals) // 2]
+        out["update_norm_max"] = vals[-1]
+        out["update_norm_median"] = med
+        big = [c for c, v in norms.items() if med > 0 and v > 10 * med]
+        if big:
+            out["outlier_updates"] = big
+            self.server.log(
+                f"update norm of client(s) {big} is "
+                f"more than 10x the median ({med:.3g}); not clipped (no DP clipping in this mode)"
+                if self.server.dp_level == "none"
+                else f"update norm of client(s) {big} is more than 10x the median ({med:.3g})"
+            )
+        return out
+
     def noise_metrics(self, replies: Replies, new_global: dict | None = None) -> dict:
         """init_noise (mean of the clients' reported ``init_noise``) and agg_noise of the
         new global state against the exact weighted average of the replied states

@@ -38,6 +38,8 @@ class FedAvg(Method):
         metrics = {"train_loss": _mean(r["loss"] for r in replies.ok.values())}
         if replies.failed:
             metrics["failed_clients"] = replies.failed
+        if self.server.dp_level != "client":
+            metrics.update(self.update_norms(replies))
         if self.server.dp_level == "client":
             self.global_state, st = self.client_level_dp_average(rnd, replies, keys=self.averaged)
             metrics.update(st)

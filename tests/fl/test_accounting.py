@@ -127,11 +127,11 @@ def test_invalid_target_epsilon():
             calibrate_noise(e, 0.1, 10, 1e-5)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     target=st.floats(0.5, 20.0),
     q=st.floats(0.005, 1.0),
-    steps=st.integers(1, 300),
+    steps=st.integers(1, 120),
     acc=st.sampled_from(["pld", "rdp"]),
 )
 def test_calibrated_sigma_never_overshoots(target, q, steps, acc):

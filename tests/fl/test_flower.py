@@ -203,6 +203,9 @@ def test_flower_simulation_matches_inprocess(tmp_path, tiny_cfg, flower_sim, inp
         assert len(_events(man_b)) == 2 * CLIENTS  # per round and client, on the server
     log = (tmp_path / "flower" / "run.log").read_text()
     assert "flower: client → node" in log
+    ref = [round(r["seconds"], 2) for r in _rows(out_a)]
+    sim = [round(r["seconds"], 2) for r in _rows(tmp_path / "flower")]
+    print(f"\n{method} seconds/round: in-process {ref}, Flower simulation {sim}")
 
 
 @pytest.mark.skipif("fedask" not in registry.names(), reason="fedask not present")
@@ -267,6 +270,12 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 DEPLOY_TIMEOUT = 110.0  # seconds for the whole deployment, processes included
 
 
@@ -288,6 +297,8 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
         PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         FLWR_TELEMETRY_ENABLED="0",
         PYTHONUNBUFFERED="1",
+        # SuperExecs look for new tasks every 1 s by default; Flower's own knob.
+        FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.2",
     )
     homes = {n: tmp_path / f"home-{n}" for n in ("superlink", "node0", "node1", "user")}
     for h in homes.values():
@@ -358,6 +369,15 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
             "nonmembers=30 test=40 local-steps=1 dp-level='sample' noise-multiplier=1.0 "
             "stage-timeout=60.0"
         )
+        # `flwr run` fails at once if the SuperLink is not listening yet; the ServerApp
+        # itself waits (up to stage-timeout) for a SuperNode per client.
+        # The warm server too, so every ClientApp message is a fork (not a fallback).
+        while not (_listening(link) and sock.exists()):
+            assert procs[1].poll() is None, f"SuperLink exited\n{tails()}"
+            assert time.time() - t_start < DEPLOY_TIMEOUT / 2, (
+                f"SuperLink or warm server not up\n{tails()}"
+            )
+            time.sleep(0.2)
         budget = DEPLOY_TIMEOUT - (time.time() - t_start)
         run = subprocess.run(
             [str(VENV_BIN / "flwr"), "run", str(ROOT / "flower_app"), "loopback", "--stream",
@@ -379,28 +399,77 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
         log = (out / "run.log").read_text()
         assert "flower: client → node" in log
         # Every ClientApp message went through the warm server (one fork each).
-        assert "warm clientapp server" in (tmp_path / "warm.log").read_text()
-        secs = [r["seconds"] for r in _rows(out)]
-        ref = [r["seconds"] for r in _rows(tmp_path / "inprocess")]
+        node_logs = [(tmp_path / f"supernode{k}.log").read_text() for k in range(CLIENTS)]
+        assert all("flwr-clientapp" in t for t in node_logs)
+        # The ClientApps ran with each SuperNode's FLWR_HOME (where it installed the app).
+        for k in range(CLIENTS):
+            assert any((homes[f"node{k}"] / "apps").iterdir())
+        secs = [round(r["seconds"], 2) for r in _rows(out)]
+        ref = [round(r["seconds"], 2) for r in _rows(tmp_path / "inprocess")]
         print(f"\nseconds/round: in-process {ref}, loopback deployment {secs}")
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + 10
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(5)
+        _stop_groups([p.pid for p in procs], procs)
         for fh in logs:
             fh.close()
-    for p in procs:  # every group is gone, not just its leader
-        with pytest.raises(ProcessLookupError):
-            os.killpg(p.pid, 0)
+    # Every process of every group is gone, not just the leaders (superexecs, the
+    # ServerApp and ClientApp processes are started by the SuperLink and SuperNodes).
+    assert not [pid for p in procs for pid in _group_members(p.pid)]
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes in process group ``pgid``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(d.name))
+    return found
+
+
+def _stop_groups(pgids: list[int], procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM every group, wait up to ``grace`` s for all members, then SIGKILL."""
+    for g in pgids:
+        try:
+            os.killpg(g, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + grace
+    while time.time() < deadline and any(_group_members(g) for g in pgids):
+        for p in procs:
+            p.poll()
+        time.sleep(0.1)
+    for g in pgids:
+        if _group_members(g):
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait(5)
+    deadline = time.time() + 5
+    while time.time() < deadline and any(_group_members(g) for g in pgids):
+        time.sleep(0.1)
+
+
+def test_warm_shim_falls_back_to_real_clientapp(tmp_path):
+    """Without a warm server the shim runs the real flwr-clientapp (next on PATH) with
+    the same arguments and exit code."""
+    from fl.flower.warm import write_shim
+
+    shim = write_shim(str(tmp_path / "bin"), str(tmp_path / "absent.sock"))
+    env = dict(os.environ, PATH=f"{shim.parent}{os.pathsep}{VENV_BIN}{os.pathsep}/usr/bin:/bin")
+    res = subprocess.run(
+        ["flwr-clientapp", "--help"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 0, res.stderr
+    assert "Run a Flower ClientApp" in res.stdout
+    bad = subprocess.run(
+        ["flwr-clientapp", "--no-such-flag"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "flwr-clientapp: error" in bad.stderr

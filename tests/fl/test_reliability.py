@@ -143,3 +143,26 @@ def test_poisoned_client_update_is_rejected_and_round_goes_on(tmp_path, tiny_cfg
     # the rejected client's DP steps are still in the ledger: 3 clients × 2 rounds
     assert len(m["privacy"]["ledger"]["events"]) == 6
     assert "rejected the update of client 1" in (tmp_path / "r" / "run.log").read_text()
+
+
+def test_enormous_update_is_reported_for_non_dp_methods(tmp_path, tiny_cfg):
+    from fl.methods.fedavg import FedAvg
+
+    orig = FedAvg.on_train
+
+    def huge(self, client, payload):
+        out = orig(self, client, payload)
+        if client.id == "2":
+            for ab in out["state"]["factors"].values():
+                ab["B"] = ab["B"] + 1e3
+        return out
+
+    FedAvg.on_train = huge
+    try:
+        train(tiny_cfg(rounds=1), tmp_path / "r")
+    finally:
+        FedAvg.on_train = orig
+    row = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["outlier_updates"] == ["2"]
+    assert row["update_norm_max"] > 100 * row["update_norm_median"]
+    assert "more than 10x the median" in (tmp_path / "r" / "run.log").read_text()
