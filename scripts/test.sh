@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=2 MPLBACKEND=Agg
-.venv/bin/python -m pytest -n 2 --timeout 600 "$@"
+.venv/bin/python -m pytest -n 2 --dist loadgroup --timeout 600 "$@"

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +20,9 @@ import pytest
 import torch
 
 pytest.importorskip("flwr")
+# One worker runs the whole file under `pytest -n 2 --dist loadgroup`, so the Flower
+# simulation session (Ray) and the in-process references are built once.
+pytestmark = pytest.mark.xdist_group("flower")
 
 from fl.engine import Engine  # noqa: E402
 from fl.flower import records as R  # noqa: E402
@@ -291,7 +296,9 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
     kw = dict(method="fedask", dp_level="sample", noise_multiplier=1.0)
     link, node0, node1 = _free_ports(3)  # SuperLink (all its HTTP APIs), SuperNodes
     shim_dir = tmp_path / "bin"
-    sock = tmp_path / "warm.sock"
+    # AF_UNIX paths are limited to ~107 bytes; tmp_path can be longer (xdist, TMPDIR).
+    sock_dir = Path(tempfile.mkdtemp(prefix="fedlora-warm-", dir="/tmp"))
+    sock = sock_dir / "s"
     base_env = dict(
         os.environ,
         PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -411,6 +418,7 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
         _stop_groups([p.pid for p in procs], procs)
         for fh in logs:
             fh.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     # Every process of every group is gone, not just the leaders (superexecs, the
     # ServerApp and ClientApp processes are started by the SuperLink and SuperNodes).
     assert not [pid for p in procs for pid in _group_members(p.pid)]
