@@ -57,7 +57,8 @@ PRESETS: dict[str, dict] = {
             test=500,
             max_length=48,
             clients=5,
-            rounds=4,
+            rounds=3,
+            eval_every=3,
             local_steps=8,
             batch_size=32,
             lr=5e-3,
@@ -66,7 +67,7 @@ PRESETS: dict[str, dict] = {
         ),
         "attacks": ("loss", "calibration", "lira", "rmia"),
         "shadows": 4,
-        "attack_runs": ("fedavg-nodp", "fedavg-eps8"),
+        "attack_runs": ("fedavg-nodp",),
         "canaries": 100,
     },
 }

@@ -150,9 +150,10 @@ def load_local(path: str, text_column: str = "text", label_column: str = "label"
         raise UsageError(f"{path}: malformed CSV ({exc})") from None
     if not rows:
         raise UsageError(f"dataset file has no rows: {path}")
+    header = [str(k) for k in rows[0] if k is not None]  # None = csv's key for extra fields
     for col in (text_column, label_column):
-        if col not in rows[0]:
-            raise UsageError(f"{path}: column {col!r} not found (have {sorted(rows[0])})")
+        if col not in header:
+            raise UsageError(f"{path}: column {col!r} not found (have {sorted(header)})")
     texts, raw_labels, ids = [], [], []
     for i, r in enumerate(rows):
         t, y = r.get(text_column), r.get(label_column)

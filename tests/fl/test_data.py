@@ -86,3 +86,15 @@ def test_local_files(tmp_path):
         load_local(str(bad))
     with pytest.raises(UsageError, match="unknown dataset"):
         load_dataset("nope")
+
+
+def test_csv_rows_longer_than_the_header(tmp_path):
+    # found by fuzzing: csv.DictReader keys extra fields under None
+    p = tmp_path / "x.csv"
+    p.write_text("a,b\n1,2,3\n")
+    with pytest.raises(UsageError, match="column 'text' not found"):
+        load_local(str(p))
+    q = tmp_path / "y.csv"
+    q.write_text("text,label\nhello,1,extra\nbye,0\n")
+    ds = load_local(str(q))
+    assert ds.texts == ["hello", "bye"]
