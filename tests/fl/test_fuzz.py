@@ -147,3 +147,37 @@ def test_manifest_ledger_from_json_roundtrip(tmp_path):
     p = tmp_path / "l.json"
     p.write_text(json.dumps(led.state_dict()))
     assert Ledger.from_state_dict(read_json(p)).epsilon() == 0.0
+
+
+BAD_VALUES = st.sampled_from(
+    ["/nonexistent/x", "nan", "-1", "", "0", "{}", "bogus", "1e309", "-inf"]
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    cmd=st.sampled_from(["analyze", "attack", "audit", "report", "bench", "train"]),
+    extra=st.lists(st.tuples(st.sampled_from(["--json", "--out", "--seed", "--runs", "--shadows",
+                                              "--attacks", "--claim", "--one-run", "--device", "--bogus"]),
+                             BAD_VALUES), max_size=3),
+)  # fmt: skip
+def test_every_cli_entry_rejects_bad_input_with_one_line(cmd, extra, capsys, tmp_path_factory):
+    """Every sub-command, given a nonexistent target and hostile values, exits 2 with one
+    line — never a traceback."""
+    target = {
+        "analyze": ["no-such-analysis"],
+        "attack": ["/nonexistent/run"],
+        "audit": ["/nonexistent/run"],
+        "report": ["/nonexistent/run", "--out", str(tmp_path_factory.mktemp("rep"))],
+        "bench": ["no-such-benchmark"],
+        "train": ["--resume", "/nonexistent/run"],
+    }[cmd]
+    argv = [cmd, *target] + [x for pair in extra for x in pair]
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, (argv, err)
+    assert len(err) == 1 and err[0].startswith("fedlora: error:"), (argv, err)
+    assert not any("Traceback" in line for line in err)
