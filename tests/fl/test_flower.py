@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("flwr")
 # One worker runs the whole file under `pytest -n 2 --dist loadgroup`, so the Flower
 # simulation session (Ray) and the in-process references are built once.
 pytestmark = pytest.mark.xdist_group("flower")
@@ -213,7 +212,6 @@ def test_flower_simulation_matches_inprocess(tmp_path, tiny_cfg, flower_sim, inp
     print(f"\n{method} seconds/round: in-process {ref}, Flower simulation {sim}")
 
 
-@pytest.mark.skipif("fedask" not in registry.names(), reason="fedask not present")
 def test_fedask_client_failing_between_stages(tmp_path, tiny_cfg, flower_sim):
     """Client 1 fails in stage 2 (project) of round 1 after training in stage 1: the
     round completes with the survivor (Y and Q recomputed from it), client 1's DP steps
@@ -284,7 +282,6 @@ def _listening(port: int) -> bool:
 DEPLOY_TIMEOUT = 110.0  # seconds for the whole deployment, processes included
 
 
-@pytest.mark.skipif("fedask" not in registry.names(), reason="fedask not present")
 def test_deployment_loopback(tmp_path, tiny_cfg):
     """A real SuperLink and two SuperNodes on 127.0.0.1 (insecure: loopback only), each
     a separate process group; 2 rounds of FedASK submitted with `flwr run`. The

@@ -53,9 +53,11 @@ def test_toml_config_never_traceback(tmp_path_factory, data):
     p = tmp_path_factory.mktemp("c") / "c.toml"
     p.write_bytes(data)
     try:
-        TrainConfig.from_dict(load_toml(str(p))).validate()
-    except UsageError:
-        pass
+        cfg = TrainConfig.from_dict(load_toml(str(p))).validate()
+    except UsageError as e:
+        assert "\n" not in str(e)
+        return
+    assert isinstance(cfg, TrainConfig)
 
 
 @FUZZ
@@ -69,9 +71,11 @@ def test_toml_config_never_traceback(tmp_path_factory, data):
 )  # fmt: skip
 def test_config_dict_never_traceback(d):
     try:
-        TrainConfig.from_dict(d).validate()
-    except UsageError:
-        pass
+        cfg = TrainConfig.from_dict(d).validate()
+    except UsageError as e:
+        assert str(e)
+        return
+    assert set(d) <= set(cfg.to_dict())
 
 
 @FUZZ
@@ -107,9 +111,11 @@ def test_ledger_never_traceback(obj):
     for doc in (obj, {"version": 1, "level": "sample", "delta": 1e-5, "events": obj},
                 {"version": 1, "level": "sample", "delta": 1e-5, "events": [obj]}):  # fmt: skip
         try:
-            Ledger.from_state_dict(doc).epsilon()
-        except UsageError:
-            pass
+            eps = Ledger.from_state_dict(doc).epsilon()
+        except UsageError as e:
+            assert str(e)
+            continue
+        assert eps >= 0.0
 
 
 @FUZZ
@@ -118,9 +124,14 @@ def test_read_json_never_traceback(tmp_path_factory, data):
     p = tmp_path_factory.mktemp("j") / "m.json"
     p.write_bytes(data)
     try:
-        read_json(p)
-    except UsageError:
-        pass
+        doc = read_json(p)
+    except UsageError as e:
+        assert str(p) in str(e) or "not found" in str(e)
+        continue_ok = False
+    else:
+        continue_ok = True
+    if continue_ok:
+        assert doc == json.loads(data.decode("utf-8"))
 
 
 @pytest.mark.parametrize(
