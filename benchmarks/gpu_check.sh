@@ -6,6 +6,8 @@
 #   2. the DP-overhead benchmark on CUDA (minilm and the BERT-base model; fp32 and bf16);
 #   3. the server-aggregation benchmark on CUDA (layer sizes up to 4096, K = 10, 100).
 # Usage: benchmarks/gpu_check.sh RESULTS_DIR     (run from the repository root)
+# GPU_CHECK_PARTS=methods|bench|all (default all) runs only part 1, only parts 2-3, or all;
+# GPU_CHECK_METHODS=a,b limits part 1 to those methods.
 # Writes RESULTS_DIR/{env.txt,methods.json,methods.md,bench_dp*/,bench_agg/,summary.md,log.txt}.
 # Exits 2 with a clear message when no CUDA device is present (nothing is trained).
 set -u -o pipefail
@@ -43,7 +45,7 @@ say() { echo "[gpu_check +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG" >&2; 
 # ---- 1. every method with DP on a BERT-base-sized random-init model -------------------
 say "building the BERT-base-sized random-init model folder"
 MODEL_DIR="$OUT/bert-base-random"
-timeout 120 "$PY" - "$MODEL_DIR" >>"$LOG" 2>&1 <<'EOF' || { say "model build failed"; exit 1; }
+timeout 60 "$PY" - "$MODEL_DIR" >>"$LOG" 2>&1 <<'EOF' || { say "model build failed"; exit 1; }
 import sys
 import torch
 from transformers import BertConfig, BertForSequenceClassification
@@ -57,8 +59,10 @@ tok.save_pretrained(sys.argv[1])
 print("saved", sys.argv[1], sum(p.numel() for p in BertForSequenceClassification(cfg).parameters()))
 EOF
 
+PARTS="${GPU_CHECK_PARTS:-all}"
+if [ "$PARTS" != "bench" ]; then
 say "training every method with DP (bf16 autocast where it works)"
-timeout 300 "$PY" - "$MODEL_DIR" "$OUT" >>"$LOG" 2>&1 <<'EOF' || { say "method runs failed or timed out"; status=1; }
+timeout 240 "$PY" - "$MODEL_DIR" "$OUT" >>"$LOG" 2>&1 <<'EOF' || { say "method runs failed or timed out"; status=1; }
 import json, sys, time, traceback
 from pathlib import Path
 import torch
@@ -69,7 +73,11 @@ from fl.methods import registry
 model_dir, out = sys.argv[1], Path(sys.argv[2])
 HETERO = {"flora", "flexlora", "hetlora", "plora"}
 rows, failed = [], 0
+import os
+only = [m for m in os.environ.get("GPU_CHECK_METHODS", "").split(",") if m]
 for name in registry.names():
+    if only and name not in only:
+        continue
     kw = dict(method=name, model=model_dir, dataset="synthetic", members=600, nonmembers=0,
               test=200, max_length=64, clients=3, rounds=2, local_steps=5, batch_size=32,
               rank=8, alpha=16.0, dp_level="sample", epsilon=8.0, device="cuda",
@@ -112,21 +120,24 @@ for r in rows:
 (out / "methods.md").write_text("\n".join(lines) + "\n")
 sys.exit(1 if failed else 0)
 EOF
+fi
 
 # ---- 2. DP overhead on CUDA (fp32, then bf16 autocast) -----------------------------------
+if [ "$PARTS" != "methods" ]; then
 export FEDLORA_BENCH_DP_MODELS="minilm,$MODEL_DIR"
 say "dp_overhead benchmark, fp32"
-timeout 120 "$PY" -m fl.cli bench dp_overhead --device cuda --out "$OUT/bench_dp_fp32" \
+timeout 90 "$PY" -m fl.cli bench dp_overhead --device cuda --out "$OUT/bench_dp_fp32" \
   >>"$LOG" 2>&1 || { say "dp_overhead fp32 failed"; status=1; }
 say "dp_overhead benchmark, bf16 autocast"
-FEDLORA_BENCH_BF16=1 timeout 90 "$PY" -m fl.cli bench dp_overhead --device cuda \
+FEDLORA_BENCH_BF16=1 timeout 60 "$PY" -m fl.cli bench dp_overhead --device cuda \
   --out "$OUT/bench_dp_bf16" >>"$LOG" 2>&1 || { say "dp_overhead bf16 failed"; status=1; }
 unset FEDLORA_BENCH_DP_MODELS
 
 # ---- 3. server aggregation up to 4096 on CUDA --------------------------------------------
 say "aggregation benchmark (384, 1024, 4096; K = 10, 100)"
-timeout 90 "$PY" -m fl.cli bench aggregation --device cuda --out "$OUT/bench_agg" \
+timeout 60 "$PY" -m fl.cli bench aggregation --device cuda --out "$OUT/bench_agg" \
   >>"$LOG" 2>&1 || { say "aggregation failed"; status=1; }
+fi
 
 {
   echo "# gpu_check $(date -u +%FT%TZ), $(( $(date +%s) - START )) s, exit status $status"

@@ -206,6 +206,33 @@ def apply_sum_t(Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights, Y:
     return out
 
 
+def stack_factors(
+    Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(B_cat m×Σr_k, A_cat Σr_k×n, d (Σr_k,)) with Σ_k p_k B_k A_k = B_cat diag(d) A_cat:
+    d holds p_k repeated r_k times (the factors themselves are only concatenated)."""
+    _check_pairs(Bs, As)
+    w = _weights(weights, len(Bs))
+    ref = Bs[0]
+    d = torch.cat(
+        [
+            torch.as_tensor(p, dtype=ref.dtype, device=ref.device).reshape(1).expand(B.shape[1])
+            for p, B in zip(w, Bs)
+        ]
+    )
+    return torch.cat(list(Bs), dim=1), torch.cat(list(As), dim=0), d
+
+
+def apply_stacked(
+    Bcat: Tensor, Acat: Tensor, d: Tensor, X: Tensor, transpose: bool = False
+) -> Tensor:
+    """B_cat diag(d) A_cat X (X n×c -> m×c) or, with ``transpose``, its transpose applied
+    to X (m×c -> n×c); see :func:`stack_factors`."""
+    if transpose:
+        return Acat.mT @ (d[:, None] * (Bcat.mT @ X))
+    return Bcat @ (d[:, None] * (Acat @ X))
+
+
 def dense_sum(Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights = None) -> Tensor:
     """Reference: the dense m×n matrix S = Σ_k p_k B_k A_k (forms it)."""
     Bc, Ac = _stack(Bs, As, weights)

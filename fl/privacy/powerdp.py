@@ -108,16 +108,37 @@ def clip_factored(B: Tensor, A: Tensor, C: float) -> tuple[Tensor, Tensor, Tenso
     """
     if not (isinstance(C, int | float) and not math.isnan(C) and C > 0):
         raise ValueError(f"clipping bound must be > 0, got {C!r}")
-    if not (bool(torch.isfinite(B).all()) and bool(torch.isfinite(A).all())):
-        raise NonFiniteUpdateError("client update has non-finite factor entries")
     norm = linalg.factored_fro_norm(B, A)
+    # Every entry of B and A enters a diagonal term (BᵀB)_ii (AAᵀ)_ii of the norm, so a
+    # NaN/Inf entry makes the norm NaN/Inf (clamp keeps NaN): one scalar check covers
+    # the entries; the full scans run only to name the problem.
     if not bool(torch.isfinite(norm)):
+        if not (bool(torch.isfinite(B).all()) and bool(torch.isfinite(A).all())):
+            raise NonFiniteUpdateError("client update has non-finite factor entries")
         raise NonFiniteUpdateError(f"client update norm is not finite ({float(norm)})")
     if math.isinf(C) or float(norm) <= C:
         factor = torch.ones_like(norm)
     else:
         factor = C / norm
     return B * factor, A, norm, factor
+
+
+def clip_scales(Bs: Sequence[Tensor], As: Sequence[Tensor], C: float) -> list[Tensor]:
+    """The clip factor min(1, C/‖B_k A_k‖_F) of every client (0-dim tensors), without
+    scaling any factor; the same checks and errors as :func:`clip_factored`."""
+    if len(Bs) != len(As) or not Bs:
+        raise ValueError("need equal, non-empty lists of B and A factors")
+    out = []
+    for B, A in zip(Bs, As):
+        if not (isinstance(C, int | float) and not math.isnan(C) and C > 0):
+            raise ValueError(f"clipping bound must be > 0, got {C!r}")
+        norm = linalg.factored_fro_norm(B, A)
+        if not bool(torch.isfinite(norm)):
+            if not (bool(torch.isfinite(B).all()) and bool(torch.isfinite(A).all())):
+                raise NonFiniteUpdateError("client update has non-finite factor entries")
+            raise NonFiniteUpdateError(f"client update norm is not finite ({float(norm)})")
+        out.append(torch.ones_like(norm) if math.isinf(C) or float(norm) <= C else C / norm)
+    return out
 
 
 def clip_clients(
@@ -179,11 +200,13 @@ def initial_basis(
 def gaussian_noise(
     shape: tuple[int, ...], std: float, generator: torch.Generator, like: Tensor
 ) -> Tensor:
-    """N(0, std²) noise of ``shape``, drawn in float64 on the generator's device, then
-    cast to ``like``'s dtype/device (so a seed gives the same noise on any dtype)."""
+    """N(0, std²) noise of ``shape``, drawn on the generator's device in ``like``'s
+    dtype when that is float64, else in float32 (as Opacus draws DP-SGD noise), then
+    moved to ``like``'s device and dtype."""
     if not (math.isfinite(std) and std >= 0):
         raise ValueError(f"noise std must be finite and >= 0, got {std}")
-    g = torch.randn(shape, generator=generator, dtype=torch.float64, device=generator.device)
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    g = torch.randn(shape, generator=generator, dtype=dtype, device=generator.device)
     return (std * g).to(dtype=like.dtype, device=like.device)
 
 
@@ -196,12 +219,16 @@ def noisy_projection(
     generator: torch.Generator | None,
     transpose: bool = False,
     dense: Tensor | None = None,
+    stacked: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """One Gaussian release: W̄ X + G (X n×k -> m×k) or, with ``transpose``, W̄ᵀ X + G
     (X m×k -> n×k); W̄ = Σ p_k B_k A_k applied factored (or the given ``dense`` W̄);
-    G ~ N(0, noise_std² I). ``noise_std = 0`` adds nothing."""
+    G ~ N(0, noise_std² I). ``noise_std = 0`` adds nothing. ``stacked``: the result of
+    ``linalg.stack_factors`` for these clients and weights (used instead of them)."""
     if dense is not None:
         Y = dense.mT @ X if transpose else dense @ X
+    elif stacked is not None:
+        Y = linalg.apply_stacked(*stacked, X, transpose=transpose)
     elif transpose:
         Y = linalg.apply_sum_t(Bs, As, weights, X)
     else:
@@ -273,18 +300,27 @@ def powerdp(
         raise ValueError(
             f"need rank > 0, iters >= 0, oversample >= 0; got {rank}, {iters}, {oversample}"
         )
-    Bc, Ac, _ = clip_clients(Bs, As, clip)
-    w = linalg._weights(weights, len(Bc))
+    scales = clip_scales(Bs, As, clip)
+    w = linalg._weights(weights, len(Bs))
     sens = projection_sensitivity(clip, _weight_bound(w, weight_bound))
     std = noise_multiplier * sens if noise_multiplier > 0 else 0.0
-    W = linalg.dense_sum(Bc, Ac, w) if dense else None
+    Bc, Ac = list(Bs), list(As)
+    W = linalg.dense_sum([B * f for B, f in zip(Bs, scales)], Ac, w) if dense else None
     n = Ac[0].shape[1]
+    stacked = None
+    if not dense:
+        # One pair of tall factors instead of K: W̄ = B_cat diag(d) A_cat with
+        # d = (p_k·clip factor_k, repeated r_k times), so each projection is two GEMMs
+        # (m×Σr_k and Σr_k×n) and a row scaling of the small Σr_k×k middle.
+        stacked = linalg.stack_factors(list(Bs), list(As), [p * f for p, f in zip(w, scales)])
     k = rank + oversample
     X = initial_basis(n, k, seed, dtype=Bc[0].dtype, device=Bc[0].device)
     records: list[dict] = []
 
     def release(M: Tensor, transpose: bool, i: int, final: bool = False) -> Tensor:
-        Y = noisy_projection(Bc, Ac, w, M, std, generator, transpose=transpose, dense=W)
+        Y = noisy_projection(
+            Bc, Ac, w, M, std, generator, transpose=transpose, dense=W, stacked=stacked
+        )
         rec = _record(
             "projection",
             i,
