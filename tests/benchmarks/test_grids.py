@@ -1,0 +1,94 @@
+"""Measurement grids: job lists, recipe choice, summaries, and one real resumable call."""
+
+import json
+
+import pytest
+
+from benchmarks import grids as G
+
+TINY = dict(
+    model="tiny-bert",
+    dataset="synthetic",
+    members=120,
+    nonmembers=30,
+    test=40,
+    max_length=16,
+    clients=2,
+    rounds=1,
+    local_steps=1,
+    batch_size=8,
+)
+
+
+def test_grid_sizes_and_unique_keys():
+    base = dict(G.RECIPE)
+    seeds = [0, 1, 2]
+    sizes = {g: len(f(base, seeds)) for g, f in G.GRIDS.items()}
+    # 4 privacy settings x 3 methods x 3 seeds; 3 ε x 3 methods x 3 seeds + 2 x 3;
+    # 2 privacy x 2 partitions x 5 methods x 3 seeds; 4 attack targets; 8 recipes x 2.
+    assert sizes == {"fedask": 36, "fedpower": 33, "hetero": 60, "attacks": 4, "recipe": 16}
+    keys = [G.job_key(j) for f in G.GRIDS.values() for j in f(base, seeds)]
+    assert len(keys) == len(set(keys))
+
+
+def test_grid_configs_are_valid_train_configs():
+    from fl.config import TrainConfig
+
+    for f in G.GRIDS.values():
+        for job in f(dict(G.RECIPE), [0]):
+            TrainConfig(**job["cfg"])  # raises on an unknown field
+
+
+def test_hetero_uses_the_smallest_rank_for_fedavg():
+    jobs = G.jobs_hetero(dict(G.RECIPE), [0])
+    fedavg = [j["cfg"] for j in jobs if j["cfg"]["method"] == "fedavg"]
+    others = [j["cfg"] for j in jobs if j["cfg"]["method"] != "fedavg"]
+    assert {c["rank"] for c in fedavg} == {4}
+    assert {(c["rank"], c["client_ranks"]) for c in others} == {(16, "4,8,16")}
+
+
+def test_best_recipe_needs_both_methods_and_takes_the_best_mean():
+    rows = [
+        {"grid": "recipe", "group": "m10k-b64-s10-adamw5e-3/fedavg", "accuracy": 0.9},
+        {"grid": "recipe", "group": "m10k-b64-s10-adamw2e-2/fedavg", "accuracy": 0.8},
+        {"grid": "recipe", "group": "m10k-b64-s10-adamw2e-2/ffa", "accuracy": 0.78},
+        {"grid": "recipe", "group": "m10k-b64-s10-sgd2/fedavg", "accuracy": 0.7},
+        {"grid": "recipe", "group": "m10k-b64-s10-sgd2/ffa", "accuracy": 0.75},
+    ]
+    name, over = G.best_recipe(rows)
+    assert name == "m10k-b64-s10-adamw2e-2"  # mean 0.79 > 0.725; 0.9 has no ffa run
+    assert over == G.RECIPE_CANDIDATES[name]
+    with pytest.raises(RuntimeError, match="no recipe candidate"):
+        G.best_recipe(rows[:1])
+
+
+def test_summary_mean_and_std():
+    rows = [
+        {"grid": "x", "group": "a", "accuracy": 0.5, "seconds": 1.0},
+        {"grid": "x", "group": "a", "accuracy": 0.7, "seconds": 3.0},
+        {"grid": "x", "group": "b", "error": "boom"},
+    ]
+    md = G.summarize(rows)
+    assert "| a | 2 | 0.6000 ± 0.1414 |" in md
+    assert "| b |" not in md
+
+
+def test_real_call_then_resume_skips_finished_jobs(tmp_path, monkeypatch):
+    def two_jobs(base, seeds):
+        return [
+            {"grid": "t", "group": f"fedavg/s{s}", "cfg": {**base, "method": "fedavg", "seed": s}}
+            for s in seeds
+        ]
+
+    monkeypatch.setitem(G.GRIDS, "recipe", two_jobs)  # the parent builds the job list
+    base = [f"{k}={v}" for k, v in TINY.items()]
+    argv = ["recipe", "--out", str(tmp_path), "--workers", "1", "--seeds", "0,1", "--base", *base]
+    assert G.main(argv) == 0
+    rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["group"] for r in rows) == ["fedavg/s0", "fedavg/s1"]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["epsilon"] is None for r in rows)
+    man = json.loads((tmp_path / "runs" / rows[0]["run"] / "manifest.json").read_text())
+    assert man["config"]["members"] == 120
+    assert G.main(argv) == 0  # nothing left to do: no new rows
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
+    assert "fedavg/s0" in (tmp_path / "summary.md").read_text()
