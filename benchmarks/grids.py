@@ -18,7 +18,8 @@ the ``attacks`` grid):
 Each worker imports torch once and runs its jobs in-process; CUDA needs the ``spawn``
 start method, which is used everywhere. Every finished job appends one JSON line to
 ``DIR/results.jsonl`` (a resumed call skips jobs already there); ``DIR/summary.md`` holds
-mean ± std per group. With ``--deadline`` no job is started after that many seconds.
+mean ± std per group. With ``--deadline`` no job is started after that many seconds;
+``--only TEXT`` keeps the jobs whose group contains TEXT.
 """
 
 from __future__ import annotations
@@ -345,6 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="apply the best candidate of an earlier `recipe` grid in --out",
     )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="run only the jobs whose group contains TEXT (repeatable)",
+    )
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error("--workers must be >= 1")
@@ -369,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for g in args.grids:
         for job in GRIDS[g](base, seeds):
+            if args.only and not any(o in job["group"] for o in args.only):
+                continue
             job["key"] = job_key(job)
             if job["key"] not in done:
                 jobs.append(job)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from audit.job import run_job
-from audit.report import SECTIONS
+from audit.report import CHANCE_BALANCED, SECTIONS
 
 
 @pytest.mark.timeout(900)
@@ -42,6 +42,13 @@ def test_quick_preset_end_to_end(tmp_path):
             assert cells[7] == "False"  # not understated
             assert eps <= 8.0
         assert st["runs"][r.name]["accuracy"] == acc
+    # the chance-level note names exactly the runs at chance balanced accuracy
+    para = next((x for x in md.splitlines() if x.startswith("**Chance-level runs.**")), "")
+    for r in runs:
+        bal = json.loads((r / "manifest.json").read_text())["metrics"]["final"].get(
+            "balanced_accuracy"
+        )
+        assert (f"{r.name} (" in para) == (bal is not None and bal <= CHANCE_BALANCED)
     # the non-private run learned the synthetic task
     assert st["runs"]["fedavg-nodp"]["accuracy"] > 0.75
     # attacks ran and their AUCs in the report come from attacks.json

@@ -83,7 +83,10 @@ def test_real_call_then_resume_skips_finished_jobs(tmp_path, monkeypatch):
     monkeypatch.setitem(G.GRIDS, "recipe", two_jobs)  # the parent builds the job list
     base = [f"{k}={v}" for k, v in TINY.items()]
     argv = ["recipe", "--out", str(tmp_path), "--workers", "1", "--seeds", "0,1", "--base", *base]
-    assert G.main(argv) == 0
+    assert G.main([*argv, "--only", "s1"]) == 0  # one job of two
+    rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["group"] for r in rows] == ["fedavg/s1"]
+    assert G.main(argv) == 0  # the other one; s1 is not run again
     rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert sorted(r["group"] for r in rows) == ["fedavg/s0", "fedavg/s1"]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["epsilon"] is None for r in rows)

@@ -193,12 +193,21 @@ METHODS = [
     ("fedask", dict(dp_level="sample", noise_multiplier=1.0)),
     ("fedpower", dict()),
     ("plora", dict()),
+    ("flora", dict()),
+    ("flexlora", dict(client_ranks_list="2,4")),
+    ("hetlora", dict(client_ranks_list="2,4")),
+    ("scaffold", dict()),
+    ("fedsa", dict()),
+    ("fedprox", dict()),
+    ("ffa", dict(dp_level="sample", noise_multiplier=1.0)),
 ]
 
 
-@pytest.mark.parametrize(
-    "method,kw", [m for m in METHODS if m[0] in registry.names()], ids=lambda m: str(m)
-)
+def test_every_registered_method_is_covered():
+    assert {m for m, _ in METHODS} == set(registry.names())
+
+
+@pytest.mark.parametrize("method,kw", METHODS, ids=lambda m: str(m))
 def test_flower_simulation_matches_inprocess(tmp_path, tiny_cfg, flower_sim, inprocess, method, kw):
     out_a, man_a = inprocess(_small(tiny_cfg, method=method, **kw), method)
     man_b, _ = _run(_small(tiny_cfg, method=method, transport="flower", **kw), tmp_path / "flower")
