@@ -210,16 +210,16 @@ def stack_factors(
     Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(B_cat m×Σr_k, A_cat Σr_k×n, d (Σr_k,)) with Σ_k p_k B_k A_k = B_cat diag(d) A_cat:
-    d holds p_k repeated r_k times (the factors themselves are only concatenated)."""
+    d holds p_k repeated r_k times (the factors themselves are only concatenated).
+    ``weights`` may be a (K,) tensor on the factors' device (kept there: no host sync)."""
     _check_pairs(Bs, As)
-    w = _weights(weights, len(Bs))
     ref = Bs[0]
-    d = torch.cat(
-        [
-            torch.as_tensor(p, dtype=ref.dtype, device=ref.device).reshape(1).expand(B.shape[1])
-            for p, B in zip(w, Bs)
-        ]
-    )
+    if isinstance(weights, Tensor) and weights.ndim == 1 and len(weights) == len(Bs):
+        w = weights.to(dtype=ref.dtype, device=ref.device)
+    else:
+        w = torch.tensor(_weights(weights, len(Bs)), dtype=ref.dtype, device=ref.device)
+    ranks = torch.tensor([B.shape[1] for B in Bs], device=ref.device)
+    d = torch.repeat_interleave(w, ranks)
     return torch.cat(list(Bs), dim=1), torch.cat(list(As), dim=0), d
 
 

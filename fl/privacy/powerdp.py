@@ -123,22 +123,30 @@ def clip_factored(B: Tensor, A: Tensor, C: float) -> tuple[Tensor, Tensor, Tenso
     return B * factor, A, norm, factor
 
 
-def clip_scales(Bs: Sequence[Tensor], As: Sequence[Tensor], C: float) -> list[Tensor]:
-    """The clip factor min(1, C/‖B_k A_k‖_F) of every client (0-dim tensors), without
-    scaling any factor; the same checks and errors as :func:`clip_factored`."""
+def clip_scales(Bs: Sequence[Tensor], As: Sequence[Tensor], C: float) -> Tensor:
+    """The clip factors min(1, C/‖B_k A_k‖_F) of all clients, a (K,) tensor, without
+    scaling any factor; the same checks and errors as :func:`clip_factored`. Clients of
+    one shape share batched Gram products, and one host sync checks every norm."""
     if len(Bs) != len(As) or not Bs:
         raise ValueError("need equal, non-empty lists of B and A factors")
-    out = []
-    for B, A in zip(Bs, As):
-        if not (isinstance(C, int | float) and not math.isnan(C) and C > 0):
-            raise ValueError(f"clipping bound must be > 0, got {C!r}")
-        norm = linalg.factored_fro_norm(B, A)
-        if not bool(torch.isfinite(norm)):
-            if not (bool(torch.isfinite(B).all()) and bool(torch.isfinite(A).all())):
-                raise NonFiniteUpdateError("client update has non-finite factor entries")
-            raise NonFiniteUpdateError(f"client update norm is not finite ({float(norm)})")
-        out.append(torch.ones_like(norm) if math.isinf(C) or float(norm) <= C else C / norm)
-    return out
+    if not (isinstance(C, int | float) and not math.isnan(C) and C > 0):
+        raise ValueError(f"clipping bound must be > 0, got {C!r}")
+    if len({(tuple(B.shape), tuple(A.shape)) for B, A in zip(Bs, As)}) == 1:
+        if Bs[0].shape[1] != As[0].shape[0]:
+            raise ValueError(f"B is {tuple(Bs[0].shape)} but A is {tuple(As[0].shape)}")
+        Bst, Ast = torch.stack(list(Bs)), torch.stack(list(As))
+        sq = torch.sum((Bst.mT @ Bst) * (Ast @ Ast.mT), dim=(1, 2))
+        norms = torch.sqrt(torch.clamp(sq, min=0.0))
+    else:
+        norms = torch.stack([linalg.factored_fro_norm(B, A) for B, A in zip(Bs, As)])
+    if not bool(torch.isfinite(norms).all()):
+        k = int((~torch.isfinite(norms)).nonzero()[0, 0])
+        if not (bool(torch.isfinite(Bs[k]).all()) and bool(torch.isfinite(As[k]).all())):
+            raise NonFiniteUpdateError("client update has non-finite factor entries")
+        raise NonFiniteUpdateError(f"client update norm is not finite ({float(norms[k])})")
+    if math.isinf(C):
+        return torch.ones_like(norms)
+    return torch.clamp(C / norms, max=1.0)  # a zero norm gives inf, clamped to 1
 
 
 def clip_clients(
@@ -305,14 +313,15 @@ def powerdp(
     sens = projection_sensitivity(clip, _weight_bound(w, weight_bound))
     std = noise_multiplier * sens if noise_multiplier > 0 else 0.0
     Bc, Ac = list(Bs), list(As)
-    W = linalg.dense_sum([B * f for B, f in zip(Bs, scales)], Ac, w) if dense else None
+    W = linalg.dense_sum([B * f for B, f in zip(Bs, scales.unbind())], Ac, w) if dense else None
     n = Ac[0].shape[1]
     stacked = None
     if not dense:
         # One pair of tall factors instead of K: W̄ = B_cat diag(d) A_cat with
         # d = (p_k·clip factor_k, repeated r_k times), so each projection is two GEMMs
         # (m×Σr_k and Σr_k×n) and a row scaling of the small Σr_k×k middle.
-        stacked = linalg.stack_factors(list(Bs), list(As), [p * f for p, f in zip(w, scales)])
+        pw = torch.as_tensor(w, dtype=scales.dtype, device=scales.device) * scales
+        stacked = linalg.stack_factors(list(Bs), list(As), pw)
     k = rank + oversample
     X = initial_basis(n, k, seed, dtype=Bc[0].dtype, device=Bc[0].device)
     records: list[dict] = []

@@ -267,3 +267,52 @@ def test_sigma0_without_clipping_is_allowed():
     B, A, rec = P.powerdp(Bs, As, w, 3, 8, noise_multiplier=0.0, clip=math.inf)
     assert torch.allclose(B @ A, ref[0] @ ref[1], atol=1e-8)
     assert all(r["noise_std"] == 0.0 for r in rec)
+
+
+@pytest.mark.parametrize("ranks", [(3, 3, 3, 3), (1, 4, 2, 3)])
+@pytest.mark.parametrize("C", [0.5, 2.0, math.inf])
+def test_clip_scales_equal_clip_factored_per_client(ranks, C):
+    g = torch.Generator().manual_seed(7)
+    Bs = [torch.randn(9, r, generator=g, dtype=torch.float64) for r in ranks]
+    As = [torch.randn(r, 6, generator=g, dtype=torch.float64) / 3 for r in ranks]
+    Bs[1] = torch.zeros_like(Bs[1])  # a zero update: factor 1, no division by zero
+    scales = P.clip_scales(Bs, As, C)
+    ref = torch.stack([P.clip_factored(B, A, C)[3] for B, A in zip(Bs, As)])
+    assert torch.allclose(scales, ref, rtol=1e-12, atol=0)
+    assert float(scales[1]) == 1.0
+    if not math.isinf(C):  # the clipped updates have norm min(C, norm)
+        for B, A, f in zip(Bs, As, scales):
+            dense = torch.linalg.matrix_norm(f * B @ A)
+            assert float(dense) <= C * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_clip_scales_rejects_non_finite_like_clip_factored(bad):
+    Bs = [torch.ones(4, 2), torch.ones(4, 2)]
+    As = [torch.ones(2, 3), torch.ones(2, 3)]
+    As[1][0, 1] = bad
+    with pytest.raises(P.NonFiniteUpdateError, match="non-finite factor entries"):
+        P.clip_scales(Bs, As, 1.0)
+    with pytest.raises(P.NonFiniteUpdateError, match="non-finite factor entries"):
+        P.clip_factored(Bs[1], As[1], 1.0)
+    huge = [torch.full((4, 2), 1e30), torch.ones(4, 2)]  # finite entries, norm overflows
+    with pytest.raises(P.NonFiniteUpdateError, match="norm is not finite"):
+        P.clip_scales(huge, As[:1] * 2, 1.0)
+
+
+def test_stacked_projection_equals_the_per_client_sum():
+    g = torch.Generator().manual_seed(3)
+    ranks = (2, 5, 1)
+    Bs = [torch.randn(11, r, generator=g, dtype=torch.float64) for r in ranks]
+    As = [torch.randn(r, 8, generator=g, dtype=torch.float64) for r in ranks]
+    w = [0.2, 0.5, 0.3]
+    X = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    Y = torch.randn(11, 4, generator=g, dtype=torch.float64)
+    for weights in (w, torch.tensor(w, dtype=torch.float64)):
+        st_ = L.stack_factors(Bs, As, weights)
+        assert torch.allclose(L.apply_stacked(*st_, X), L.apply_sum(Bs, As, w, X), atol=1e-12)
+        assert torch.allclose(
+            L.apply_stacked(*st_, Y, transpose=True), L.apply_sum_t(Bs, As, w, Y), atol=1e-12
+        )
+        dense = L.dense_sum(Bs, As, w)
+        assert torch.allclose(L.apply_stacked(*st_, X), dense @ X, atol=1e-12)
