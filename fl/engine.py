@@ -310,8 +310,11 @@ class LocalTrainer:
         correct, loss_sum = 0, 0.0
         n = len(data)
         preds = []
+        # Batches of similar length (shortest first) pad less; the metrics do not depend
+        # on the order, and the predictions are put back in data order below.
+        order = torch.argsort(data.lengths, stable=True)
         for s in range(0, n, batch_size):
-            idx = torch.arange(s, min(n, s + batch_size))
+            idx = order[s : s + batch_size]
             batch = data.batch(idx, self.device)
             labels = batch.pop("labels")
             logits = self.model(**batch).logits.float()
@@ -319,7 +322,9 @@ class LocalTrainer:
             correct += int((logits.argmax(-1) == labels).sum())
             preds.append(logits.argmax(-1).cpu())
         self.model.train()
-        pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
+        pred = torch.zeros(n, dtype=torch.long)
+        if preds:
+            pred[order] = torch.cat(preds)
         # Balanced accuracy (mean per-class recall): tweets is ~70% negative, so plain
         # accuracy alone would flatter a majority-class model.
         recalls = [

@@ -280,3 +280,34 @@ def test_homogeneous_methods_run_with_dp(tmp_path, tiny_cfg, method):
             if "lora_A" in k:
                 mod = k.replace("base_model.model.", "").replace(".lora_A.weight", "")
                 assert torch.equal(v, init["factors"][mod]["A"])
+
+
+def test_evaluate_in_length_order_equals_one_example_at_a_time(tmp_path, tiny_cfg):
+    """Evaluation batches examples by length; accuracy, balanced accuracy and loss equal
+    a per-example reference (no padding at all) on a random (B != 0) state."""
+    eng = Engine(tiny_cfg(test=37), tmp_path / "e", quiet=True)
+    eng.setup()
+    g = torch.Generator().manual_seed(5)
+    state = F.clone_state(eng.trainer.initial_state())
+    for fac in state["factors"].values():
+        fac["B"] = torch.randn(fac["B"].shape, generator=g) * 0.5
+    data = eng.test_data
+    assert len(set(data.lengths.tolist())) > 3  # lengths really vary
+    ev = eng.trainer.evaluate(state, data, batch_size=5)
+    F.set_state(eng.trainer.model, state)
+    eng.trainer.model.eval()
+    preds, losses = [], []
+    with torch.no_grad():
+        for i in range(len(data)):
+            b = data.batch(torch.tensor([i]), eng.device)
+            y = b.pop("labels")
+            logits = eng.trainer.model(**b).logits.float()
+            losses.append(float(torch.nn.functional.cross_entropy(logits, y)))
+            preds.append(int(logits.argmax(-1)))
+    eng.trainer.model.train()
+    preds = torch.tensor(preds)
+    acc = float((preds == data.labels).float().mean())
+    recalls = [float((preds[data.labels == c] == c).float().mean()) for c in data.labels.unique()]
+    assert ev["accuracy"] == pytest.approx(acc, abs=1e-6)
+    assert ev["balanced_accuracy"] == pytest.approx(sum(recalls) / len(recalls), abs=1e-6)
+    assert ev["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
