@@ -242,6 +242,54 @@ def test_fedask_client_failing_between_stages(tmp_path, tiny_cfg, flower_sim):
     assert "client 1 failed in stage 'project'" in (tmp_path / "b" / "run.log").read_text()
 
 
+def test_error_reply_and_missing_reply_are_client_failures(tmp_path, tiny_cfg, monkeypatch):
+    """What a killed client looks like to the server over Flower: its node answers with a
+    Flower error, or nothing arrives before the stage timeout. Both go to
+    ``replies.failed`` with the reason, in the log too; no event enters the ledger."""
+    from types import SimpleNamespace
+
+    from fl.flower.transport import FlowerTransport
+    from fl.methods.base import RoundInfo
+
+    eng = Engine(_small(tiny_cfg, method="fedask", transport="flower"), tmp_path / "x", quiet=True)
+    eng.setup()
+    (tmp_path / "x").mkdir(exist_ok=True)
+    sent = []
+
+    class Reply:
+        metadata = SimpleNamespace(src_node_id=10)
+        error = SimpleNamespace(code=3, reason="ClientApp process exited (killed)")
+
+        def has_error(self):
+            return True
+
+    class Grid:
+        def send_and_receive(self, msgs, timeout):
+            sent.extend(msgs)
+            assert timeout == 1.5
+            return [Reply()]  # node 11 (client 1) never answers
+
+    # Outside a Flower run a Message cannot be built (no run id); keep what it was given.
+    import fl.flower.transport as T
+
+    monkeypatch.setattr(T, "Message", lambda **kw: SimpleNamespace(**kw))
+    tr = FlowerTransport(eng, grid=Grid(), timeout=1.5)
+    tr.nodes = {"0": 10, "1": 11}
+    n_events = len(eng.ledger.events)
+    rnd = RoundInfo(0, 7, ["0", "1"])
+    replies = tr.send(eng.method, rnd, ["0", "1"], "project", {"Q": torch.zeros(4, 2)})
+    assert [m.message_type for m in sent] == ["train.project", "train.project"]
+    assert not replies.ok
+    assert replies.failed == {
+        "0": "FlowerError 3: ClientApp process exited (killed)",
+        "1": "Timeout: no reply within 1.5s",
+    }
+    assert len(eng.ledger.events) == n_events
+    log = "\n".join(eng._log_lines)
+    assert "client 0 failed in stage 'project': FlowerError 3" in log
+    assert "client 1 failed in stage 'project': Timeout" in log
+
+
 def test_flower_resume_keeps_ledger(tmp_path, tiny_cfg, flower_sim, inprocess):
     """The server stops in round 2 (an exception on the server side); resuming over
     Flower from the round-1 checkpoint gives the adapter and ledger of an
