@@ -136,9 +136,13 @@ def test_schema_validator_rejects():
 def test_schemas_are_valid_json_schema(doc):
     import jsonschema
 
+    assert set(SCHEMAS) == {"amplification", "exactness", "hetero", "refactorization", "claims"}
     for s in SCHEMAS.values():
-        jsonschema.Draft202012Validator.check_schema(s)
+        jsonschema.Draft202012Validator.check_schema(s)  # raises SchemaError if malformed
     jsonschema.validate(json.loads(json.dumps(doc)), SCHEMAS["claims"])
+    broken = {k: v for k, v in json.loads(json.dumps(doc)).items() if k != "claims"}
+    with pytest.raises(jsonschema.ValidationError, match="claims"):
+        jsonschema.validate(broken, SCHEMAS["claims"])  # the schema really constrains
 
 
 def test_claims_read_runs(tmp_path):

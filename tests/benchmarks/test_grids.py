@@ -6,17 +6,21 @@ import pytest
 
 from benchmarks import grids as G
 
-TINY = dict(
-    model="tiny-bert",
-    dataset="synthetic",
-    members=120,
-    nonmembers=30,
-    test=40,
-    max_length=16,
-    clients=2,
-    rounds=1,
-    local_steps=1,
-    batch_size=8,
+# The fields passed as --base to the real call (values from the shared tiny_cfg fixture).
+BASE_FIELDS = (
+    "model",
+    "dataset",
+    "members",
+    "nonmembers",
+    "test",
+    "max_length",
+    "clients",
+    "rounds",
+    "local_steps",
+    "batch_size",
+    "lr",
+    "rank",
+    "alpha",
 )
 
 
@@ -33,10 +37,16 @@ def test_grid_sizes_and_unique_keys():
 
 def test_grid_configs_are_valid_train_configs():
     from fl.config import TrainConfig
+    from fl.methods import registry
 
+    methods = set()
     for f in G.GRIDS.values():
         for job in f(dict(G.RECIPE), [0]):
-            TrainConfig(**job["cfg"])  # raises on an unknown field
+            cfg = TrainConfig(**job["cfg"]).validate()  # raises on an unknown or bad field
+            assert cfg.method in registry.names()
+            assert (cfg.dp_level == "none") == (cfg.epsilon == 0)  # DP jobs name their ε
+            methods.add(cfg.method)
+    assert {"fedask", "fedpower", "plora", "flora", "flexlora", "hetlora"} <= methods
 
 
 def test_hetero_uses_the_smallest_rank_for_fedavg():
@@ -73,7 +83,7 @@ def test_summary_mean_and_std():
     assert "| b |" not in md
 
 
-def test_real_call_then_resume_skips_finished_jobs(tmp_path, monkeypatch):
+def test_real_call_then_resume_skips_finished_jobs(tmp_path, monkeypatch, tiny_cfg):
     def two_jobs(base, seeds):
         return [
             {"grid": "t", "group": f"fedavg/s{s}", "cfg": {**base, "method": "fedavg", "seed": s}}
@@ -81,7 +91,8 @@ def test_real_call_then_resume_skips_finished_jobs(tmp_path, monkeypatch):
         ]
 
     monkeypatch.setitem(G.GRIDS, "recipe", two_jobs)  # the parent builds the job list
-    base = [f"{k}={v}" for k, v in TINY.items()]
+    tiny = tiny_cfg(members=120, nonmembers=30, test=40, clients=2, rounds=1, local_steps=1)
+    base = [f"{k}={getattr(tiny, k)}" for k in BASE_FIELDS]
     argv = ["recipe", "--out", str(tmp_path), "--workers", "1", "--seeds", "0,1", "--base", *base]
     assert G.main([*argv, "--only", "s1"]) == 0  # one job of two
     rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
