@@ -123,8 +123,11 @@ def wrap_lora(net: torch.nn.Module, spec: LoraSpec, seed: int = 0):
         raise UsageError(f"LoRA rank must be >= 1, got {spec.rank}")
     fam = model_family(net)
     targets = list(spec.target_modules) if spec.target_modules else DEFAULT_TARGETS[fam]
-    names = {n.rsplit(".", 1)[-1] for n, _ in net.named_modules()}
-    missing = [t for t in targets if t not in names]
+    # peft's rule for a list of targets: a module matches a target when its name equals
+    # it or ends with "." + target, so "query" names every layer's query and
+    # "layer.5.attention.self.query" only the last layer's.
+    module_names = [n for n, _ in net.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in module_names)]
     if missing:
         raise UsageError(f"LoRA target module(s) {missing} not found in the model")
     cfg = LoraConfig(

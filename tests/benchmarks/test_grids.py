@@ -28,9 +28,9 @@ def test_grid_sizes_and_unique_keys():
     base = dict(G.RECIPE)
     seeds = [0, 1, 2]
     sizes = {g: len(f(base, seeds)) for g, f in G.GRIDS.items()}
-    # 4 privacy settings x 3 methods x 3 seeds; 3 ε x 3 methods x 3 seeds + 2 x 3;
+    # 4 privacy settings x 3 methods x 3 seeds; 3 ε x 3 methods x 3 seeds + 2 x 3 + 3;
     # 2 privacy x 2 partitions x 5 methods x 3 seeds; 4 attack targets; 8 recipes x 2.
-    assert sizes == {"fedask": 36, "fedpower": 33, "hetero": 60, "attacks": 4, "recipe": 16}
+    assert sizes == {"fedask": 36, "fedpower": 36, "hetero": 60, "attacks": 4, "recipe": 16}
     keys = [G.job_key(j) for f in G.GRIDS.values() for j in f(base, seeds)]
     assert len(keys) == len(set(keys))
 

@@ -311,3 +311,23 @@ def test_evaluate_in_length_order_equals_one_example_at_a_time(tmp_path, tiny_cf
     assert ev["accuracy"] == pytest.approx(acc, abs=1e-6)
     assert ev["balanced_accuracy"] == pytest.approx(sum(recalls) / len(recalls), abs=1e-6)
     assert ev["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
+
+
+def test_lora_targets_by_dotted_suffix_pick_one_layer():
+    """A target may name one layer's module ("layer.1.attention.self.query", peft's
+    suffix rule); a plain name still names every layer's; an unknown one is refused."""
+    from fl.errors import UsageError
+
+    def wrapped(targets):
+        net = load_base_model("tiny-bert", 2, seed=0)
+        model = wrap_lora(net, LoraSpec(4, 8.0, target_modules=targets), seed=0)
+        return sorted(n.split(".lora_A")[0] for n, _ in model.named_parameters() if "lora_A" in n)
+
+    one = wrapped(("layer.1.attention.self.query", "layer.1.attention.self.value"))
+    assert [n.rsplit("encoder.", 1)[1] for n in one] == [
+        "layer.1.attention.self.query",
+        "layer.1.attention.self.value",
+    ]
+    assert len(wrapped(("query", "value"))) == 4  # 2 layers x 2 modules
+    with pytest.raises(UsageError, match="layer.7.attention.self.query"):
+        wrapped(("layer.7.attention.self.query",))
