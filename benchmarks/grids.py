@@ -69,7 +69,7 @@ RECIPE_CANDIDATES = {
 }
 
 
-def jobs_recipe(base: dict, seeds) -> list[dict]:
+def jobs_recipe(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
     out = []
     for name, over in RECIPE_CANDIDATES.items():
         for method in ("fedavg", "ffa"):
@@ -92,7 +92,7 @@ def best_recipe(rows: list[dict]) -> tuple[str, dict]:
     return name, RECIPE_CANDIDATES[name]
 
 
-def jobs_fedask(base: dict, seeds) -> list[dict]:
+def jobs_fedask(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
     out = []
     for eps in (None, 1.0, 3.0, 8.0):
         for method in ("fedask", "ffa", "fedavg"):
@@ -129,11 +129,12 @@ CLIENT_LEVEL = dict(
 )
 
 
-def jobs_fedpower(base: dict, seeds) -> list[dict]:
+def jobs_fedpower(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
     """Client-level ε ∈ {3, 6, 9} for FedPower (PowerDP), FedAvg-LoRA and FFA-LoRA (the
     server-side Gaussian baseline); input and output perturbation at ε = 6; and the
-    non-private ceiling of the same set-up (first seed only)."""
-    client = {**base, **CLIENT_LEVEL}
+    non-private ceiling of the same set-up (first seed only). ``CLIENT_LEVEL`` replaces
+    the recipe's fields; ``--base`` overrides (``overrides``) replace both."""
+    client = {**base, **CLIENT_LEVEL, **(overrides or {})}
     out = []
     for eps in (3.0, 6.0, 9.0):
         for method in ("fedpower", "fedavg", "ffa"):
@@ -164,7 +165,7 @@ HETERO_NODP = dict(batch_size=128, local_steps=5, lr=1e-2)
 HETERO_DP = dict(batch_size=128, local_steps=5, lr=3e-2)
 
 
-def jobs_hetero(base: dict, seeds) -> list[dict]:
+def jobs_hetero(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
     out = []
     for eps in (None, 8.0):
         tag = "nodp" if eps is None else f"eps{eps:g}"
@@ -188,7 +189,7 @@ def jobs_hetero(base: dict, seeds) -> list[dict]:
     return out
 
 
-def jobs_attacks(base: dict, seeds) -> list[dict]:
+def jobs_attacks(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
     runs = {
         "overfit": {
             **base,
@@ -390,11 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         ap.error("--workers must be >= 1")
     base = dict(RECIPE)
+    overrides = {}
     for kv in args.base:
         if "=" not in kv:
             ap.error(f"--base expects KEY=VALUE, got {kv!r}")
         k, v = kv.split("=", 1)
-        base[k] = _coerce(v)
+        overrides[k] = _coerce(v)
+    base.update(overrides)
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -409,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     done = {r["key"] for r in done_rows if "key" in r and "error" not in r and "skipped" not in r}
     jobs = []
     for g in args.grids:
-        for job in GRIDS[g](base, seeds):
+        for job in GRIDS[g](base, seeds, overrides):
             if args.only and not any(o in job["group"] for o in args.only):
                 continue
             job["key"] = job_key(job)

@@ -84,7 +84,7 @@ def test_summary_mean_and_std():
 
 
 def test_real_call_then_resume_skips_finished_jobs(tmp_path, monkeypatch, tiny_cfg):
-    def two_jobs(base, seeds):
+    def two_jobs(base, seeds, overrides=None):
         return [
             {"grid": "t", "group": f"fedavg/s{s}", "cfg": {**base, "method": "fedavg", "seed": s}}
             for s in seeds
@@ -106,3 +106,13 @@ def test_real_call_then_resume_skips_finished_jobs(tmp_path, monkeypatch, tiny_c
     assert G.main(argv) == 0  # nothing left to do: no new rows
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
     assert "fedavg/s0" in (tmp_path / "summary.md").read_text()
+
+
+def test_fedpower_grid_takes_base_overrides_over_its_client_level_setup():
+    jobs = G.jobs_fedpower(dict(G.RECIPE), [0])
+    assert {j["cfg"]["clients"] for j in jobs} == {G.CLIENT_LEVEL["clients"]}
+    assert {j["cfg"]["members"] for j in jobs} == {G.CLIENT_LEVEL["members"]}
+    over = {"clients": 5000, "members": 80000}
+    jobs = G.jobs_fedpower({**G.RECIPE, **over}, [0], overrides=over)
+    assert {(j["cfg"]["clients"], j["cfg"]["members"]) for j in jobs} == {(5000, 80000)}
+    assert {j["cfg"]["rounds"] for j in jobs} == {G.CLIENT_LEVEL["rounds"]}
