@@ -105,7 +105,7 @@ def jobs_fedask(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
 
 # Client-level DP needs many clients per round: the Gaussian noise on the average has
 # norm ≈ σ·C·√d / K for d released coordinates and K clients in the round. What 2 cores
-# can train in about 4 minutes per run: 500 clients of 16 examples each (8 000 members),
+# can train in 4.5–10 minutes per run (measured): 500 clients of 16 examples each (8 000 members),
 # Poisson client sampling q = 0.2 (about 100 clients per round, amplification used),
 # 8 rounds of one local SGD step (lr 2, batch 16 = the client's data), LoRA r = 8 on the
 # last layer's query and value only (d ≈ 12 300 LoRA + 770 head parameters; the lower
