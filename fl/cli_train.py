@@ -76,6 +76,12 @@ def register(sub) -> None:
     p.add_argument(
         "--resume", metavar="RUN_DIR", help="continue a killed run from its last completed round"
     )
+    p.add_argument(
+        "--noise-key",
+        metavar="FILE",
+        help="reuse this secret noise key (a run's private/noise.key) instead of a fresh one: "
+        "same config and key replay the run bit-exactly on CPU",
+    )
     p.add_argument("--list-methods", action="store_true", help="list the methods and their options")
     p.set_defaults(func=cmd_train)
 
@@ -104,11 +110,13 @@ def cmd_train(args) -> int:
             if hasattr(args, k):
                 setattr(cfg, k, getattr(args, k))
         cfg.validate()
+        if getattr(args, "noise_key", None):
+            raise UsageError("--resume reads the run's own private/noise.key; drop --noise-key")
         manifest = train(cfg, run_dir, resume=True)
     else:
         cfg = config_from_args(args)
         out = args.out or f"runs/{cfg.method}-{cfg.dp_level}-seed{cfg.seed}"
-        manifest = train(cfg, out)
+        manifest = train(cfg, out, noise_key=getattr(args, "noise_key", None))
     final = manifest.get("metrics", {}).get("final", {})
     print(
         json.dumps(

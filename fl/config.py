@@ -65,12 +65,21 @@ class TrainConfig:
         1.0, "clipping bound C (per example at sample level, per client update at client level)"
     )
     accountant: str = _f("pld", "accountant for calibration and the budget check: pld | rdp")
-    secure_rng: bool = _f(False, "draw DP noise from the OS's cryptographically secure source")
+    insecure_deterministic_noise: bool = _f(
+        False,
+        "NOT PRIVATE (tests only): draw DP noise, batches and cohorts from the public seed, "
+        "so anyone who knows the seed can regenerate and subtract the noise; the default "
+        "draws them from a keyed CSPRNG with a fresh secret key in RUN/private/noise.key",
+    )
     canaries: int = _f(0, "number of audit canaries (each inserted with probability 1/2)")
     canary_kind: str = _f("mislabel", "canary kind: mislabel | random_text")
     eval_every: int = _f(1, "evaluate the global model every N rounds (and always at the end)")
     eval_batch_size: int = _f(128, "batch size for evaluation")
-    seed: int = _f(0, "seed for everything (data split, partition, init, sampling, noise)")
+    seed: int = _f(
+        0,
+        "public seed: data split, partition, initialization, FedASK's Ω, dropout (never "
+        "the DP noise, batches or cohorts, which come from the run's secret noise key)",
+    )
     device: str = _f("auto", "auto | cpu | cuda")
     transport: str = _f("inprocess", "inprocess | flower")
     progress: bool = _f(True, "show progress bars")
@@ -163,6 +172,12 @@ class TrainConfig:
         if not isinstance(d, dict):
             raise UsageError("config must be a table/object")
         known = {f.name: f for f in fields(cls)}
+        if "secure_rng" in d:
+            raise UsageError(
+                "config field 'secure_rng' is gone: DP noise is always drawn from the run's "
+                "keyed CSPRNG now (remove the field; --insecure-deterministic-noise is the "
+                "non-private exception for tests)"
+            )
         unknown = sorted(set(d) - set(known))
         if unknown:
             raise UsageError(f"unknown config field(s): {unknown}")

@@ -2,14 +2,18 @@
 checkpoints and the run directory.
 
 One base model lives in memory; a client "trains" by loading its starting LoRA state
-into it, running local (DP-)SGD and reading the result back. Every source of
-randomness is derived from (seed, round, client, purpose), so a resumed run replays
-exactly what an uninterrupted one does.
+into it, running local (DP-)SGD and reading the result back.
+
+Randomness: public draws (split, partition, init, Ω, dropout) derive from the public
+``--seed``; every draw a DP guarantee relies on (DP-SGD noise, Poisson batches, client
+cohorts, server noise, canary choices) comes from the run's secret noise key
+(:mod:`fl.privacy.rng`, ``RUN/private/noise.key``), one stream per (purpose, round,
+client, stage). Both are functions of their names only, so a resumed run — or a new
+run given the same config and key — replays exactly what the first one did.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -33,10 +37,14 @@ from fl.data import ids_hash, load_dataset, partition, split_dataset
 from fl.errors import ClientFailure, UsageError
 from fl.io import RunLock, atomic_write_json, atomic_write_text, file_sha256, read_json
 from fl.methods import registry
-from fl.methods.base import Replies, RoundInfo, parse_options
+from fl.methods.base import RoundInfo, parse_options
 from fl.models import LoraSpec, load_base_model, load_tokenizer, resolve_device, wrap_lora
+from fl.privacy import rng as R
 from fl.privacy.accounting import Event, Ledger, PrivacyError, calibrate_noise, epsilon
-from fl.privacy.dpsgd import DpSgdParams, clip_and_noise, gaussian_noise
+from fl.privacy.dpsgd import DpSgdParams, clip_and_noise
+from fl.privacy.rng import derive_seed
+from fl.release import write_release
+from fl.transport import Delivery, Dispatcher
 
 SCHEMA_VERSION = 1
 
@@ -44,12 +52,6 @@ SCHEMA_VERSION = 1
 # transformers deprecation notice inside peft; they would drown the progress output.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-
-
-def derive_seed(*parts: Any) -> int:
-    """A 63-bit seed from any parts (stable across processes and machines)."""
-    h = hashlib.sha256("|".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
 def generator(*parts: Any) -> torch.Generator:
@@ -87,11 +89,11 @@ class TokenizedData:
         }
 
 
-def poisson_masks(seed_parts: tuple, n: int, q: float, steps: int) -> list[torch.Tensor]:
+def poisson_masks(source, n: int, q: float, steps: int) -> list[torch.Tensor]:
     """The Poisson batches of a local training: step t includes example i iff
-    U_{t,i} < q, with U from a generator derived from ``seed_parts``."""
-    g = generator(*seed_parts, "batches")
-    return [torch.rand(n, generator=g) < q for _ in range(steps)]
+    U_{t,i} < q, with U from the noise stream ``source`` (secret: the amplification by
+    sampling holds only if nobody can predict the batches)."""
+    return [R.bernoulli_mask(source, n, q) for _ in range(steps)]
 
 
 # ---------------------------------------------------------------------------------
@@ -166,7 +168,8 @@ class LocalTrainer:
         steps: int,
         trainable: set[str],
         dp: DpSgdParams | None,
-        seed_parts: tuple,
+        streams: tuple,
+        dropout_seed: int,
         prox_mu: float = 0.0,
         correction: dict[str, torch.Tensor] | None = None,
         opt_state: dict | None = None,
@@ -185,6 +188,8 @@ class LocalTrainer:
         coordinates are frozen: excluded from the per-sample norm (so they cost no
         clipping budget) and their (noisy) gradient is zeroed — post-processing. Used
         to train a subset of ranks (heterogeneous ranks, Fed-PLoRA module selection).
+        streams: (noise source, batch source): the run's secret streams for this
+        client's DP-SGD noise and Poisson batches. dropout_seed: public.
         """
         cfg = self.cfg
         F.set_state(self.model, start)
@@ -192,8 +197,8 @@ class LocalTrainer:
         params = self._set_trainable(trainable)
         flat_names = self._flat_names(params)
         self.model.train()
-        torch.manual_seed(derive_seed(*seed_parts, "dropout"))
-        noise_gen = generator(*seed_parts, "noise")
+        torch.manual_seed(dropout_seed)
+        noise_gen, batch_src = streams
         n = len(positions)
         q = min(1.0, cfg.batch_size / n)
         expected = q * n
@@ -212,7 +217,7 @@ class LocalTrainer:
         if use_hooks:
             self.gsm.enable_hooks()
         losses, examples, dp_stats = [], 0, {"mean_norm": [], "frac_clipped": [], "nonfinite": 0}
-        masks = poisson_masks(seed_parts, n, q, steps)
+        masks = poisson_masks(batch_src, n, q, steps)
         try:
             for mask in masks:
                 idx = pos_t[mask]
@@ -377,6 +382,7 @@ class ClientContext:
         dp = self.dp_params()
         steps = self.steps()
         opt_state = None if eng.cfg.reset_optimizer else self.state.get("_opt")
+        r, cid = self.round.index, self.id
         result, opt_sd = eng.trainer.train(
             start,
             eng.members_data,
@@ -384,7 +390,11 @@ class ClientContext:
             steps,
             set(trainable),
             dp,
-            seed_parts=(eng.cfg.seed, "round", self.round.index, "client", self.id, stage),
+            streams=(
+                eng.rand.stream("dpsgd-noise", r, cid, stage),
+                eng.rand.stream("poisson-batches", r, cid, stage),
+            ),
+            dropout_seed=derive_seed(eng.cfg.seed, "round", r, "client", cid, stage, "dropout"),
             prox_mu=prox_mu,
             correction=correction,
             opt_state=opt_state,
@@ -410,116 +420,34 @@ class ClientContext:
 
 
 class InProcessTransport:
-    """Direct calls to the method's handlers; measures payload bytes."""
+    """Direct calls to the method's handlers (the engine's :class:`Dispatcher` does
+    byte counts, validation, failures and ledger events)."""
 
     name = "inprocess"
 
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def send(
-        self,
-        method,
-        rnd: RoundInfo,
-        clients: list[str],
-        stage: str,
-        payload,
-        per_client: bool = False,
-    ) -> Replies:
+    def deliver(self, method, rnd: RoundInfo, stage, payloads, faults) -> dict[str, Delivery]:
         eng = self.engine
-        replies = Replies()
-        handler = getattr(method, f"on_{stage}", None)
-        if handler is None:
-            raise RuntimeError(f"method {method.name!r} has no handler for stage {stage!r}")
-        for cid in eng.progress(clients, desc=f"round {rnd.index + 1} {stage}", leave=False):
-            p = payload[cid] if per_client else payload
-            eng.add_bytes(rnd, cid, "down", payload_bytes(p))
+        handler = getattr(method, f"on_{stage}")
+        out: dict[str, Delivery] = {}
+        for cid, p in eng.progress(payloads, desc=f"round {rnd.index + 1} {stage}", leave=False):
+            saved = dict(eng.client_states.get(cid, {}))
             ctx = ClientContext(eng, cid, rnd)
-            fault = eng.fault_injector(rnd, cid, stage) if eng.fault_injector else None
             try:
-                if fault:
-                    raise ClientFailure(fault)
-                reply = handler(ctx, p)
+                if faults.get(cid):
+                    raise ClientFailure(faults[cid])
+                reply = dict(handler(ctx, p))
             except ClientFailure as exc:
-                replies.failed[cid] = f"{type(exc).__name__}: {exc}"
-                eng.log(f"round {rnd.index + 1}: client {cid} failed in stage {stage!r}: {exc}")
-                # DP steps already taken still count: the data was touched.
-                for ev in ctx.events:
-                    eng.ledger.record(ev)
+                # The client's state is rolled back (what it trained is not kept); the
+                # DP steps it took still count: its data was touched.
+                eng.client_states[cid] = saved
+                out[cid] = Delivery(None, list(ctx.events), f"{type(exc).__name__}: {exc}")
                 continue
-            reply = dict(reply)
             reply.setdefault("n", ctx.n)
-            problem = validate_reply(reply, method)
-            if problem:
-                # Rejected, not used: the round goes on without it. The client's DP
-                # steps still count (its data was touched), so its events are kept.
-                replies.failed[cid] = f"rejected update: {problem}"
-                eng.rejected_updates += 1
-                eng.log(
-                    f"round {rnd.index + 1}: rejected the update of client {cid} in stage {stage!r}: {problem}"
-                )
-                for ev in ctx.events:
-                    eng.ledger.record(ev)
-                continue
-            eng.add_bytes(rnd, cid, "up", payload_bytes(reply))
-            for ev in ctx.events:
-                eng.ledger.record(ev)
-            replies.ok[cid] = reply
-        return replies
-
-
-def _walk_tensors(obj, path=""):
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _walk_tensors(v, f"{path}/{k}" if path else str(k))
-    elif isinstance(obj, list | tuple):
-        for i, v in enumerate(obj):
-            yield from _walk_tensors(v, f"{path}/{i}")
-
-
-def validate_reply(reply: dict, method) -> str | None:
-    """Why a client's reply must be rejected (None = acceptable): any NaN/Inf tensor,
-    or — for methods whose clients send full states of the global shapes — a factor or
-    head tensor whose shape differs from the global one, or missing/extra modules."""
-    for path, t in _walk_tensors(reply):
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return f"non-finite values in {path}"
-    n = reply.get("n")
-    if not isinstance(n, int) or n <= 0:
-        return f"invalid example count n={n!r}"
-    state = reply.get("state")
-    if state is not None and getattr(method, "state_shapes_match_global", True):
-        glob = getattr(method, "global_state", None) or {}
-        if not isinstance(state, dict) or "factors" not in state:
-            return "state is not a LoRA state"
-        gf, sf = glob.get("factors", {}), state["factors"]
-        if set(gf) != set(sf):
-            return f"modules differ from the global model: {sorted(set(gf) ^ set(sf))[:3]}"
-        for k, ab in gf.items():
-            for which, t in ab.items():
-                got = sf[k].get(which) if isinstance(sf[k], dict) else None
-                if got is None or tuple(got.shape) != tuple(t.shape):
-                    shape = None if got is None else tuple(got.shape)
-                    return f"{which} of {k} has shape {shape}, expected {tuple(t.shape)}"
-        for k, t in glob.get("head", {}).items():
-            got = state.get("head", {}).get(k)
-            if got is None or tuple(got.shape) != tuple(t.shape):
-                return f"head parameter {k} has a wrong or missing shape"
-    return None
-
-
-def payload_bytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(payload_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(payload_bytes(v) for v in obj)
-    if isinstance(obj, str):
-        return len(obj.encode())
-    return 8
+            out[cid] = Delivery(reply, list(ctx.events))
+        return out
 
 
 class ServerContext:
@@ -552,11 +480,12 @@ class ServerContext:
     def expected_clients_per_round(self) -> float:
         return self.e.expected_clients_per_round()
 
-    def noise_generator(self, rnd: RoundInfo, purpose: str) -> torch.Generator:
-        return generator(self.e.cfg.seed, "server", rnd.index, purpose)
+    def noise_generator(self, rnd: RoundInfo, purpose: str) -> R.NoiseSource:
+        """The run's secret noise stream for this round's server-side release."""
+        return self.e.rand.stream("server", rnd.index, purpose)
 
     def noise(self, shape, std, gen) -> torch.Tensor:
-        return gaussian_noise(shape, std, gen, self.e.cfg.secure_rng)
+        return R.draw_normal(gen, shape, std)
 
     def record_client_level_release(self, rnd: RoundInfo, stage: str, count: int = 1, sigma=None):
         self.e.record_client_level(rnd, stage, count, sigma)
@@ -576,9 +505,16 @@ class ServerContext:
 # ---------------------------------------------------------------------------------
 class Engine:
     def __init__(
-        self, cfg: TrainConfig, out: str | Path, resume: bool = False, quiet: bool = False
+        self,
+        cfg: TrainConfig,
+        out: str | Path,
+        resume: bool = False,
+        quiet: bool = False,
+        noise_key: str | Path | R.NoiseKey | None = None,
     ):
         self.cfg = cfg.validate()
+        self.noise_key_arg = noise_key
+        self.rand: R.RunRandomness | None = None
         self.out = Path(out)
         self.resume = resume
         self.quiet = quiet or not cfg.progress
@@ -587,6 +523,7 @@ class Engine:
         self.client_states: dict[str, dict] = {}
         self.client_ranks: dict[str, int] = {}
         self._log_lines: list[str] = []
+        self._pending_log: list[str] = []
         self.rejected_updates = 0
 
     # ---- output helpers ----------------------------------------------------------
@@ -633,13 +570,23 @@ class Engine:
         )
         self.client_positions = {str(k): p for k, p in enumerate(parts)}
         self.client_ranks = self._draw_client_ranks()
-        self._canaries = self._make_canaries(ds, split)
+        self._setup_randomness()
         tok = load_tokenizer(cfg.model)
         texts = [ds.texts[i] for i in split.members]
-        labels = ds.labels[split.members].copy()
-        for pos, c in self._canaries.get("inserted_positions", {}).items():
-            texts[pos] = c["text"]
-            labels[pos] = c["label"]
+        labels = list(ds.labels[split.members])
+        self.position_ids = [ds.ids[i] for i in split.members]
+        self._canaries = self._make_canaries(ds, split)
+        for c in self._canaries.get("canaries", []):
+            if c["included"]:
+                # Added to the client's data (add/remove neighbours), never replacing
+                # a member: the one-run audit's bound assumes exactly that relation.
+                pos = len(texts)
+                texts.append(c["text"])
+                labels.append(c["label"])
+                self.position_ids.append(c["id"])
+                cid = c["client"]
+                self.client_positions[cid] = np.append(self.client_positions[cid], pos)
+        labels = np.asarray(labels, dtype=np.int64)
         self.members_data = TokenizedData(texts, labels, tok, cfg.max_length)
         self.test_data = TokenizedData(
             [ds.texts[i] for i in split.test], ds.labels[split.test], tok, cfg.max_length
@@ -681,9 +628,46 @@ class Engine:
             raise UsageError(f"client ranks must be in [1, R={cfg.rank}], got {bad}")
         return {str(k): r for k, r in enumerate(ranks)}
 
+    def _setup_randomness(self) -> None:
+        """The run's noise streams: keyed by the secret run key (default), or seeded
+        from the public seed under --insecure-deterministic-noise (not private)."""
+        if self.rand is not None:
+            return
+        cfg = self.cfg
+        if cfg.insecure_deterministic_noise:
+            if self.noise_key_arg is not None:
+                raise UsageError(
+                    "--noise-key and --insecure-deterministic-noise exclude each other"
+                )
+            self.rand = R.RunRandomness(None, cfg.seed, insecure=True)
+            return
+        key = self.noise_key_arg
+        if isinstance(key, str | Path):
+            path = Path(key)
+            key = R.NoiseKey.read(path)
+            if not R.key_file_is_private(path):
+                self._pending_log.append(
+                    f"warning: noise key file {path} is readable by others than its owner"
+                )
+        elif key is None:
+            own = self.out / R.PRIVATE_DIR / R.KEY_FILE
+            if self.resume:
+                if not own.is_file():
+                    raise UsageError(
+                        f"--resume: {own} is missing; a private run cannot be resumed "
+                        "without its noise key (fresh noise would release the resumed "
+                        "rounds twice)"
+                    )
+                key = R.NoiseKey.read(own)
+            else:
+                key = R.NoiseKey.generate()
+        self.rand = R.RunRandomness(key, cfg.seed)
+
     def _make_canaries(self, ds, split) -> dict:
-        """Audit canaries: each of M canaries is inserted with probability 1/2 into a
-        random client's data (replacing a member example); the run records which."""
+        """Audit canaries: M canaries, each ADDED with probability 1/2 to a random
+        client's data (never replacing a member). Every choice (source example, label,
+        text, inclusion, client) comes from the run's secret stream ``canaries``: the
+        one-run audit needs inclusions nobody can predict."""
         cfg = self.cfg
         if cfg.canaries <= 0:
             return {}
@@ -691,39 +675,41 @@ class Engine:
             raise UsageError(
                 f"unknown canary kind {cfg.canary_kind!r}; use mislabel or random_text"
             )
-        rng = np.random.default_rng([cfg.seed, 0xCA7])
         pool = split.nonmembers
         if len(pool) < cfg.canaries:
             raise UsageError(
                 f"--canaries {cfg.canaries} needs at least as many non-member examples"
             )
-        src = rng.choice(pool, size=cfg.canaries, replace=False)
-        canaries, inserted = [], {}
-        all_pos = np.concatenate(list(self.client_positions.values()))
-        targets = rng.choice(all_pos, size=cfg.canaries, replace=False)
-        for j, (i, pos) in enumerate(zip(src, targets)):
+        src = self.rand.stream("canaries")
+        M, C = cfg.canaries, ds.num_classes
+        chosen = pool[R.random_subset(src, len(pool), M)]
+        order = R.integers(src, 1 << 30, M)  # shuffle the sorted subset
+        chosen = chosen[np.argsort(order, kind="stable")]
+        cids = self.client_ids()
+        client_of = R.integers(src, len(cids), M)
+        included = R.bernoulli_mask(src, M, 0.5).numpy()
+        shift = R.integers(src, max(C - 1, 1), M)
+        words = R.integers(src, 9000, 12 * M).reshape(M, 12) + 1000
+        rand_labels = R.integers(src, C, M)
+        canaries = []
+        for j, i in enumerate(chosen):
             y = int(ds.labels[i])
             if cfg.canary_kind == "mislabel":
-                text, label = (
-                    ds.texts[i],
-                    int((y + 1 + rng.integers(ds.num_classes - 1)) % ds.num_classes),
-                )
+                text, label = ds.texts[i], int((y + 1 + shift[j]) % C)
             else:
-                words = rng.integers(1000, 9999, size=12)
-                text, label = " ".join(f"zq{w}" for w in words), int(rng.integers(ds.num_classes))
-            included = bool(rng.random() < 0.5)
-            c = {
-                "id": f"canary:{j}",
-                "source_id": ds.ids[i],
-                "text": text,
-                "label": label,
-                "included": included,
-                "position": int(pos) if included else None,
-            }
-            canaries.append(c)
-            if included:
-                inserted[int(pos)] = c
-        return {"canaries": canaries, "inserted_positions": inserted}
+                text = " ".join(f"zq{w}" for w in words[j])
+                label = int(rand_labels[j])
+            canaries.append(
+                {
+                    "id": f"canary:{j}",
+                    "source_id": ds.ids[i],
+                    "text": text,
+                    "label": label,
+                    "included": bool(included[j]),
+                    "client": cids[int(client_of[j])] if included[j] else None,
+                }
+            )
+        return {"canaries": canaries}
 
     # ---- privacy -----------------------------------------------------------------
     def client_ids(self) -> list[str]:
@@ -739,7 +725,7 @@ class Engine:
         if self.cfg.dp_level != "sample":
             return None
         q = min(1.0, self.cfg.batch_size / n)
-        return DpSgdParams(self.sigma, self.cfg.clip, q, q * n, self.cfg.secure_rng)
+        return DpSgdParams(self.sigma, self.cfg.clip, q, q * n)
 
     def expected_clients_per_round(self) -> float:
         cfg, K = self.cfg, self.cfg.clients
@@ -833,22 +819,28 @@ class Engine:
             )
         )
 
+    def planned_client_event(self, rnd: RoundInfo | int, cid: str, stage: str = "train"):
+        """The DP-SGD event a client's local training makes (sample level), from what
+        the server knows (σ, the client's q and steps); None without sample-level DP."""
+        if self.cfg.dp_level != "sample":
+            return None
+        r = rnd.index if isinstance(rnd, RoundInfo) else int(rnd)
+        n = len(self.client_positions[cid])
+        dp = self.dp_params_for(n)
+        return Event(
+            "poisson_gaussian" if dp.sample_rate < 1 else "gaussian",
+            self.sigma,
+            dp.sample_rate,
+            self.local_steps_for(n),
+            unit=f"client:{cid}",
+            round=r,
+            stage=stage,
+            note="DP-SGD local steps",
+        )
+
     def _planned_events(self, rnd: int, clients: list[str]) -> list[Event]:
         if self.cfg.dp_level == "sample":
-            evs = []
-            for c in clients:
-                dp = self.dp_params_for(len(self.client_positions[c]))
-                evs.append(
-                    Event(
-                        "poisson_gaussian" if dp.sample_rate < 1 else "gaussian",
-                        self.sigma,
-                        dp.sample_rate,
-                        self.local_steps_for(len(self.client_positions[c])),
-                        unit=f"client:{c}",
-                        round=rnd,
-                    )
-                )
-            return evs
+            return [self.planned_client_event(rnd, c) for c in clients]
         if self.cfg.dp_level == "client":
             q = getattr(self, "client_level_rate", 1.0)
             return [
@@ -865,16 +857,18 @@ class Engine:
 
     # ---- client sampling ---------------------------------------------------------
     def sample_clients(self, rnd: int) -> list[str]:
+        """The round's cohort, from the secret stream ``cohort`` (amplification by
+        client sampling holds only if the cohort cannot be predicted)."""
         cfg = self.cfg
         ids = self.client_ids()
-        rng = np.random.default_rng([cfg.seed, 0x5A3, rnd])
-        if cfg.client_sampling == "poisson":
-            q = self.client_rate()
-            return [c for c in ids if rng.random() < q]
         m = int(round(self.expected_clients_per_round()))
-        if m >= len(ids):
+        if cfg.client_sampling != "poisson" and m >= len(ids):
             return ids
-        return sorted(rng.choice(ids, size=m, replace=False).tolist(), key=int)
+        src = self.rand.stream("cohort", rnd)
+        if cfg.client_sampling == "poisson":
+            keep = R.bernoulli_mask(src, len(ids), self.client_rate())
+            return [c for c, k in zip(ids, keep.tolist()) if k]
+        return [ids[i] for i in R.random_subset(src, len(ids), m)]
 
     # ---- run -----------------------------------------------------------------------
     def prepare_out(self) -> None:
@@ -886,7 +880,10 @@ class Engine:
             # A directory holding only a lock / temp files was killed before it wrote
             # anything: starting it again is safe.
             if out.exists() and (
-                not out.is_dir() or any(not p.name.startswith(".") for p in out.iterdir())
+                not out.is_dir()
+                or any(
+                    not p.name.startswith(".") and p.name != R.PRIVATE_DIR for p in out.iterdir()
+                )
             ):
                 raise UsageError(
                     f"output directory {out} is not empty (use --resume to continue a run)"
@@ -899,13 +896,22 @@ class Engine:
             ) from None
         if not os.access(out, os.W_OK):
             raise UsageError(f"output directory {out} is not writable")
-        if not self.resume:
-            # First file of a run: from here on, `--resume DIR` knows the configuration.
-            atomic_write_json(out / "config.json", self.cfg.to_dict())
+
+    def _start_files(self) -> None:
+        """Under the run lock: the noise key, then config.json. From config.json on,
+        `--resume DIR` knows the configuration and finds the key beside it; a start
+        killed before config.json released nothing, so its key may be replaced."""
+        self._setup_randomness()
+        if self.resume:
+            return
+        if self.rand.private:
+            self.rand.key.write(self.out, overwrite=True)
+        atomic_write_json(self.out / "config.json", self.cfg.to_dict())
 
     def run(self) -> dict:
         self.prepare_out()
         with RunLock(self.out):
+            self._start_files()
             return self._run_locked()
 
     def _run_locked(self) -> dict:
@@ -914,13 +920,17 @@ class Engine:
         cfg = self.cfg
         if self.resume:
             self._load_checkpoint()
+            self._account_inflight()
         if self.start_round == 0 or not (self.out / "splits.json").exists():
             atomic_write_json(self.out / "splits.json", self._splits_doc())
         if self.start_round >= cfg.rounds and (self.out / "manifest.json").exists():
             self.log(f"run already complete ({cfg.rounds} rounds)")
             return read_json(self.out / "manifest.json")
         self._truncate_metrics(self.start_round)
-        transport = self.make_transport()
+        dispatcher = Dispatcher(self, self.make_transport())
+        for line in self._pending_log:
+            self.log(line)
+        self._pending_log = []
         self.log(
             f"fedlora train: method={cfg.method} model={cfg.model} dataset={cfg.dataset} "
             f"clients={cfg.clients} rounds={cfg.rounds} dp={cfg.dp_level} σ={self.sigma:.4g} "
@@ -946,12 +956,13 @@ class Engine:
                 break
             self.round_bytes = {}
             self.rejected_updates = 0
+            self._write_inflight(r, planned)
             # Under client-level DP the server releases (noise) even for an empty cohort:
             # skipping would reveal that no client was sampled.
             if clients or cfg.dp_level == "client":
 
                 def send(cl, stage, payload, per_client=False, _rnd=rnd):
-                    return transport.send(self.method, _rnd, list(cl), stage, payload, per_client)
+                    return dispatcher.send(self.method, _rnd, cl, stage, payload, per_client)
 
                 extra = self.method.server_round(rnd, clients, send) or {}
             else:
@@ -976,7 +987,87 @@ class Engine:
             self._append_metrics(row)
             self.log(self._summary_line(row))
             self._save_checkpoint(r + 1)
+            self._clear_inflight()
         return self._finish(time.time() - t0)
+
+    def noise_key_file(self) -> str | None:
+        """Path of the run's key file (for Flower nodes on this machine), or None."""
+        if not self.rand.private:
+            return None
+        if isinstance(self.noise_key_arg, str | Path):
+            return str(Path(self.noise_key_arg).resolve())
+        own = self.out / R.PRIVATE_DIR / R.KEY_FILE
+        return str(own.resolve()) if own.is_file() else None
+
+    def noise_key_id(self) -> str | None:
+        return self.rand.key.key_id if self.rand.private else None
+
+    # ---- rounds started but not completed ------------------------------------------
+    def replays_bit_exact(self) -> bool:
+        """Does re-running a round reproduce its releases bit for bit? On the CPU with
+        the in-process transport, yes: every draw is a function of (key, round, client,
+        stage) and the computation is deterministic. On a GPU (non-deterministic
+        kernels) or over Flower (node-side state outlives a server kill) it may not."""
+        return self.device.type == "cpu" and self.cfg.transport == "inprocess"
+
+    def _inflight_path(self) -> Path:
+        return self.out / "checkpoint" / "inflight.json"
+
+    def _write_inflight(self, r: int, planned: list[Event]) -> None:
+        """Journal a round before anything of it is sent: if the run is killed in it,
+        resume knows its releases may have been observed."""
+        path = self._inflight_path()
+        path.parent.mkdir(exist_ok=True)
+        doc = {
+            "round": r,
+            "device": self.device.type,
+            "transport": self.cfg.transport,
+            "planned": [e.to_dict() for e in planned],
+        }
+        atomic_write_json(path, doc)
+
+    def _clear_inflight(self) -> None:
+        self._inflight_path().unlink(missing_ok=True)
+
+    def _account_inflight(self) -> None:
+        """On resume: a round that was started but not completed may have released
+        (a Flower message, a log line). If re-running it replays the same releases bit
+        for bit, the re-run releases nothing new and nothing is charged; otherwise its
+        planned events are composed into the ledger now, before it is run again."""
+        path = self._inflight_path()
+        if not path.is_file():
+            return
+        doc = read_json(path)
+        r = int(doc.get("round", -1))
+        if r < self.start_round:
+            path.unlink(missing_ok=True)
+            return
+        same = doc.get("device") == "cpu" and doc.get("transport") == "inprocess"
+        if (same and self.replays_bit_exact()) or self.cfg.dp_level == "none":
+            self.log(
+                f"round {r + 1} was started before the run stopped; it is re-run with the same "
+                "noise streams (bit-exact on CPU), so its releases are not charged twice"
+            )
+        else:
+            evs = [Event.from_dict(e) for e in doc.get("planned", [])]
+            for ev in evs:
+                self.ledger.record(
+                    Event(
+                        ev.kind,
+                        ev.noise_multiplier,
+                        ev.sample_rate,
+                        ev.count,
+                        unit=ev.unit,
+                        round=ev.round,
+                        stage="interrupted",
+                        note="round started before a stop; its noise may have been observed",
+                    )
+                )
+            self.log(
+                f"round {r + 1} was started before the run stopped and cannot be replayed "
+                f"bit-exactly here; its {len(evs)} planned event(s) are charged before re-running it"
+            )
+        path.unlink(missing_ok=True)
 
     def make_transport(self):
         if self.cfg.transport == "inprocess":
@@ -1151,7 +1242,8 @@ class Engine:
                 "method_mechanism": self.method.privacy_note(),
                 "public_log_note": "metrics.jsonl and run.log are the operator's logs (they name "
                 "the sampled clients); the released artifact is the adapter",
-                "secure_rng": cfg.secure_rng,
+                "neighbouring": NEIGHBOURING[cfg.dp_level],
+                "noise": self.rand.describe(),
                 "epsilon": eps,
                 "ledger": self.ledger.state_dict(),
             },
@@ -1177,7 +1269,9 @@ class Engine:
             "wall_seconds": wall,
             "log": self._log_lines[-50:],
         }
+        manifest["visibility"] = "operator"
         atomic_write_json(self.out / "manifest.json", _jsonable(manifest))
+        write_release(self.out, self.out / "release")
         self.log(
             f"done: accuracy={final.get('accuracy', float('nan')):.4f} "
             + (
@@ -1188,6 +1282,13 @@ class Engine:
             + f"in {wall:.0f}s → {self.out}"
         )
         return manifest
+
+
+NEIGHBOURING = {
+    "sample": "add/remove one example (an example lives on one client)",
+    "client": "add/remove one client (all of its data)",
+    "none": None,
+}
 
 
 def _mechanism_text(cfg: TrainConfig) -> str:
@@ -1269,9 +1370,16 @@ def _versions() -> dict:
     return out
 
 
-def train(cfg: TrainConfig, out: str | Path, resume: bool = False, quiet: bool = False) -> dict:
-    """Run (or resume) a federated training run; returns the manifest."""
-    return Engine(cfg, out, resume=resume, quiet=quiet).run()
+def train(
+    cfg: TrainConfig,
+    out: str | Path,
+    resume: bool = False,
+    quiet: bool = False,
+    noise_key: str | Path | R.NoiseKey | None = None,
+) -> dict:
+    """Run (or resume) a federated training run; returns the manifest. ``noise_key``: a
+    key file (or key) to reuse instead of a fresh secret one (a replay)."""
+    return Engine(cfg, out, resume=resume, quiet=quiet, noise_key=noise_key).run()
 
 
 __all__ = [

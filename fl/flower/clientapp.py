@@ -7,7 +7,10 @@ the method stages, ``query.partition`` for the server's node → client-id mappi
 Each message carries, besides the payload (``fl.flower.records``, prefix
 ``payload``), a ``fedlora.meta`` record: the run's TrainConfig (``cfg``), the server's
 noise multiplier σ (``sigma``), the round (``index``, ``seed``, ``clients``), the
-client id the server addressed (``cid``) and an optional injected fault (tests).
+client id the server addressed (``cid``), an optional injected fault (tests), and
+where to find the run's secret noise key with its public id (``noise_key_file``,
+``noise_key_id``; a SuperNode's node config ``noise-key-file`` takes precedence). The
+key itself never travels in a message.
 
 The client rebuilds what it needs from the TrainConfig: the data split, its partition
 and the model init are deterministic functions of it (``Engine.setup()``), so a
@@ -44,17 +47,44 @@ def config_key(cfg_dict: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def client_engine(cfg_dict: dict, sigma: float):
+def node_noise_key(context: Context | None, meta: dict):
+    """The run's noise key on this node: the node config's ``noise-key-file`` (a
+    deployment: the operator puts the key on each SuperNode), else the file the server
+    named (simulation on one machine). The key's public id must match the server's."""
+    from fl.errors import UsageError
+    from fl.privacy.rng import NoiseKey
+
+    if meta["cfg"].get("insecure_deterministic_noise"):
+        return None
+    path = None
+    if context is not None:
+        path = context.node_config.get("noise-key-file")
+    path = path or meta.get("noise_key_file")
+    if not path:
+        raise UsageError(
+            "this SuperNode has no noise key: set its node config noise-key-file=PATH "
+            "(a copy of the run's private/noise.key)"
+        )
+    key = NoiseKey.read(path)
+    if meta.get("noise_key_id") and key.key_id != meta["noise_key_id"]:
+        raise UsageError(f"the noise key at {path} is not this run's (key id differs)")
+    return key
+
+
+def client_engine(cfg_dict: dict, sigma: float, noise_key=None):
     """The cached client-side Engine for this configuration (built with setup() on
     first use: dataset, split, partition, tokenized data, model + LoRA init)."""
     from fl.config import TrainConfig
     from fl.engine import Engine
 
-    key = config_key(cfg_dict)
+    key = config_key(cfg_dict) + (noise_key.key_id if noise_key is not None else "")
     if _ENGINE.get("key") != key:
         d = dict(cfg_dict, progress=False, transport="inprocess")
         eng = Engine(
-            TrainConfig.from_dict(d), tempfile.mkdtemp(prefix="fedlora-client-"), quiet=True
+            TrainConfig.from_dict(d),
+            tempfile.mkdtemp(prefix="fedlora-client-"),
+            quiet=True,
+            noise_key=noise_key,
         )
         eng.setup()
         _ENGINE.clear()
@@ -83,7 +113,7 @@ def handle_stage(message: Message, context: Context) -> Message:
     pid = partition_id(context)
     if pid is not None and str(pid) != cid:
         raise RuntimeError(f"message for client {cid} reached the node holding partition {pid}")
-    eng = client_engine(meta["cfg"], meta["sigma"])
+    eng = client_engine(meta["cfg"], meta["sigma"], node_noise_key(context, meta))
     if cid not in eng.client_positions:
         raise RuntimeError(
             f"client {cid} is not in this run's partition {sorted(eng.client_positions)}"
@@ -108,8 +138,11 @@ def handle_stage(message: Message, context: Context) -> Message:
         out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     # DP steps already taken count even when the stage failed: the data was touched.
     out["events"] = [ev.to_dict() for ev in ctx.events]
-    R.remove(context.state, skey)
-    R.encode(ctx.state, context.state, skey)
+    if "failed" not in out and "error" not in out:
+        # Only a stage that succeeded keeps its state; a failed one is rolled back, so
+        # nothing trained in it (and not used by the server) is built on later.
+        R.remove(context.state, skey)
+        R.encode(ctx.state, context.state, skey)
     content = R.encode(reply, RecordDict(), "payload")
     R.encode(out, content, META)
     return Message(content=content, reply_to=message)

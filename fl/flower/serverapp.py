@@ -10,7 +10,10 @@ options as ``opts.<key>``, plus
 - ``resume`` (bool): continue a stopped run from ``out-dir/checkpoint`` (the ledger is
   restored, not reset);
 - ``stage-timeout`` (seconds): how long a stage waits for replies (a silent client is
-  then a failed client).
+  then a failed client);
+- ``noise-key`` (path, optional): reuse this secret noise key (a replay) instead of a
+  fresh one. Each SuperNode finds the key through its node config
+  ``noise-key-file=PATH``, or else at the path the server names (same machine).
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from __future__ import annotations
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-RESERVED = ("out-dir", "resume", "stage-timeout")
+RESERVED = ("out-dir", "resume", "stage-timeout", "noise-key")
 
 
 def config_from_run_config(rc: dict):
-    """(TrainConfig, out_dir, resume, timeout) from a Flower run config."""
+    """(TrainConfig, out_dir, resume, timeout, noise_key) from a Flower run config."""
     from fl.config import TrainConfig
     from fl.errors import UsageError
 
@@ -47,6 +50,7 @@ def config_from_run_config(rc: dict):
         str(out),
         bool(rc.get("resume", False)),
         float(timeout) if timeout else None,
+        str(rc.get("noise-key") or "") or None,
     )
 
 
@@ -58,9 +62,9 @@ def main(grid: Grid, context: Context) -> None:
     from fl.engine import Engine
     from fl.flower.transport import bind_grid
 
-    cfg, out, resume, timeout = config_from_run_config(dict(context.run_config))
+    cfg, out, resume, timeout, key = config_from_run_config(dict(context.run_config))
     with bind_grid(grid, timeout):
-        manifest = Engine(cfg, out, resume=resume, quiet=False).run()
+        manifest = Engine(cfg, out, resume=resume, quiet=False, noise_key=key).run()
     eps = manifest["privacy"]["epsilon"]["pld"]
     print(
         f"fedlora: run complete in {out} (rounds {manifest['privacy']['rounds_completed']}, "

@@ -19,10 +19,13 @@ node config; the simulation runtime sets it); at start the server asks every nod
 it (``query.partition``) and addresses client ``str(partition-id)``.
 
 Faults: a node whose reply is a Flower error, or that does not reply within the
-timeout (``FEDLORA_FLOWER_TIMEOUT`` seconds, default 600), or whose handler raised
-``ClientFailure``, goes to ``replies.failed`` and the run log says so; the DP events it
-reported before failing are still recorded. Any other exception in a handler is a
-bug and is re-raised on the server with the client's traceback (as in-process).
+timeout (``FEDLORA_FLOWER_TIMEOUT`` seconds, default 600), is a *lost* reply: the
+engine's Dispatcher (``fl.transport``) charges the DP-SGD event it planned for that
+client. A handler that raised ``ClientFailure`` reports its DP events and rolls its
+node-side state back. Either way the client goes to ``replies.failed``. Any other
+exception in a handler is a bug and is re-raised on the server with the client's
+traceback (as in-process). This transport only moves payloads; byte counts,
+validation, failures and the ledger are the Dispatcher's.
 """
 
 from __future__ import annotations
@@ -128,24 +131,20 @@ class FlowerTransport:
         return self.nodes
 
     # ---- the transport interface --------------------------------------------------------
-    def send(self, method, rnd, clients, stage, payload, per_client=False):
-        from fl.engine import payload_bytes
-        from fl.methods.base import Replies
+    def deliver(self, method, rnd, stage, payloads, faults):
+        """Send one ``train.<stage>`` message per client and collect the replies as
+        :class:`fl.transport.Delivery` (the engine's Dispatcher does the rest)."""
         from fl.privacy.accounting import Event
+        from fl.transport import Delivery
 
         eng = self.engine
-        if getattr(method, f"on_{stage}", None) is None:
-            raise RuntimeError(f"method {method.name!r} has no handler for stage {stage!r}")
         if not stage.isidentifier():
             raise RuntimeError(f"stage name {stage!r} is not a Flower action name")
         nodes = self.node_map()
         grid = self.grid()
         cfg_dict = eng.cfg.to_dict()
         msgs, by_node = [], {}
-        for cid in clients:
-            p = payload[cid] if per_client else payload
-            eng.add_bytes(rnd, cid, "down", payload_bytes(p))
-            fault = eng.fault_injector(rnd, cid, stage) if eng.fault_injector else None
+        for cid, p in payloads:
             meta = {
                 "cfg": cfg_dict,
                 "sigma": float(eng.sigma),
@@ -153,7 +152,11 @@ class FlowerTransport:
                 "seed": rnd.seed,
                 "clients": list(rnd.clients),
                 "cid": cid,
-                "fault": fault,
+                "fault": faults.get(cid),
+                # Where the node finds the run's secret noise key when its node config
+                # names none (simulation: same machine); never the key itself.
+                "noise_key_file": eng.noise_key_file(),
+                "noise_key_id": eng.noise_key_id(),
             }
             content = R.encode(p, RecordDict(), "payload")
             R.encode(meta, content, META)
@@ -171,37 +174,30 @@ class FlowerTransport:
             cid = by_node.get(rep.metadata.src_node_id)
             if cid is not None:
                 got[cid] = rep
-        replies = Replies()
-        # Clients in the order sent, so the ledger composes in the in-process order.
-        for cid in clients:
+        out: dict[str, Delivery] = {}
+        for cid, _ in payloads:
             rep = got.get(cid)
             if rep is None:
-                why = f"Timeout: no reply within {self.timeout:g}s"
-            elif rep.has_error():
-                why = f"FlowerError {rep.error.code}: {rep.error.reason}"
-            else:
-                why = None
-            if why is not None:
-                replies.failed[cid] = why
-                eng.log(f"round {rnd.index + 1}: client {cid} failed in stage {stage!r}: {why}")
+                out[cid] = Delivery(failed=f"Timeout: no reply within {self.timeout:g}s", lost=True)
+                continue
+            if rep.has_error():
+                out[cid] = Delivery(
+                    failed=f"FlowerError {rep.error.code}: {rep.error.reason}", lost=True
+                )
                 continue
             meta = R.decode(rep.content, META)
-            for ev in meta.get("events", []):
-                eng.ledger.record(Event.from_dict(ev))
+            events = [Event.from_dict(ev) for ev in meta.get("events", [])]
             if meta.get("error"):
+                for ev in events:  # recorded before the bug is raised: the data was touched
+                    eng.ledger.record(ev)
                 raise RuntimeError(
                     f"client {cid} raised in stage {stage!r} (over Flower):\n{meta['error']}"
                 )
             if meta.get("failed"):
-                replies.failed[cid] = meta["failed"]
-                eng.log(
-                    f"round {rnd.index + 1}: client {cid} failed in stage {stage!r}: {meta['failed']}"
-                )
+                out[cid] = Delivery(None, events, meta["failed"])
                 continue
-            reply = R.decode(rep.content, "payload")
-            eng.add_bytes(rnd, cid, "up", payload_bytes(reply))
-            replies.ok[cid] = reply
-        return replies
+            out[cid] = Delivery(R.decode(rep.content, "payload"), events)
+        return out
 
 
 # ---------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class RoundInfo:
     clients: list[str]
 
     def derive(self, purpose: str) -> int:
-        from fl.engine import derive_seed
+        from fl.privacy.rng import derive_seed
 
         return derive_seed(self.seed, purpose)
 

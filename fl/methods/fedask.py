@@ -60,7 +60,7 @@ __all__ = [
 
 def omega_seed(base_seed: int, layer: str) -> int:
     """Seed of Ω for one layer: derive_seed(base_seed, "fedask-omega", layer)."""
-    from fl.engine import derive_seed
+    from fl.privacy.rng import derive_seed
 
     return derive_seed(base_seed, "fedask-omega", layer)
 
@@ -218,7 +218,7 @@ class FedASK(Method):
 
     def omega_base(self, rnd: RoundInfo) -> int:
         if self.opts.omega == "fixed":
-            from fl.engine import derive_seed
+            from fl.privacy.rng import derive_seed
 
             return derive_seed(self.server.cfg.seed, "fedask-omega-fixed")
         return rnd.derive("fedask-omega")
@@ -368,7 +368,7 @@ class FedASK(Method):
         """Bytes of the protocol's upstream tensors (the transport's bytes_up also counts
         the measurement side-channel): Y_k, Ỹ_k and the head of the surviving clients
         (retries re-send Ỹ_k; only the final one is counted here)."""
-        from fl.engine import payload_bytes
+        from fl.transport import payload_bytes
 
         sk, head = 0, 0
         for c in alive:

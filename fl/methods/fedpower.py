@@ -333,11 +333,6 @@ class FedPower(Method):
                 raise UsageError(
                     "fedpower: perturbation=none adds no noise and cannot give client-level DP"
                 )
-            if cfg.secure_rng:
-                raise UsageError(
-                    "fedpower: --secure-rng is not supported yet (PowerDP draws its noise "
-                    "from a seeded torch generator)"
-                )
 
     # -------------------------------------------------------------- configuration
     def client_dp_releases(self) -> int:

@@ -111,7 +111,7 @@ def select_random(R: int, r: int, seed: int, round_index: int, cid: str) -> list
 def select_roundrobin(R: int, r: int, seed: int, round_index: int, cid: str) -> list[int]:
     """Deterministic cover: modules (offset + round·r + t) mod R, t < r, with a per-client
     offset derived from the client id (so clients of one round differ)."""
-    from fl.engine import derive_seed
+    from fl.privacy.rng import derive_seed
 
     off = derive_seed("roundrobin", cid) % R
     return sorted({(off + round_index * r + t) % R for t in range(r)})

@@ -14,11 +14,11 @@ must never pass the clipping test as "small".
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from fl.privacy.rng import draw_normal
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,6 @@ class DpSgdParams:
     clip: float  # C (ℓ2 bound on each example's gradient)
     sample_rate: float  # q: Poisson inclusion probability of each example per step
     expected_batch: float  # q · n (the normalizer)
-    secure_rng: bool = False
 
     def __post_init__(self):
         if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
@@ -41,32 +40,13 @@ class DpSgdParams:
 def gaussian_noise(
     shape: tuple[int, ...],
     std: float,
-    generator: torch.Generator | None,
-    secure: bool = False,
+    source,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """N(0, std²) noise of ``shape``.
-
-    secure=False: torch's generator (seeded, reproducible, not for deployment).
-    secure=True: Box–Muller on 64-bit uniforms from the OS's CSPRNG (``os.urandom``);
-    not reproducible by design.
-    """
-    if std == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    if not secure:
-        return torch.normal(0.0, std, size=shape, generator=generator, dtype=torch.float32).to(
-            device=device, dtype=dtype
-        )
-    n = int(np.prod(shape)) if shape else 1
-    m = (n + 1) // 2
-    raw = np.frombuffer(os.urandom(16 * m), dtype=np.uint64).reshape(2, m)
-    # 53-bit uniforms in (0, 1]: avoid log(0).
-    u1 = ((raw[0] >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0**53
-    u2 = (raw[1] >> np.uint64(11)).astype(np.float64) / 2.0**53
-    r = np.sqrt(-2.0 * np.log(u1))
-    z = np.concatenate([r * np.cos(2 * np.pi * u2), r * np.sin(2 * np.pi * u2)])[:n]
-    return torch.from_numpy(z * std).reshape(shape).to(device=device, dtype=dtype)
+    """N(0, std²) noise of ``shape`` from ``source``: a :class:`fl.privacy.rng.NoiseSource`
+    (a run's keyed CSPRNG stream) or a plain ``torch.Generator`` (simulations)."""
+    return draw_normal(source, shape, std, dtype, device)
 
 
 def per_sample_norms(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -82,7 +62,7 @@ def per_sample_norms(params: list[torch.nn.Parameter]) -> torch.Tensor:
 def clip_and_noise(
     params: list[torch.nn.Parameter],
     dp: DpSgdParams,
-    generator: torch.Generator | None,
+    generator,
     batch_size: int,
 ) -> dict:
     """Replace each param's ``.grad`` with (Σ_i clip(g_i) + N(0, σ²C²I)) / (q·n).
@@ -113,7 +93,7 @@ def clip_and_noise(
             summed = torch.einsum("i,i...->...", factor.to(gs.dtype), gs)
         else:
             summed = torch.zeros_like(p)
-        noise = gaussian_noise(tuple(p.shape), std, generator, dp.secure_rng, p.dtype, p.device)
+        noise = gaussian_noise(tuple(p.shape), std, generator, p.dtype, p.device)
         p.grad = ((summed + noise) / dp.expected_batch).to(p.dtype)
         p.grad_sample = None
     return stats

@@ -65,6 +65,7 @@ import torch
 
 from fl import linalg
 from fl.privacy.accounting import calibrate_noise, epsilon
+from fl.privacy.rng import draw_normal
 
 Tensor = torch.Tensor
 
@@ -205,14 +206,15 @@ def initial_basis(
     return linalg.orth(linalg.gaussian_sketch(n, k, seed, dtype=dtype, device=device))
 
 
-def gaussian_noise(
-    shape: tuple[int, ...], std: float, generator: torch.Generator, like: Tensor
-) -> Tensor:
-    """N(0, std²) noise of ``shape``, drawn on the generator's device in ``like``'s
-    dtype when that is float64, else in float32 (as Opacus draws DP-SGD noise), then
-    moved to ``like``'s device and dtype."""
+def gaussian_noise(shape: tuple[int, ...], std: float, generator, like: Tensor) -> Tensor:
+    """N(0, std²) noise of ``shape`` in ``like``'s dtype and device. ``generator``: a
+    run's keyed noise stream (:class:`fl.privacy.rng.NoiseSource`, drawn in float64
+    and cast), or a ``torch.Generator`` for simulations (drawn on its device, in
+    float64 when ``like`` is float64, else float32)."""
     if not (math.isfinite(std) and std >= 0):
         raise ValueError(f"noise std must be finite and >= 0, got {std}")
+    if not isinstance(generator, torch.Generator):
+        return draw_normal(generator, shape, std, like.dtype, like.device)
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     g = torch.randn(shape, generator=generator, dtype=dtype, device=generator.device)
     return (std * g).to(dtype=like.dtype, device=like.device)

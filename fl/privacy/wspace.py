@@ -258,14 +258,12 @@ class WSpaceClipper:
                 A = self.layers[key][2].detach()
                 m, n = p.shape[0], A.shape[1]
                 # Noise in W-space (m×n), then the public projection s·(·)Aᵀ.
-                z = gaussian_noise((m, n), std, generator, dp.secure_rng, torch.float32, p.device)
+                z = gaussian_noise((m, n), std, generator, torch.float32, p.device)
                 if self.keep_noise:
                     self.last_noise[key] = z.detach().cpu()
                 noise = self.s * (z @ A.float().mT)
             else:
-                noise = gaussian_noise(
-                    tuple(p.shape), std, generator, dp.secure_rng, p.dtype, p.device
-                )
+                noise = gaussian_noise(tuple(p.shape), std, generator, p.dtype, p.device)
             p.grad = ((summed + noise.to(summed.dtype)) / dp.expected_batch).to(p.dtype)
             p.grad_sample = None
         return stats

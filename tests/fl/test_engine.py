@@ -62,7 +62,10 @@ def test_run_directory_contract(tmp_path, tiny_cfg):
 def test_sigma_zero_huge_clip_equals_non_dp(tmp_path, tiny_cfg):
     kw = dict(optimizer="sgd", lr=0.05, rounds=2)
     train(tiny_cfg(**kw), tmp_path / "plain")
-    train(tiny_cfg(dp_level="sample", noise_multiplier=0.0, clip=1e9, **kw), tmp_path / "dp")
+    # Same key: same Poisson batches (the noise stream draws nothing at σ = 0).
+    key = tmp_path / "plain" / "private" / "noise.key"
+    cfg = tiny_cfg(dp_level="sample", noise_multiplier=0.0, clip=1e9, **kw)
+    train(cfg, tmp_path / "dp", noise_key=key)
     assert _max_diff(_adapter(tmp_path / "plain"), _adapter(tmp_path / "dp")) < 1e-5
     m = json.loads((tmp_path / "dp" / "manifest.json").read_text())
     assert m["privacy"]["epsilon"]["pld"] == "inf"  # σ = 0 never reports a finite ε
@@ -88,7 +91,8 @@ def test_fedavg_one_client_equals_centralized_training(tmp_path, tiny_cfg):
     for r in range(cfg.rounds):
         parts = (cfg.seed, "round", r, "client", "0", "train")
         torch.manual_seed(derive_seed(*parts, "dropout"))
-        for mask in poisson_masks(parts, n, q, cfg.local_steps):
+        batches = eng.rand.stream("poisson-batches", r, "0", "train")
+        for mask in poisson_masks(batches, n, q, cfg.local_steps):
             idx = torch.arange(n)[mask]
             opt.zero_grad()
             b = data.batch(idx, "cpu")
@@ -124,7 +128,10 @@ def test_resume_equals_uninterrupted_and_keeps_budget(tmp_path, tiny_cfg):
     cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2, clients_per_round=2)
     full = train(cfg, tmp_path / "full")
 
-    eng = Engine(cfg, tmp_path / "killed", quiet=True)
+    # The key holder replays: a second run given the first run's key.
+    eng = Engine(
+        cfg, tmp_path / "killed", quiet=True, noise_key=tmp_path / "full/private/noise.key"
+    )
     orig = eng._save_checkpoint
 
     def crash_after_round_two(completed):

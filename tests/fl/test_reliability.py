@@ -53,7 +53,9 @@ def test_sigkill_at_random_points_then_resume_equals_uninterrupted(tmp_path):
     rng = random.Random(int(os.environ.get("FEDLORA_KILL_SEED", "7")))
     kills = int(os.environ.get("FEDLORA_KILLS", "4"))
     run = tmp_path / "killed"
-    p = _cli(["train", *TINY, "--out", str(run)])
+    # The key holder's replay: the killed run uses the reference run's noise key.
+    first = ["train", *TINY, "--out", str(run), "--noise-key", str(ref / "private/noise.key")]
+    p = _cli(first)
     done_kills = 0
     for _attempt in range(kills + 10):
         delay = rng.uniform(0.3, max(0.6, full_time * 0.8))
@@ -74,7 +76,7 @@ def test_sigkill_at_random_points_then_resume_equals_uninterrupted(tmp_path):
         # killed before config.json existed: the directory is not a run yet, start again
         args = ["train", "--resume", str(run), "--no-progress"]
         if not (run / "config.json").exists():
-            args = ["train", *TINY, "--out", str(run)]
+            args = first
         if done_kills >= kills:
             p = _cli(args)
             assert p.wait(timeout=300) == 0, p.stderr.read().decode()

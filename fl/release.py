@@ -1,0 +1,185 @@
+"""The release bundle: exactly what a run may publish.
+
+A run directory is the operator's: it holds the member ids (``splits.json``), the
+sampled cohorts and per-client training losses (``metrics.jsonl``, ``run.log``),
+un-noised statistics in ``manifest.json`` and the secret noise key (``private/``).
+None of that may be published. The bundle (``RUN/release/``, written at the end of a
+run, or ``fedlora export RUN --out DIR``) holds:
+
+- ``adapter/``: the PEFT adapter (``adapter_config.json``, ``adapter_model.safetensors``);
+- ``manifest.json``: the *public* manifest, built from the operator manifest through
+  :data:`PUBLIC_FIELDS` (an allow-list: a field not named there is dropped), with
+  everything needed to recompute ε (mechanism, neighbouring relation, σ, C, δ, the
+  ledger of events with their sampling rates and step counts, the accountant) and
+  nothing computed from private data without noise;
+- ``metrics.jsonl``: per round, the test-set metrics of the released global model
+  and ε so far (test data is not protected; the global model of every round is a
+  post-processing of DP releases).
+
+What the public manifest discloses on purpose is listed in its ``disclosed`` field: the
+per-client sampling rates q_k = B/n_k (hence each client's size) are needed to
+recompute ε and are therefore released.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from fl.errors import UsageError
+from fl.io import atomic_write_json, atomic_write_text, file_sha256, read_json
+
+#: allow-list of the public manifest: True keeps the value, a dict recurses.
+PUBLIC_FIELDS: dict = {
+    "schema_version": True,
+    "tool": True,
+    "tool_version": True,
+    "created": True,
+    "config": True,
+    "method": True,
+    "method_options": True,
+    "released": True,
+    "client_ranks": True,
+    "seeds": True,
+    "versions": True,
+    "adapter_sha256": True,
+    "privacy": {
+        "level": True,
+        "neighbouring": True,
+        "mechanism": True,
+        "noise_multiplier": True,
+        "clipping_norm": True,
+        "delta": True,
+        "target_epsilon": True,
+        "sampling": True,
+        "sample_rates": True,
+        "steps_per_round": True,
+        "rounds": True,
+        "rounds_completed": True,
+        "client_sampling": True,
+        "participation_accounting": True,
+        "method_mechanism": True,
+        "noise": {
+            "source": True,
+            "private": True,
+            "generator": True,
+            "key_bits": True,
+            "key_id": True,
+            "warning": True,
+        },
+        "epsilon": True,
+        "ledger": True,
+    },
+    "data": {
+        "dataset": True,
+        "num_classes": True,
+        "label_names": True,
+        "n_members": True,
+        "n_nonmembers": True,
+        "n_test": True,
+    },
+    "metrics": {"final": {"accuracy": True, "balanced_accuracy": True, "loss": True}},
+}
+
+#: per-round fields of the public metrics.jsonl
+PUBLIC_METRICS = ("round", "accuracy", "balanced_accuracy", "loss", "epsilon")
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+DISCLOSED = [
+    "privacy.sample_rates / the ledger's sample rates: q_k = batch_size / n_k, so each "
+    "client's example count n_k (needed to recompute ε)",
+    "privacy.ledger: which clients trained in which round (sample level; no amplification "
+    "by client sampling is claimed there)",
+    "metrics: accuracy and loss of the released model on the public test split",
+]
+
+
+def _filter(obj, allow):
+    if allow is True:
+        return obj
+    if not isinstance(obj, dict):
+        return None
+    return {k: _filter(v, allow[k]) for k, v in obj.items() if k in allow}
+
+
+def public_manifest(manifest: dict) -> dict:
+    """The allow-listed part of an operator manifest (plus ``visibility`` and
+    ``disclosed``)."""
+    out = _filter(manifest, PUBLIC_FIELDS)
+    out["visibility"] = "public"
+    out["disclosed"] = list(DISCLOSED)
+    return out
+
+
+def public_metrics(run_dir: Path) -> str:
+    path = run_dir / "metrics.jsonl"
+    lines = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                lines.append(json.dumps({k: row[k] for k in PUBLIC_METRICS if k in row}))
+    return "".join(line + "\n" for line in lines)
+
+
+def write_release(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the bundle of a finished run to ``out_dir`` (replaced atomically: a reader
+    sees the old bundle or the new one, never half of one)."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    mpath = run_dir / "manifest.json"
+    if not mpath.is_file():
+        raise UsageError(f"{run_dir} is not a finished run (no manifest.json)")
+    manifest = read_json(mpath)
+    if manifest.get("visibility") == "public":
+        raise UsageError(f"{run_dir} is a release bundle already, not a run directory")
+    adapter = run_dir / "adapter"
+    for name in ADAPTER_FILES:
+        if not (adapter / name).is_file():
+            raise UsageError(f"{run_dir}: adapter/{name} is missing")
+    want = manifest.get("adapter_sha256")
+    if want and file_sha256(adapter / "adapter_model.safetensors") != want:
+        raise UsageError(f"{run_dir}: the adapter does not match the manifest's adapter_sha256")
+    if out_dir.resolve() == run_dir.resolve() or run_dir.resolve() in out_dir.resolve().parents:
+        if out_dir.resolve() != (run_dir / "release").resolve():
+            raise UsageError("export into the run directory is only allowed as RUN/release")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "adapter").mkdir(parents=True)
+    for name in ADAPTER_FILES:
+        shutil.copyfile(adapter / name, tmp / "adapter" / name)
+    atomic_write_json(tmp / "manifest.json", public_manifest(manifest))
+    atomic_write_text(tmp / "metrics.jsonl", public_metrics(run_dir))
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def is_release(path: str | Path) -> bool:
+    """A release bundle (public manifest), as opposed to an operator run directory."""
+    p = Path(path) / "manifest.json"
+    if not p.is_file():
+        return False
+    try:
+        return read_json(p).get("visibility") == "public"
+    except UsageError:
+        return False
+
+
+__all__ = [
+    "PUBLIC_FIELDS",
+    "PUBLIC_METRICS",
+    "public_manifest",
+    "write_release",
+    "is_release",
+    "DISCLOSED",
+]
