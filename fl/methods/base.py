@@ -87,6 +87,9 @@ class Method:
     dp_levels: tuple[str, ...] = ("none", "sample")
     # What is released to the clients / the world each round (stated in the manifest).
     release_note = "LoRA factors A, B and the classification head"
+    # Stages whose handler runs local (DP-)SGD: a lost reply in one of them is charged
+    # the DP-SGD event the server planned for that client (fl.transport.Dispatcher).
+    train_stages: tuple[str, ...] = ("train",)
 
     def __init__(self, server, options):
         self.server = server  # fl.engine.ServerContext

@@ -170,6 +170,7 @@ class FedASK(Method):
     name = "fedask"
     Options = FedASKOptions
     dp_levels = ("none", "sample")
+    train_stages = ("train_sketch",)
     release_note = (
         "per round, per LoRA layer: stage train_sketch — client → server Y_k = B_k(A_kΩ) and "
         "the head, post-processing of the DP-SGD-trained B_k and head with public A_k (the "
