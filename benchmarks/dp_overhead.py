@@ -36,6 +36,18 @@ def make_texts(n: int, seed: int = 0, words: int = 80) -> tuple[list[str], np.nd
 
 
 _CACHE: dict = {}
+_KEY = None
+
+
+def bench_streams(*name) -> tuple:
+    """(noise, batch) streams of the run's keyed CSPRNG, as the engine uses them; the
+    same name gives the same Poisson batches on every call (one key per process)."""
+    global _KEY
+    from fl.privacy.rng import NoiseKey
+
+    if _KEY is None:
+        _KEY = NoiseKey.generate()
+    return _KEY.stream("dpsgd-noise", *name), _KEY.stream("poisson-batches", *name)
 
 
 def make_trainer(model: str, batch_size: int, seq: int, n: int, rank: int = 8, device="cpu"):
@@ -113,7 +125,8 @@ def measure(
                     steps,
                     set(trainable),
                     dp if with_dp else None,
-                    seed_parts=("bench", model),
+                    streams=bench_streams("bench", model),
+                    dropout_seed=0,
                 )
             sync()
 

@@ -18,7 +18,7 @@ import importlib.util
 import torch
 
 from benchmarks import harness
-from benchmarks.dp_overhead import dp_params, make_trainer
+from benchmarks.dp_overhead import bench_streams, dp_params, make_trainer
 
 NAME = "fedask_clip"
 
@@ -46,11 +46,22 @@ def run(quick: bool, device: str = "cpu") -> dict:
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
 
     def none():
-        trainer.train(start, data, pos, steps, trainable, None, seed_parts=("bench", "fedask"))
+        trainer.train(
+            start,
+            data,
+            pos,
+            steps,
+            trainable,
+            None,
+            streams=bench_streams("fedask"),
+            dropout_seed=0,
+        )
         sync()
 
     def bspace():
-        trainer.train(start, data, pos, steps, trainable, dp, seed_parts=("bench", "fedask"))
+        trainer.train(
+            start, data, pos, steps, trainable, dp, streams=bench_streams("fedask"), dropout_seed=0
+        )
         sync()
 
     def wspace():
@@ -62,7 +73,8 @@ def run(quick: bool, device: str = "cpu") -> dict:
                 steps,
                 trainable,
                 dp,
-                seed_parts=("bench", "fedask"),
+                streams=bench_streams("fedask"),
+                dropout_seed=0,
                 grad_transform=gt,
             )
         sync()
