@@ -342,9 +342,17 @@ def load_run(run_dir: str | Path) -> RunData:
     if not (d / "manifest.json").is_file():
         raise UsageError(f"{d} has no manifest.json (not a finished run directory)")
     man = read_json(d / "manifest.json")
+    if isinstance(man, dict) and man.get("visibility") == "public":
+        raise UsageError(
+            f"{d} is a release bundle: it carries no member list (the members are in the "
+            f"operator's splits.json); attack it with `fedlora attack {d} --members FILE "
+            "--nonmembers FILE`"
+        )
     cfg = man.get("config")
     if not isinstance(cfg, dict) or "dataset" not in cfg or "model" not in cfg:
         raise UsageError(f"{d}/manifest.json has no usable 'config' block")
+    if not (d / "splits.json").is_file():
+        raise UsageError(f"{d} has no splits.json (the run's member list); cannot attack it")
     splits = read_json(d / "splits.json")
     ds = load_dataset(
         cfg["dataset"], cfg.get("text_column", "text"), cfg.get("label_column", "label")
@@ -376,6 +384,36 @@ def load_run(run_dir: str | Path) -> RunData:
     if not (role == "member").any() or not (role == "nonmember").any():
         raise UsageError(f"{d}/splits.json needs both members and non-members to attack")
     return RunData(d, cfg, texts, np.asarray(labels, np.int64), ids, role, ds.num_classes)
+
+
+@dataclass
+class BundleData:
+    """A release bundle's adapter and public configuration (no member list)."""
+
+    bundle_dir: Path
+    adapter_dir: Path
+    config: dict
+    num_labels: int | None
+    manifest: dict
+
+
+def load_bundle(bundle_dir: str | Path) -> BundleData:
+    """Read a release bundle (``RUN/release``, ``fedlora export``): its public manifest's
+    configuration (base model, max_length, seed) and the adapter folder."""
+    from fl.io import read_json
+
+    d = Path(bundle_dir)
+    if not (d / "manifest.json").is_file():
+        raise UsageError(f"{d} has no manifest.json (not a release bundle)")
+    man = read_json(d / "manifest.json")
+    if not isinstance(man, dict) or man.get("visibility") != "public":
+        raise UsageError(f"{d} is not a release bundle (its manifest is not the public one)")
+    cfg = man.get("config")
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise UsageError(f"{d}/manifest.json has no usable 'config' block")
+    read_adapter_config(d / "adapter")
+    n = (man.get("data") or {}).get("num_classes")
+    return BundleData(d, d / "adapter", cfg, n if isinstance(n, int) else None, man)
 
 
 def run_signals(

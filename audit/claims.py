@@ -6,17 +6,25 @@ A *claim* describes a DP federated training mechanism and the (ε, δ) its autho
 then explains a shortfall: it recomputes the ε that each common accounting mistake
 would produce and reports the mistake(s) whose ε reproduces the claimed figure.
 
+Neighbouring relation: every recomputed ε is for **add/remove** (``neighbouring`` in the
+output, :data:`fl.privacy.accounting.NEIGHBOURING`): datasets D and D ∪ {x} are
+neighbours, x being ONE example (record) at sample level and ONE client with all of its
+data at client level. A claim stated under another relation (e.g. replace-one) is
+recomputed under add/remove.
+
 Claim fields (JSON or TOML, see :func:`load_claim` and docs/audit.md):
 
 ==================  =========================================================================
-``level``           ``"sample"`` (one record added/removed) or ``"client"`` (one client's data)
+``level``           ``"sample"`` (one example added/removed) or ``"client"`` (one client,
+                    with all of its data, added/removed)
 ``noise_multiplier`` σ = noise std / ℓ2 sensitivity (the clipping norm C), ≥ 0
 ``clipping_norm``   C (optional, informational: σ is relative to C)
 ``sampling``        sample level: how a step's batch is drawn from a client's records;
                     client level: how a round's clients are drawn. ``poisson`` (each
                     independently with a fixed probability) | ``shuffle`` (a random
-                    permutation, consecutive batches) | ``fixed_batch`` (batches of a fixed
-                    size whose membership is not independent per record) | ``all``
+                    permutation, consecutive batches of a fixed size) | ``fixed_batch``
+                    (batches / cohorts of a fixed size whose membership is not independent
+                    per record, e.g. drawn without replacement) | ``all``
 ``batch_size``      records per (expected) batch — with ``dataset_size``, or give ``sample_rate``
 ``dataset_size``    records held by ONE client (the population the batch is drawn from)
 ``sample_rate``     q of one step (instead of batch_size / dataset_size)
@@ -26,29 +34,53 @@ Claim fields (JSON or TOML, see :func:`load_claim` and docs/audit.md):
 ``clients_per_round`` clients taking part in a round (expected number for Poisson)
 ``total_clients``   clients in the federation
 ``accounting``      how the claimant composed: composed | per_round | per_epoch | unknown
+``noise_source``    where the Gaussian noise comes from: ``keyed_csprng`` (a CSPRNG keyed
+                    with a secret key) | ``csprng`` (OS entropy) | ``seeded`` (a seeded,
+                    reproducible generator) | ``unknown`` (default when absent)
 ``claimed_epsilon`` the claimed ε (> 0)
 ``delta``           the claimed δ in (0, 1)
 ==================  =========================================================================
 
-The mechanism as recomputed (the *reference*):
+The mechanism as recomputed (the *reference*), under add/remove:
 
 * sample level: an example lives on one client, so its guarantee composes that client's
   steps. No amplification by client sampling is granted: the worst case is a client that
   takes part in every round, so the count is ``steps_per_round × rounds``.
   ``poisson``: each step is the Poisson-subsampled Gaussian at q = batch_size /
-  dataset_size. ``shuffle``: there is no amplification by sampling; a record is in exactly
-  one batch per pass over the client's data, so each pass is one plain Gaussian and a
-  round makes ⌈steps_per_round · q⌉ passes. ``fixed_batch``: no amplification and no
-  guarantee that a record skips any batch, so every step is a plain Gaussian (q = 1).
-  ``all``: every step uses every record, a plain Gaussian per step.
-* client level: ``rounds × steps_per_round`` Gaussian releases, Poisson-subsampled at
-  q = clients_per_round / total_clients only when ``sampling == "poisson"``; any other
-  client sampling gets no amplification (q = 1).
+  dataset_size (sensitivity C: the added record is in a batch or not).
+  ``all``: every step uses every record: a plain Gaussian of multiplier σ per step
+  (adding a record adds one clipped gradient, sensitivity C).
+  ``fixed_batch``: batches of a fixed size. An added record can take the place of
+  another in a batch, so a step's sum changes by a replacement (sensitivity 2C), and
+  nothing says the record skips any batch: every step is a plain Gaussian of multiplier
+  σ/2, no amplification.
+  ``shuffle``: a random permutation cut into consecutive batches of a fixed size.
+  Inserting a record into the permutation shifts every later record by one position, so
+  its batch and every later batch of the pass change by a replacement (one record in,
+  one out). The conservative reference is every step a plain Gaussian of multiplier σ/2
+  (the record at the start of a pass), no amplification.
+* client level: ``rounds × steps_per_round`` Gaussian releases. ``poisson``:
+  Poisson-subsampled at q = clients_per_round / total_clients (sensitivity C). ``all``
+  (or clients_per_round = total_clients): a plain Gaussian of multiplier σ. A cohort of a
+  fixed count m < K (``shuffle`` / ``fixed_batch``): an added client can displace another
+  from the cohort, so the sum changes by up to 2C — a plain Gaussian of multiplier σ/2
+  per release, no amplification (derivation: :func:`fl.privacy.accounting.client_level_event`,
+  a coupling of the cohorts of D and D ∪ {x} and the joint convexity of the
+  hockey-stick divergence).
+
+The fixed-size references are what each step gives in the worst case under the coupling
+of the batches (cohorts) of D and D ∪ {x}; accounting them at sensitivity C — correct
+under replace-one, not under add/remove — is the mistake ``replacement_sensitivity_ignored``.
 
 ε of a composition of plain Gaussians (no subsampling) is computed in closed form (k
-Gaussians of noise multiplier σ are exactly μ-GDP with μ = √k/σ); the PLD accountant
-estimates the same curve, pessimistically and slowly for large ε. Subsampled mechanisms use
-the PLD accountant of :mod:`fl.privacy.accounting`.
+Gaussians of noise multiplier s are exactly μ-GDP with μ = √k/s, s = σ or σ/2); the PLD
+accountant estimates the same curve, pessimistically and slowly for large ε. Subsampled
+mechanisms use the PLD accountant of :mod:`fl.privacy.accounting`.
+
+Noise source: noise drawn from a seeded generator can be regenerated from the seed and
+subtracted from the release; the DP guarantee then does not hold against anyone who
+knows or guesses the seed. ``noise_source = "seeded"`` is the error ``noise_reproducible``;
+``unknown`` (or absent) is the same code as a warning.
 """
 
 from __future__ import annotations
@@ -61,7 +93,7 @@ from pathlib import Path
 
 from audit.empirical import gdp_epsilon
 from fl.errors import UsageError
-from fl.privacy.accounting import Event, epsilon_of_events
+from fl.privacy.accounting import NEIGHBOURING, Event, epsilon_of_events
 
 __all__ = ["check_claim", "load_claim", "validate_claim", "MATCH_TOLERANCE", "UNDERSTATE_TOLERANCE"]
 
@@ -73,6 +105,7 @@ UNDERSTATE_TOLERANCE = 0.01
 LEVELS = ("sample", "client")
 SAMPLINGS = ("poisson", "shuffle", "fixed_batch", "all")
 ACCOUNTINGS = ("composed", "per_round", "per_epoch", "unknown")
+NOISE_SOURCES = ("keyed_csprng", "csprng", "seeded", "unknown")
 _FREE_TEXT = ("name", "source", "notes")
 _FIELDS = (
     "level",
@@ -87,6 +120,7 @@ _FIELDS = (
     "clients_per_round",
     "total_clients",
     "accounting",
+    "noise_source",
     "claimed_epsilon",
     "delta",
 ) + _FREE_TEXT
@@ -98,6 +132,10 @@ CODES = {
     "wrong_sample_rate": "sampling rate computed over the whole federation",
     "amplification_without_random_sampling": "Poisson amplification claimed for non-Poisson batches",
     "client_sampling_ignored": "amplification by client sampling that the mechanism does not give",
+    "replacement_sensitivity_ignored": (
+        "fixed-size batches/cohorts accounted with sensitivity C under add/remove"
+    ),
+    "noise_reproducible": "noise from a seeded (or unstated) generator: can be regenerated",
     "delta_too_large": "δ >= 1/n",
     "noise_not_applied": "σ = 0: no privacy",
     "unexplained_understatement": "claimed ε below the recomputed one, no known mistake matches",
@@ -147,6 +185,11 @@ def validate_claim(claim: dict) -> dict:
     if c["accounting"] not in ACCOUNTINGS:
         raise UsageError(
             f"claim field 'accounting' must be one of {ACCOUNTINGS}, got {c['accounting']!r}"
+        )
+    c["noise_source"] = claim.get("noise_source", "unknown")
+    if c["noise_source"] not in NOISE_SOURCES:
+        raise UsageError(
+            f"claim field 'noise_source' must be one of {NOISE_SOURCES}, got {c['noise_source']!r}"
         )
     c["noise_multiplier"] = _num(claim, "noise_multiplier", lo=0.0)
     c["claimed_epsilon"] = _num(claim, "claimed_epsilon", lo=0.0, lo_open=True)
@@ -201,6 +244,12 @@ def validate_claim(claim: dict) -> dict:
         for key in ("clients_per_round", "total_clients"):
             if c[key] is None:
                 raise UsageError(f"claim is missing required field {key!r} (client level)")
+        if c["sampling"] == "all" and c["clients_per_round"] < c["total_clients"]:
+            raise UsageError(
+                f"claim field 'clients_per_round' ({c['clients_per_round']}) is below "
+                f"'total_clients' ({c['total_clients']}) but sampling is 'all'; describe "
+                "how the cohort is drawn (poisson | shuffle | fixed_batch)"
+            )
     return c
 
 
@@ -237,19 +286,27 @@ def load_claim(path) -> dict:
 @dataclass(frozen=True)
 class _Mech:
     """A (self-composed) mechanism: ``count`` steps of a Gaussian with rate ``q``
-    (Poisson-subsampled when q < 1 and ``poisson``)."""
+    (Poisson-subsampled when q < 1 and ``poisson``) and ℓ2 sensitivity ``sens`` × C —
+    1 when the neighbour adds one clipped contribution, 2 when it can also displace one
+    (fixed-size batches/cohorts under add/remove): the Gaussian's multiplier is σ/sens."""
 
     poisson: bool
     q: float
     count: int
+    sens: int = 1
 
     def event(self, sigma: float) -> Event:
         if self.poisson and self.q < 1.0:
-            return Event("poisson_gaussian", sigma, self.q, self.count, unit="_")
-        return Event("gaussian", sigma, 1.0, self.count, unit="_")
+            return Event("poisson_gaussian", sigma / self.sens, self.q, self.count, unit="_")
+        return Event("gaussian", sigma / self.sens, 1.0, self.count, unit="_")
 
     def key(self) -> tuple:
-        return (self.poisson and self.q < 1.0, self.q if self.poisson else 1.0, self.count)
+        return (
+            self.poisson and self.q < 1.0,
+            self.q if self.poisson else 1.0,
+            self.count,
+            self.sens,
+        )
 
 
 class _Eps:
@@ -262,11 +319,11 @@ class _Eps:
     def __call__(self, m: _Mech, accountant: str, discretization: float = 1e-4) -> float:
         key = (m.key(), accountant, discretization if accountant == "pld" else None)
         if key not in self._memo and accountant == "pld" and not (m.poisson and m.q < 1.0):
-            # k plain Gaussians of std σ (sensitivity 1) compose exactly to μ-GDP with
-            # μ = √k/σ, whose privacy profile ε(δ) is the exact one the PLD estimates
+            # k plain Gaussians of std σ and sensitivity s compose exactly to μ-GDP with
+            # μ = s√k/σ, whose privacy profile ε(δ) is the exact one the PLD estimates
             # (pessimistically, and slowly for large ε): use the closed form.
             self._memo[key] = (
-                gdp_epsilon(math.sqrt(m.count) / self.sigma, self.delta)
+                gdp_epsilon(m.sens * math.sqrt(m.count) / self.sigma, self.delta)
                 if self.sigma > 0 and m.count > 0
                 else (0.0 if m.count == 0 else math.inf)
             )
@@ -299,20 +356,60 @@ def _record_rate(c: dict) -> float:
     return c["batch_size"] / c["dataset_size"]
 
 
+def _fixed_cohort(c: dict) -> bool:
+    """Client level: a cohort of a fixed count m < K (not Poisson, not everyone)."""
+    return c["sampling"] in ("shuffle", "fixed_batch") and (
+        c["clients_per_round"] < c["total_clients"]
+    )
+
+
+_REPL = frozenset({"replacement_sensitivity_ignored"})
+
+
+def _plain_models(c: dict) -> list[tuple[frozenset, int, int, int, str]]:
+    """Per-round models of a mechanism without amplification, for the reference and the
+    replacement mistake: (codes, steps per round, steps per epoch, sensitivity, what).
+    The model with no code is the reference (see the module docstring)."""
+    S = c["steps_per_round"]
+    if c["level"] == "client":
+        if c["sampling"] == "poisson" and c["clients_per_round"] < c["total_clients"]:
+            return []
+        if not _fixed_cohort(c):
+            return [(frozenset(), S, S, 1, "Gaussian release(s)")]
+        return [
+            (frozenset(), S, S, 2, "Gaussian release(s) at σ/2 (sensitivity 2C)"),
+            (_REPL, S, S, 1, "Gaussian release(s) at sensitivity C"),
+        ]
+    q = _record_rate(c)
+    epoch = min(S, max(1, math.ceil(1.0 / q - 1e-9)))
+    if c["sampling"] == "poisson":
+        return []
+    if c["sampling"] == "all":
+        return [(frozenset(), S, epoch, 1, "plain Gaussian step(s)")]
+    out = [
+        (frozenset(), S, epoch, 2, "plain Gaussian step(s) at σ/2 (sensitivity 2C)"),
+        (_REPL, S, epoch, 1, "plain Gaussian step(s) at sensitivity C"),
+    ]
+    if c["sampling"] == "shuffle":
+        # each record sits in exactly one batch per pass: one Gaussian per pass at
+        # sensitivity C (the replace-one view) — a round makes ceil(S*q) passes
+        passes = max(1, math.ceil(S * q - 1e-9))
+        out.append(
+            (_REPL, passes, 1, 1, "plain Gaussian(s), one per pass over the data, at sensitivity C")
+        )
+    return out
+
+
 def _reference(c: dict) -> _Mech:
     """The mechanism as actually described (see the module docstring)."""
     R, S = c["rounds"], c["steps_per_round"]
-    if c["level"] == "client":
-        if c["sampling"] == "poisson":
+    models = _plain_models(c)
+    if not models:  # Poisson-subsampled
+        if c["level"] == "client":
             return _Mech(True, c["clients_per_round"] / c["total_clients"], R * S)
-        return _Mech(False, 1.0, R * S)
-    q = _record_rate(c)
-    if c["sampling"] == "poisson":
-        return _Mech(True, q, R * S)
-    if c["sampling"] == "shuffle":
-        # each record sits in exactly one batch per pass; a round makes ceil(S*q) passes
-        return _Mech(False, 1.0, R * max(1, math.ceil(S * q - 1e-9)))
-    return _Mech(False, 1.0, R * S)  # fixed_batch (worst case: in every batch) and all
+        return _Mech(True, _record_rate(c), R * S)
+    _, per_round, _, sens, _ = models[0]
+    return _Mech(False, 1.0, R * per_round, sens)
 
 
 def _mistakes(c: dict) -> list[tuple[frozenset, _Mech, str]]:
@@ -325,18 +422,25 @@ def _mistakes(c: dict) -> list[tuple[frozenset, _Mech, str]]:
     if c["level"] == "client":
         K, m = c["total_clients"], c["clients_per_round"]
         p = m / K
-        rates = [(frozenset(), c["sampling"] == "poisson", p if c["sampling"] == "poisson" else 1)]
-        if c["sampling"] != "poisson" and p < 1:
-            rates.append((frozenset({"client_sampling_ignored"}), True, p))
-        comps = [(frozenset(), R * S, f"{R} rounds × {S} release(s)")]
+        comps = [(frozenset(), R, f"{R} rounds × {S}")]
         if R > 1:
-            comps.append((frozenset({"no_composition_across_rounds"}), S, f"one round ({S})"))
-        for cc, count, chow in comps:
-            for rc, pois, q in rates:
-                how = f"{chow} Gaussian release(s)" + (
-                    f", Poisson-subsampled at q={q:.4g}" if pois and q < 1 else ""
+            comps.append((frozenset({"no_composition_across_rounds"}), 1, f"one round ({S})"))
+        for cc, rounds, chow in comps:
+            if c["sampling"] == "poisson" and p < 1:
+                out.append(
+                    (cc, _Mech(True, p, rounds * S), f"{chow} Gaussian release(s), "
+                     f"Poisson-subsampled at q={p:.4g}")
+                )  # fmt: skip
+            for mc, per_round, _, sens, what in _plain_models(c):
+                out.append((cc | mc, _Mech(False, 1.0, rounds * per_round, sens), f"{chow} {what}"))
+            if c["sampling"] != "poisson" and p < 1:
+                out.append(
+                    (
+                        cc | {"client_sampling_ignored"},
+                        _Mech(True, p, rounds * S),
+                        f"{chow} Gaussian release(s), Poisson-subsampled at q={p:.4g}",
+                    )
                 )
-                out.append((cc | rc, _Mech(pois, q, count), how))
         return out
 
     q0 = _record_rate(c)
@@ -377,14 +481,23 @@ def _mistakes(c: dict) -> list[tuple[frozenset, _Mech, str]]:
             if non_random:
                 codes = codes | {"amplification_without_random_sampling"}
             if c["sampling"] == "all" and not rc:
-                continue  # no subsampling and no rate mistake: the composition ones below
+                continue  # no subsampling and no rate mistake: the plain models below
             out.append((codes, _Mech(True, q, count), f"{chow}, Poisson-subsampled at {rhow}"))
-        if c["sampling"] != "poisson" and cc:
-            # composition mistakes on the reference step (no amplification)
-            ref = _reference(c)
-            per_round = ref.count // R
-            n = per_round if "no_composition_across_rounds" in cc else 1
-            out.append((cc, _Mech(False, 1.0, n), f"{chow}: {n} plain Gaussian step(s)"))
+    # the plain (unamplified) models: the reference, its sensitivity-C variants, and the
+    # composition mistakes on each
+    plain_comps = [(frozenset(), None, f"{R} rounds")]
+    if R > 1:
+        plain_comps.append((frozenset({"no_composition_across_rounds"}), None, "one round"))
+    plain_comps.append((frozenset({"partial_composition"}), "epoch", "one epoch"))
+    for mc, per_round, per_epoch, sens, what in _plain_models(c):
+        for cc, kind, chow in plain_comps:
+            if kind == "epoch":
+                if per_epoch >= per_round:
+                    continue  # one epoch is the whole round: no partial composition
+                n = per_epoch
+            else:
+                n = R * per_round if not cc else per_round
+            out.append((cc | mc, _Mech(False, 1.0, n, sens), f"{chow}: {n} {what}"))
     return out
 
 
@@ -407,9 +520,10 @@ def check_claim(claim: dict, tol: float = MATCH_TOLERANCE) -> dict:
 
     Returns:
         ``{"claimed_epsilon", "delta", "epsilon_pld", "epsilon_rdp", "understated", "ratio",
-        "findings": [{"code", "severity", "message"}], "mechanism"}``: ε in nats at the
-        claimed δ; ``understated`` is true when ``epsilon_pld`` exceeds the claim by more
-        than 1%; ``ratio`` = epsilon_pld / claimed_epsilon (inf when σ = 0).
+        "neighbouring", "noise_source", "findings": [{"code", "severity", "message"}],
+        "mechanism"}``: ε in nats at the claimed δ, under the add/remove relation named by
+        ``neighbouring``; ``understated`` is true when ``epsilon_pld`` exceeds the claim by
+        more than 1%; ``ratio`` = epsilon_pld / claimed_epsilon (inf when σ = 0).
     """
     c = validate_claim(claim)
     sigma, delta, claimed = c["noise_multiplier"], c["delta"], c["claimed_epsilon"]
@@ -470,13 +584,32 @@ def check_claim(claim: dict, tol: float = MATCH_TOLERANCE) -> dict:
                     "part in every round."
                 )
             ),
+            "replacement_sensitivity_ignored": (
+                f"{expl}: fixed-size "
+                + (
+                    f"cohorts ({c['clients_per_round']} of {c['total_clients']} clients) were "
+                    "accounted with sensitivity C, but under add/remove of one client an added "
+                    "client can displace another from the fixed-size cohort, so the sum changes "
+                    "by up to 2C: a Gaussian of multiplier σ/2 per release."
+                    if c["level"] == "client"
+                    else "batches were accounted with sensitivity C, but under add/remove of one "
+                    "example an added record can displace another from its fixed-size batch"
+                    + (
+                        " and shift every later batch of the pass by one position"
+                        if c["sampling"] == "shuffle"
+                        else ""
+                    )
+                    + ", so a step's sum changes by a replacement (up to 2C): a Gaussian of "
+                    "multiplier σ/2 per step."
+                )
+            ),
         }
         for code in sorted(codes):
             add(code, "error", text[code])
 
     # Direct rules, from what the claimant says they did.
     if c["accounting"] == "per_round" and R > 1:
-        e1 = eps(_Mech(ref.poisson, ref.q, ref.count // R), "pld")
+        e1 = eps(_Mech(ref.poisson, ref.q, ref.count // R, ref.sens), "pld")
         add(
             "no_composition_across_rounds",
             "error" if understated else "warning",
@@ -512,6 +645,20 @@ def check_claim(claim: dict, tol: float = MATCH_TOLERANCE) -> dict:
             f"of the mechanism as described, at δ = {delta:g}; no known accounting mistake "
             f"reproduces the claimed figure.",
         )
+    if c["noise_source"] in ("seeded", "unknown"):
+        add(
+            "noise_reproducible",
+            "error" if c["noise_source"] == "seeded" else "warning",
+            (
+                "The noise is drawn from a seeded generator (noise_source = seeded). "
+                if c["noise_source"] == "seeded"
+                else "The claim does not say where the noise comes from (noise_source = unknown). "
+            )
+            + "Noise drawn from a seeded generator can be regenerated from the seed and "
+            "subtracted from the release: the DP guarantee then does not hold against anyone "
+            "who knows or guesses the seed. Draw it from a CSPRNG (keyed with a secret key "
+            "when runs must be reproducible).",
+        )
     if c["clipping_norm"] is None:
         add(
             "clipping_norm_missing",
@@ -526,6 +673,8 @@ def check_claim(claim: dict, tol: float = MATCH_TOLERANCE) -> dict:
         "epsilon_rdp": e_rdp,
         "understated": bool(understated),
         "ratio": e_pld / claimed,
+        "neighbouring": NEIGHBOURING[c["level"]],
+        "noise_source": c["noise_source"],
         "findings": findings,
         "mechanism": _describe(c, ref),
     }
@@ -536,5 +685,12 @@ def _describe(c: dict, ref: _Mech) -> str:
     if ref.poisson and ref.q < 1:
         return (
             f"{ref.count} Poisson-subsampled {unit} at q={ref.q:.4g}, σ={c['noise_multiplier']:g}"
+        )
+    if ref.sens == 2:
+        what = "batches" if c["level"] == "sample" else "cohort"
+        return (
+            f"{ref.count} plain {unit} (no amplification) at multiplier σ/2 = "
+            f"{c['noise_multiplier'] / 2:g} (fixed-size {what}: sensitivity 2C under "
+            f"{NEIGHBOURING[c['level']]}), σ={c['noise_multiplier']:g}"
         )
     return f"{ref.count} plain {unit} (no amplification), σ={c['noise_multiplier']:g}"

@@ -1,7 +1,11 @@
-"""`fedlora audit`: check the privacy claim of a run directory or of a claim file.
+"""`fedlora audit`: check the privacy claim of a run directory, a release bundle or a
+claim file.
 
-    fedlora audit RUN_DIR [--json] [--one-run] [--alpha A]
+    fedlora audit RUN_OR_BUNDLE [--json] [--one-run] [--alpha A] [--key FILE]
     fedlora audit --claim FILE [--json]
+
+``--key FILE`` (the run's ``private/noise.key``) retrains the whole run on the CPU and
+verifies the release against it; without it the output lists the fields taken on trust.
 
 Exit codes: 0 = nothing understated and no error finding; 1 = ε understated, tampering,
 or any other error-severity finding (e.g. δ >= 1/n); 2 = bad input (one line on stderr).
@@ -28,7 +32,12 @@ def register(sub) -> None:
             "2: bad input."
         ),
     )
-    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="run directory to audit")
+    p.add_argument(
+        "run_dir",
+        nargs="?",
+        metavar="RUN_OR_BUNDLE",
+        help="run directory or release bundle (RUN/release, `fedlora export`) to audit",
+    )
     p.add_argument("--claim", metavar="FILE", help="claim file (JSON or TOML) to check instead")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument(
@@ -38,6 +47,12 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--alpha", type=float, default=0.05, help="1 - confidence of the empirical bound"
+    )
+    p.add_argument(
+        "--key",
+        metavar="FILE",
+        help="the run's noise key (RUN/private/noise.key): retrain the whole run on the CPU "
+        "and check that it reproduces the released adapter and privacy block",
     )
     p.set_defaults(func=cmd_audit)
 
@@ -103,6 +118,30 @@ def _human(result: dict, title: str) -> str:
         )
     w = max(len(k) for k, _ in rows)
     lines += [f"  {k:<{w}}  {_num(v) if not isinstance(v, str) else v}" for k, v in rows]
+    for sk in result.get("skipped") or []:
+        lines.append(f"skipped: {sk['check']}: {sk['reason']}")
+    rep = result.get("replay")
+    if rep and rep.get("performed"):
+        if rep.get("verified"):
+            how = "bit for bit" if rep.get("exact") else f"within {rep.get('tolerance'):g}"
+            lines.append(
+                f"replay: verified {how} (max |Δ| {_num(rep.get('max_abs_diff'))}) in "
+                f"{rep.get('seconds', 0):.1f} s"
+            )
+        else:
+            lines.append(
+                f"replay: NOT verified (max |Δ| {_num(rep.get('max_abs_diff'))}"
+                + (
+                    f", privacy fields differing: {len(rep['privacy_fields_differing'])}"
+                    if rep.get("privacy_fields_differing")
+                    else ""
+                )
+                + f"), {rep.get('seconds', 0):.1f} s"
+            )
+    elif rep:
+        lines.append(f"replay: not performed ({rep.get('reason')})")
+    if result.get("trusted"):
+        lines.append("taken on trust (no --key): " + ", ".join(result["trusted"]))
     findings = result.get("findings", [])
     if findings:
         lines.append("findings:")
@@ -120,6 +159,8 @@ def cmd_audit(args) -> int:
     if args.claim:
         if args.one_run:
             raise UsageError("--one-run needs a RUN_DIR (a claim file has no canaries)")
+        if args.key:
+            raise UsageError("--key needs a RUN_DIR or bundle to replay (not --claim)")
         from audit.claims import check_claim, load_claim
 
         result = check_claim(load_claim(args.claim))
@@ -129,9 +170,17 @@ def cmd_audit(args) -> int:
             raise UsageError(f"--alpha must be in (0, 1), got {args.alpha}")
         from audit.runaudit import audit_run
 
-        result = audit_run(args.run_dir, one_run=args.one_run, alpha=args.alpha)
+        def log(line: str) -> None:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+        result = audit_run(
+            args.run_dir, one_run=args.one_run, alpha=args.alpha, key=args.key, log=log
+        )
+        kind = "release bundle" if result.get("kind") == "bundle" else "run directory"
         title = (
-            f"fedlora audit {args.run_dir}  (method {result['method']}, level {result['level']})"
+            f"fedlora audit {args.run_dir}  ({kind}, method {result['method']}, "
+            f"level {result['level']})"
         )
     if args.json:
         sys.stdout.write(json.dumps(_jsonable(result), indent=2) + "\n")

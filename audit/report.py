@@ -39,6 +39,15 @@ SECTIONS = (
 )
 # A run whose balanced accuracy is at most this learned (almost) only the label prior.
 CHANCE_BALANCED = 0.52
+#: what a report cannot show for a release bundle (the operator's files are absent)
+BUNDLE_NOT_SHOWN = (
+    "the clients sampled in each round and their training losses (operator's metrics.jsonl)",
+    "the membership split and the canaries, hence no one-run ε lower bound (operator's "
+    "splits.json)",
+    "the run's wall time and log (operator's manifest.json and run.log)",
+    "attacks against the run's true members (a bundle is attacked with member / non-member "
+    "files the attacker supplies: `fedlora attack BUNDLE --members F --nonmembers F`)",
+)
 
 
 def _fmt(x, nd=4) -> str:
@@ -82,9 +91,11 @@ def train_command(config: dict, out: str) -> str:
 def _run_summary(run_dir: Path) -> dict:
     m = read_json(run_dir / "manifest.json")
     priv = m.get("privacy", {})
+    bundle = m.get("visibility") == "public"
     row = {
         "run": run_dir.name,
         "path": str(run_dir),
+        "kind": "bundle" if bundle else "run",
         "method": m.get("method"),
         "level": priv.get("level"),
         "noise_multiplier": priv.get("noise_multiplier"),
@@ -239,7 +250,9 @@ def build_report(
     for d in run_dirs:
         p = Path(d)
         if not (p / "manifest.json").is_file():
-            raise UsageError(f"{p} is not a finished run directory (no manifest.json)")
+            raise UsageError(
+                f"{p} is not a finished run directory or release bundle (no manifest.json)"
+            )
         r = _run_summary(p)
         r["bounds"] = empirical_bounds(r)
         rows.append(r)
@@ -308,6 +321,7 @@ def build_report(
                 k: r.get(k)
                 for k in (
                     "run",
+                    "kind",
                     "method",
                     "level",
                     "epsilon_claimed",
@@ -316,6 +330,30 @@ def build_report(
                 )
             }
         )
+        if r.get("kind") == "bundle":
+            skipped = [
+                f"{sk['check']} ({sk['reason']})"
+                for sk in (r.get("audit") or {}).get("skipped") or []
+            ]
+            summary.setdefault("bundles", []).append(
+                {"run": r["run"], "not_shown": list(BUNDLE_NOT_SHOWN), "audit_skipped": skipped}
+            )
+            intro = (
+                f"{r['run']} is a release bundle: without the operator's files this report "
+                "cannot show"
+            )
+            H.append(
+                f"<p><b>{html.escape(intro)}:</b></p><ul>"
+                + "".join(f"<li>{html.escape(x)}</li>" for x in BUNDLE_NOT_SHOWN)
+                + "".join(f"<li>audit check skipped: {html.escape(x)}</li>" for x in skipped)
+                + "</ul>"
+            )
+            M += (
+                [f"**{intro}:**", ""]
+                + [f"- {x}" for x in BUNDLE_NOT_SHOWN]
+                + [f"- audit check skipped: {x}" for x in skipped]
+                + [""]
+            )
         findings = (r.get("audit") or {}).get("findings") or []
         if findings:
             items = "".join(

@@ -22,6 +22,7 @@ from fl.errors import UsageError
 
 BENCHMARKS = (
     "dp_overhead",
+    "noise_source",
     "fedask_clip",
     "engine_overhead",
     "aggregation",

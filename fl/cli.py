@@ -16,6 +16,7 @@ from fl.errors import UsageError
 # (module, sub-commands it registers). Each module has register(subparsers).
 _COMMAND_MODULES = (
     "fl.cli_train",
+    "fl.cli_export",
     "analysis.cli",
     "attacks.cli",
     "audit.cli",

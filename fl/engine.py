@@ -40,7 +40,16 @@ from fl.methods import registry
 from fl.methods.base import RoundInfo, parse_options
 from fl.models import LoraSpec, load_base_model, load_tokenizer, resolve_device, wrap_lora
 from fl.privacy import rng as R
-from fl.privacy.accounting import Event, Ledger, PrivacyError, calibrate_noise, epsilon
+from fl.privacy.accounting import (
+    NEIGHBOURING,
+    Event,
+    Ledger,
+    PrivacyError,
+    calibrate_client_level,
+    calibrate_noise,
+    client_level_event,
+    epsilon,
+)
 from fl.privacy.dpsgd import DpSgdParams, clip_and_noise
 from fl.privacy.rng import derive_seed
 from fl.release import write_release
@@ -363,10 +372,10 @@ class ClientContext:
         return self.engine.trainer.scaling
 
     def steps(self) -> int:
-        return self.engine.local_steps_for(self.n)
+        return self.engine.local_steps_for(self.engine.public_size(self.id))
 
     def dp_params(self) -> DpSgdParams | None:
-        return self.engine.dp_params_for(self.n)
+        return self.engine.dp_params_for(self.engine.public_size(self.id))
 
     def train(
         self,
@@ -575,6 +584,7 @@ class Engine:
         texts = [ds.texts[i] for i in split.members]
         labels = list(ds.labels[split.members])
         self.position_ids = [ds.ids[i] for i in split.members]
+        self.public_sizes = {c: len(p) for c, p in self.client_positions.items()}
         self._canaries = self._make_canaries(ds, split)
         for c in self._canaries.get("canaries", []):
             if c["included"]:
@@ -634,6 +644,13 @@ class Engine:
         if self.rand is not None:
             return
         cfg = self.cfg
+        if cfg.dp_level == "none" and not cfg.insecure_deterministic_noise:
+            # No DP claimed, nothing to keep secret: draws from the public seed keep a
+            # non-private run (a shadow model, a baseline) reproducible from its config.
+            if self.noise_key_arg is not None:
+                raise UsageError("--noise-key needs a DP run (--dp-level sample or client)")
+            self.rand = R.RunRandomness(None, cfg.seed, no_dp=True)
+            return
         if cfg.insecure_deterministic_noise:
             if self.noise_key_arg is not None:
                 raise UsageError(
@@ -715,6 +732,13 @@ class Engine:
     def client_ids(self) -> list[str]:
         return list(self.client_positions)
 
+    def public_size(self, cid: str) -> int:
+        """A client's member count before canaries are added: its sampling rate
+        q = B/n and step count use it, so the public rates do not reveal how many
+        secret canaries a client received (each example, canary or not, is still in a
+        batch with probability q)."""
+        return self.public_sizes[cid]
+
     def local_steps_for(self, n: int) -> int:
         cfg = self.cfg
         if cfg.local_epochs > 0:
@@ -762,8 +786,8 @@ class Engine:
             # the reported ε composes only the rounds each client actually took part in.
             mechs = sorted(
                 {
-                    (min(1.0, cfg.batch_size / len(p)), self.local_steps_for(len(p)))
-                    for p in self.client_positions.values()
+                    (min(1.0, cfg.batch_size / n), self.local_steps_for(n))
+                    for n in self.public_sizes.values()
                 }
             )
             if cfg.epsilon > 0:
@@ -782,42 +806,56 @@ class Engine:
             )
         else:
             releases = self.method.client_dp_releases()
-            q = self.client_rate() if cfg.client_sampling == "poisson" else 1.0
+            scheme, m, K = self.client_scheme()
+            q = m / K if scheme == "poisson" else 1.0
             self.client_level_rate = q
             if cfg.epsilon > 0:
-                self.sigma = calibrate_noise(
-                    cfg.epsilon, q, releases * cfg.rounds, self.delta, cfg.accountant
+                self.sigma = calibrate_client_level(
+                    cfg.epsilon, scheme, m, K, releases * cfg.rounds, self.delta, cfg.accountant
                 )
             else:
                 self.sigma = cfg.noise_multiplier
+            how = {
+                "poisson": f"Clients are Poisson-sampled with rate q={q:g} and the amplification "
+                "by that sampling is used.",
+                "all": "Every client takes part in every round: each release is a Gaussian of "
+                "sensitivity C (no amplification).",
+                "uniform": f"A fixed count of {m:g} of {K} clients is drawn each round without "
+                "replacement: under add/remove an added client can displace another, so each "
+                "release is accounted with sensitivity 2C (multiplier σ/2) and no amplification.",
+            }[scheme]
             self.participation_note = (
                 "client-level: neighbouring = one client's whole data added or removed; every "
-                f"round makes {releases} Gaussian release(s) of the clipped client updates. "
-                + (
-                    f"Clients are Poisson-sampled with rate q={q:g} and the amplification by "
-                    "that sampling is used."
-                    if q < 1
-                    else "Clients are sampled with a fixed count (or all take part): no "
-                    "amplification by client sampling is claimed."
-                )
+                f"round makes {releases} Gaussian release(s) of the clipped client updates. " + how
             )
         self.ledger = Ledger(level, self.delta, budget=cfg.epsilon if cfg.epsilon > 0 else None)
 
-    def record_client_level(self, rnd: RoundInfo, stage: str, count: int, sigma=None) -> None:
-        q = getattr(self, "client_level_rate", 1.0)
-        s = self.sigma if sigma is None else sigma
-        self.ledger.record(
-            Event(
-                "poisson_gaussian" if q < 1 else "gaussian",
-                s,
-                q,
-                count,
-                unit="federation",
-                round=rnd.index,
-                stage=stage,
-                note="server-side Gaussian on clipped client updates",
-            )
+    def client_scheme(self) -> tuple[str, float, int]:
+        """(scheme, clients per round, total clients) of the client-level accounting:
+        ``poisson`` (expected count), ``all`` (every client, every round) or ``uniform``
+        (a fixed count drawn without replacement)."""
+        K = self.cfg.clients
+        m = self.expected_clients_per_round()
+        if self.cfg.client_sampling == "poisson":
+            return ("poisson", m, K) if m < K else ("all", K, K)
+        m = int(round(m))
+        return ("uniform", m, K) if m < K else ("all", K, K)
+
+    def client_level_event(self, r: int, count: int, sigma=None, stage: str = "") -> Event:
+        scheme, m, K = self.client_scheme()
+        return client_level_event(
+            scheme,
+            m,
+            K,
+            self.sigma if sigma is None else sigma,
+            count,
+            round=r,
+            stage=stage,
+            note="server-side Gaussian on clipped client updates",
         )
+
+    def record_client_level(self, rnd: RoundInfo, stage: str, count: int, sigma=None) -> None:
+        self.ledger.record(self.client_level_event(rnd.index, count, sigma, stage))
 
     def planned_client_event(self, rnd: RoundInfo | int, cid: str, stage: str = "train"):
         """The DP-SGD event a client's local training makes (sample level), from what
@@ -825,7 +863,7 @@ class Engine:
         if self.cfg.dp_level != "sample":
             return None
         r = rnd.index if isinstance(rnd, RoundInfo) else int(rnd)
-        n = len(self.client_positions[cid])
+        n = self.public_size(cid)
         dp = self.dp_params_for(n)
         return Event(
             "poisson_gaussian" if dp.sample_rate < 1 else "gaussian",
@@ -842,17 +880,7 @@ class Engine:
         if self.cfg.dp_level == "sample":
             return [self.planned_client_event(rnd, c) for c in clients]
         if self.cfg.dp_level == "client":
-            q = getattr(self, "client_level_rate", 1.0)
-            return [
-                Event(
-                    "poisson_gaussian" if q < 1 else "gaussian",
-                    self.sigma,
-                    q,
-                    self.method.client_dp_releases(),
-                    unit="federation",
-                    round=rnd,
-                )
-            ]
+            return [self.client_level_event(rnd, self.method.client_dp_releases())]
         return []
 
     # ---- client sampling ---------------------------------------------------------
@@ -1097,7 +1125,7 @@ class Engine:
             "nonmembers": [ds.ids[i] for i in sp.nonmembers],
             "test": [ds.ids[i] for i in sp.test],
             "clients": {
-                c: [ds.ids[sp.members[i]] for i in p] for c, p in self.client_positions.items()
+                c: [self.position_ids[i] for i in p] for c, p in self.client_positions.items()
             },
         }
         if self.client_ranks:
@@ -1208,7 +1236,7 @@ class Engine:
             if cfg.dp_level != "none"
             else {"pld": None, "rdp": None}
         )
-        sizes = {c: len(p) for c, p in self.client_positions.items()}
+        sizes = dict(self.public_sizes)
         manifest = {
             "schema_version": SCHEMA_VERSION,
             "tool": "fedlora-audit",
@@ -1242,7 +1270,7 @@ class Engine:
                 "method_mechanism": self.method.privacy_note(),
                 "public_log_note": "metrics.jsonl and run.log are the operator's logs (they name "
                 "the sampled clients); the released artifact is the adapter",
-                "neighbouring": NEIGHBOURING[cfg.dp_level],
+                "neighbouring": NEIGHBOURING.get(cfg.dp_level),
                 "noise": self.rand.describe(),
                 "epsilon": eps,
                 "ledger": self.ledger.state_dict(),
@@ -1270,6 +1298,7 @@ class Engine:
             "log": self._log_lines[-50:],
         }
         manifest["visibility"] = "operator"
+        manifest["device"] = self.device.type
         atomic_write_json(self.out / "manifest.json", _jsonable(manifest))
         write_release(self.out, self.out / "release")
         self.log(
@@ -1282,13 +1311,6 @@ class Engine:
             + f"in {wall:.0f}s → {self.out}"
         )
         return manifest
-
-
-NEIGHBOURING = {
-    "sample": "add/remove one example (an example lives on one client)",
-    "client": "add/remove one client (all of its data)",
-    "none": None,
-}
 
 
 def _mechanism_text(cfg: TrainConfig) -> str:

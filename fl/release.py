@@ -45,6 +45,7 @@ PUBLIC_FIELDS: dict = {
     "seeds": True,
     "versions": True,
     "adapter_sha256": True,
+    "device": True,
     "privacy": {
         "level": True,
         "neighbouring": True,
@@ -68,6 +69,7 @@ PUBLIC_FIELDS: dict = {
             "key_bits": True,
             "key_id": True,
             "warning": True,
+            "note": True,
         },
         "epsilon": True,
         "ledger": True,
@@ -128,14 +130,52 @@ def public_metrics(run_dir: Path) -> str:
     return "".join(line + "\n" for line in lines)
 
 
+#: what a bundle folder holds (anything else in a target folder is not ours to replace)
+BUNDLE_ENTRIES = ("adapter", "manifest.json", "metrics.jsonl")
+
+
+def check_release_target(out_dir: str | Path) -> None:
+    """Refuse to replace a folder that is not a release bundle: ``out_dir`` may be
+    absent, empty, or a bundle (public manifest) holding bundle files only. Anything
+    else (a run directory, unrelated files, a bundle someone added files to, e.g.
+    ``attacks/``) is named in a :class:`UsageError` and left untouched."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise UsageError(f"{out_dir} exists and is not a folder; refusing to replace it")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if not entries:
+        return
+    if not is_release(out_dir):
+        raise UsageError(
+            f"{out_dir} is not empty and is not a release bundle ({', '.join(entries[:5])}"
+            f"{', ...' if len(entries) > 5 else ''}); refusing to overwrite it: choose an "
+            "empty or new --out folder"
+        )
+    extra = [e for e in entries if e not in BUNDLE_ENTRIES]
+    if (out_dir / "adapter").is_dir():
+        extra += [f"adapter/{p.name}" for p in sorted((out_dir / "adapter").iterdir())
+                  if p.name not in ADAPTER_FILES]  # fmt: skip
+    if extra:
+        raise UsageError(
+            f"{out_dir} is a release bundle holding other files too ({', '.join(extra[:5])}"
+            f"{', ...' if len(extra) > 5 else ''}); refusing to replace it (they would be "
+            "lost): move them or choose another --out folder"
+        )
+
+
 def write_release(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the bundle of a finished run to ``out_dir`` (replaced atomically: a reader
-    sees the old bundle or the new one, never half of one)."""
+    sees the old bundle or the new one, never half of one). ``out_dir`` must be absent,
+    empty or a bundle (:func:`check_release_target`)."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     mpath = run_dir / "manifest.json"
     if not mpath.is_file():
         raise UsageError(f"{run_dir} is not a finished run (no manifest.json)")
     manifest = read_json(mpath)
+    if not isinstance(manifest, dict):
+        raise UsageError(f"{mpath}: must hold a JSON object")
     if manifest.get("visibility") == "public":
         raise UsageError(f"{run_dir} is a release bundle already, not a run directory")
     adapter = run_dir / "adapter"
@@ -143,11 +183,20 @@ def write_release(run_dir: str | Path, out_dir: str | Path) -> Path:
         if not (adapter / name).is_file():
             raise UsageError(f"{run_dir}: adapter/{name} is missing")
     want = manifest.get("adapter_sha256")
-    if want and file_sha256(adapter / "adapter_model.safetensors") != want:
-        raise UsageError(f"{run_dir}: the adapter does not match the manifest's adapter_sha256")
+    if not want:
+        raise UsageError(
+            f"{mpath} records no adapter_sha256; refusing to release an unchecked adapter"
+        )
+    got = file_sha256(adapter / "adapter_model.safetensors")
+    if got != want:
+        raise UsageError(
+            f"{run_dir}: adapter/adapter_model.safetensors is corrupt or was replaced (sha256 "
+            f"{got[:16]}…, the manifest records {str(want)[:16]}…); refusing to release it"
+        )
     if out_dir.resolve() == run_dir.resolve() or run_dir.resolve() in out_dir.resolve().parents:
         if out_dir.resolve() != (run_dir / "release").resolve():
             raise UsageError("export into the run directory is only allowed as RUN/release")
+    check_release_target(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "adapter").mkdir(parents=True)
@@ -176,6 +225,8 @@ def is_release(path: str | Path) -> bool:
 
 
 __all__ = [
+    "BUNDLE_ENTRIES",
+    "check_release_target",
     "PUBLIC_FIELDS",
     "PUBLIC_METRICS",
     "public_manifest",

@@ -54,8 +54,9 @@ def node_noise_key(context: Context | None, meta: dict):
     from fl.errors import UsageError
     from fl.privacy.rng import NoiseKey
 
-    if meta["cfg"].get("insecure_deterministic_noise"):
-        return None
+    cfg = meta["cfg"]
+    if cfg.get("insecure_deterministic_noise") or cfg.get("dp_level", "none") == "none":
+        return None  # seeded (not private) or no DP: every draw is from the public seed
     path = None
     if context is not None:
         path = context.node_config.get("noise-key-file")

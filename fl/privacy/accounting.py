@@ -10,6 +10,15 @@ holds for every example (sample level) or every client (client level).
 
 ε is derived from the events, never stored as the truth: :func:`epsilon_of_events`
 recomputes it with `dp_accounting` each time it is asked for.
+
+Neighbouring relation (:data:`NEIGHBOURING`): every ε here is for *add/remove* —
+datasets D and D ∪ {x} are neighbours, where x is ONE example at sample level and ONE
+client (with all of its data) at client level. The mechanisms are accounted under that
+relation: the Poisson-subsampled Gaussian is the standard add/remove analysis; a plain
+Gaussian of multiplier σ assumes that adding x changes the released sum by at most one
+clipped contribution C. Where adding x can also *displace* another contribution (a cohort
+or batch of a fixed size), the sum changes by up to 2C, and the event carries the
+multiplier σ/2 (see :func:`client_level_event`).
 """
 
 from __future__ import annotations
@@ -31,7 +40,18 @@ logging.getLogger("absl").setLevel(logging.ERROR)
 
 ACCOUNTANTS = ("pld", "rdp")
 EVENT_KINDS = ("poisson_gaussian", "gaussian")
+#: ledger documents carry ``version: 1``; the optional ``neighbouring`` field was added
+#: without a bump (a reader that ignores it computes the same ε from the same events)
 LEDGER_VERSION = 1
+
+#: The neighbouring relation every ε of a ledger of that level is stated under.
+NEIGHBOURING = {"sample": "add/remove one example", "client": "add/remove one client"}
+
+#: Client sampling schemes of :func:`client_level_event`: ``all`` = every client every
+#: round; ``poisson`` = each client independently with probability q; ``uniform`` = a
+#: cohort of a fixed count m drawn uniformly without replacement.
+CLIENT_SCHEMES = ("all", "poisson", "uniform")
+FIXED_COUNT_NOTE = "fixed-count cohort: sensitivity 2C under add/remove, no amplification"
 
 # PLD discretization: the estimate is pessimistic (an upper bound), the interval
 # trades speed for tightness. 1e-4 is dp_accounting's default.
@@ -225,6 +245,148 @@ def calibrate_noise(
     return hi
 
 
+def _client_scheme(scheme: str, clients_per_round: float, total_clients: int) -> tuple[str, float]:
+    """Validate a client-sampling description; return (mechanism, q).
+
+    mechanism: ``poisson`` (Poisson-subsampled at q < 1), ``plain`` (every client every
+    round: one Gaussian at sensitivity C) or ``fixed`` (a fixed-count cohort m < K:
+    sensitivity 2C).
+    """
+    if scheme not in CLIENT_SCHEMES:
+        raise PrivacyError(
+            f"unknown client sampling scheme {scheme!r}; expected one of {CLIENT_SCHEMES}"
+        )
+    if isinstance(total_clients, bool) or not isinstance(total_clients, int) or total_clients < 1:
+        raise PrivacyError(f"total_clients must be an int >= 1, got {total_clients!r}")
+    if scheme == "all":
+        return "plain", 1.0
+    m = clients_per_round
+    if (
+        isinstance(m, bool)
+        or not isinstance(m, int | float)
+        or not math.isfinite(m)
+        or not 0 < m <= total_clients
+    ):
+        raise PrivacyError(
+            f"clients_per_round must be in (0, total_clients = {total_clients}], got {m!r}"
+        )
+    if scheme == "poisson":
+        q = m / total_clients
+        return ("poisson", q) if q < 1.0 else ("plain", 1.0)
+    if not float(m).is_integer():
+        raise PrivacyError(
+            f"a 'uniform' cohort has a whole number of clients, got clients_per_round = {m!r}"
+        )
+    return ("fixed", 1.0) if m < total_clients else ("plain", 1.0)
+
+
+def client_level_event(
+    scheme: str,
+    clients_per_round: float,
+    total_clients: int,
+    sigma: float,
+    count: int,
+    *,
+    round: int = -1,
+    stage: str = "",
+    note: str = "",
+) -> Event:
+    """The ledger event of ``count`` client-level Gaussian releases of one round.
+
+    A release is Σ_{i ∈ cohort} clip_C(u_i) + N(0, (σC)² I), every client update clipped to
+    ℓ2 norm C. Neighbouring relation: add/remove ONE client (:data:`NEIGHBOURING`):
+    D and D' = D ∪ {x}, where D holds K = ``total_clients`` clients.
+
+    Args:
+        scheme: how the round's cohort is drawn (:data:`CLIENT_SCHEMES`):
+
+          * ``"poisson"`` — each client independently with probability
+            q = clients_per_round / total_clients. For q < 1 the event is the
+            Poisson-subsampled Gaussian at σ (the standard add/remove analysis: x is in
+            the cohort with probability q and then adds one clipped update). q = 1 is
+            ``"all"``.
+          * ``"all"`` — every client every round: a plain Gaussian of multiplier σ (adding
+            x adds exactly one clipped update, sensitivity C). ``clients_per_round`` is
+            not used.
+          * ``"uniform"`` — a cohort of a fixed count m = ``clients_per_round`` (a whole
+            number) drawn uniformly without replacement. For m < K the event is a plain
+            Gaussian of multiplier **σ/2**: sensitivity 2C, no amplification —
+            derivation below. m = K is read as ``"all"``: the cohort is then taken to be
+            the whole federation whatever its size, so an added client is added, not
+            swapped in (a count that stayed K on a federation of K + 1 would be the
+            fixed-count case; callers for whom that can happen should account it so).
+        clients_per_round: m (``uniform``) or the expected cohort size (``poisson``), in
+            (0, total_clients].
+        total_clients: K >= 1.
+        sigma: the multiplier the noise is drawn with (noise std / C), >= 0.
+        count: Gaussian releases composed in this round (>= 0).
+        round, stage, note: recorded on the event (the fixed-count note is appended).
+
+    Returns:
+        An :class:`Event` with ``unit="federation"``.
+
+    Raises:
+        PrivacyError: unknown scheme, σ < 0 or NaN, a cohort outside (0, K], a non-whole
+            ``uniform`` count, a negative count.
+
+    Why σ/2 for a fixed-count cohort (m < K). Under add/remove an added client can
+    *displace* another from the fixed-size cohort, so the released sum can change by a
+    replacement. Couple the cohorts S of D and S' of D ∪ {x}: draw S uniformly among the
+    m-subsets of D and B ~ Bernoulli(m / (K + 1)); if B = 0 let S' = S (given x ∉ S',
+    the cohort of D ∪ {x} is a uniform m-subset of D: the two coincide in distribution);
+    if B = 1 let S' = S − {y} ∪ {x} with y uniform in S (given x ∈ S', the rest is a
+    uniform (m − 1)-subset of D, which S − {y} is). S' then has exactly the distribution
+    of the cohort of D ∪ {x}, and under the coupling the two sums differ by 0 or by
+    clip(u_x) − clip(u_y), of norm at most 2C. Both outputs are mixtures over the same
+    coupling — M(D) = E[N(f(S), σ²C²)], M(D ∪ {x}) = E[N(f(S'), σ²C²)] — and the
+    hockey-stick divergence H_α(P‖Q) = sup_A P(A) − α Q(A) is jointly convex in (P, Q),
+    so for every α ≥ 1 and in both directions
+    H_α(M(D)‖M(D ∪ {x})) ≤ E[H_α(N(f(S))‖N(f(S')))] ≤ H_α(N(0, σ²C²)‖N(2C, σ²C²)),
+    which is the privacy profile of a Gaussian of multiplier σC / 2C = σ/2. The Gaussian
+    pair is therefore a dominating pair of each round and adaptive composition over
+    rounds composes those pairs. The bound grants no amplification (the mixture weight
+    of B = 0 would give some; it is not claimed). dp_accounting's
+    ``SampledWithoutReplacementDpEvent`` is not used: its RDP analysis assumes the
+    REPLACE_ONE relation (the RDP accountant refuses it under ADD_OR_REMOVE_ONE, and the
+    PLD accountant does not support it), so it does not give the add/remove headline.
+    """
+    mech, q = _client_scheme(scheme, clients_per_round, total_clients)
+    _check_sigma(sigma)
+    if mech == "poisson":
+        return Event("poisson_gaussian", float(sigma), q, count, "federation", round, stage, note)
+    if mech == "plain":
+        return Event("gaussian", float(sigma), 1.0, count, "federation", round, stage, note)
+    full = f"{note}; {FIXED_COUNT_NOTE}" if note else FIXED_COUNT_NOTE
+    return Event("gaussian", float(sigma) / 2.0, 1.0, count, "federation", round, stage, full)
+
+
+def calibrate_client_level(
+    target_epsilon: float,
+    scheme: str,
+    clients_per_round: float,
+    total_clients: int,
+    releases: int,
+    delta: float,
+    accountant: str = "pld",
+    tol: float = 1e-3,
+) -> float:
+    """Smallest σ (to relative tolerance ``tol``) whose ``releases`` client-level releases,
+    accounted as :func:`client_level_event` does, give ε <= ``target_epsilon``.
+
+    ``releases`` is the total over the run (releases per round × rounds). Poisson at
+    q < 1: :func:`calibrate_noise` at q. ``all`` (and a ``uniform`` cohort of every
+    client): :func:`calibrate_noise` of the plain Gaussian. A fixed-count cohort m < K is
+    accounted at σ/2, so σ = 2 × the calibrated plain-Gaussian multiplier (the event's
+    σ/2 is then exactly that multiplier, so the verified ε carries over).
+
+    Raises:
+        PrivacyError: as :func:`client_level_event` and :func:`calibrate_noise`.
+    """
+    mech, q = _client_scheme(scheme, clients_per_round, total_clients)
+    s = calibrate_noise(target_epsilon, q, releases, delta, accountant, tol)
+    return 2.0 * s if mech == "fixed" else s
+
+
 @dataclass
 class Ledger:
     """Persistent, append-only record of every DP release of a run.
@@ -243,6 +405,11 @@ class Ledger:
             raise PrivacyError(f"ledger level must be sample|client|none, got {self.level!r}")
         _check_delta(self.delta)
         self._cache: dict = {}
+
+    @property
+    def neighbouring(self) -> str | None:
+        """The neighbouring relation of this ledger's ε (None for level ``none``)."""
+        return NEIGHBOURING.get(self.level)
 
     def record(self, event: Event) -> None:
         self.events.append(event)
@@ -291,6 +458,7 @@ class Ledger:
         return {
             "version": LEDGER_VERSION,
             "level": self.level,
+            "neighbouring": self.neighbouring,
             "delta": self.delta,
             "budget": self.budget,
             "events": [e.to_dict() for e in self.events],
@@ -307,6 +475,16 @@ class Ledger:
                 raise PrivacyError(f"ledger is missing field {k!r}")
         if not isinstance(d["events"], list):
             raise PrivacyError("ledger field 'events' must be a list")
+        # ``neighbouring`` is optional (ledgers written before it existed lack it); when
+        # present it must be the relation this code accounts that level under.
+        level = d["level"]
+        if "neighbouring" in d and isinstance(level, str):
+            want = NEIGHBOURING.get(level)
+            if d["neighbouring"] != want:
+                raise PrivacyError(
+                    f"ledger states the neighbouring relation {d['neighbouring']!r}, but a "
+                    f"{level!r}-level ledger is accounted under {want!r}"
+                )
         budget = d.get("budget")
         if budget is not None and not (isinstance(budget, int | float) and budget > 0):
             raise PrivacyError(f"ledger field 'budget' must be > 0 or null, got {budget!r}")

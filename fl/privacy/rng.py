@@ -268,12 +268,15 @@ def key_file_is_private(path: str | Path) -> bool:
 class RunRandomness:
     """The streams of one run: keyed (private) or seeded (``insecure=True``)."""
 
-    def __init__(self, key: NoiseKey | None, seed: int, insecure: bool = False):
-        if key is None and not insecure:
+    def __init__(
+        self, key: NoiseKey | None, seed: int, insecure: bool = False, no_dp: bool = False
+    ):
+        if key is None and not (insecure or no_dp):
             raise UsageError("a private run needs a noise key")
-        self.key = None if insecure else key
+        self.insecure = insecure or no_dp
+        self.no_dp = no_dp
+        self.key = None if self.insecure else key
         self.seed = seed
-        self.insecure = insecure
 
     @property
     def private(self) -> bool:
@@ -286,6 +289,14 @@ class RunRandomness:
 
     def describe(self) -> dict:
         """The manifest's ``privacy.noise`` block (public)."""
+        if self.no_dp:
+            return {
+                "source": "public_seed",
+                "private": False,
+                "generator": "torch generator seeded from the public seed",
+                "note": "no DP is claimed: batches, cohorts and canaries come from the public "
+                "seed, so the run is reproducible from its configuration",
+            }
         if self.insecure:
             return {
                 "source": "seeded",

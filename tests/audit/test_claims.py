@@ -2,17 +2,24 @@
 
 Each mistaken claim is crafted by computing, with the accountant directly, the ε the
 mistake produces; the checker must recognise it. References: fl.privacy.accounting.epsilon
-(the composed subsampled Gaussian), which the checker must reproduce for a correct claim.
+(the composed subsampled Gaussian), dp_accounting's accountants composed directly and the
+GDP closed form (k Gaussians of multiplier s are μ-GDP with μ = √k/s), which the checker
+must reproduce for a correct claim. Every ε is under add/remove of one example (sample
+level) or one client (client level): fixed-size batches / cohorts have sensitivity 2C.
 """
 
 import json
 import math
 
+import dp_accounting
 import pytest
+from dp_accounting import pld, rdp
 
+import audit.claims
 from audit.claims import check_claim, load_claim, validate_claim
+from audit.empirical import gdp_epsilon
 from fl.errors import UsageError
-from fl.privacy.accounting import epsilon
+from fl.privacy.accounting import NEIGHBOURING, epsilon
 
 DELTA = 1e-6
 SIGMA = 1.0
@@ -31,6 +38,7 @@ BASE = dict(
     clients_per_round=M,
     total_clients=K,
     accounting="composed",
+    noise_source="keyed_csprng",
     delta=DELTA,
 )
 
@@ -85,28 +93,34 @@ def test_wrong_sample_rate():
 def test_amplification_without_random_sampling(sampling):
     poisson = epsilon(SIGMA, Q, S * R, DELTA)
     res = check_claim(dict(BASE, sampling=sampling, claimed_epsilon=poisson))
-    # reference: no amplification. shuffle: one plain Gaussian per pass over the client's
-    # data (ceil(S*q) = 1 pass per round); fixed_batch: a plain Gaussian every step.
-    count = R * math.ceil(S * Q) if sampling == "shuffle" else R * S
-    assert res["epsilon_pld"] == pytest.approx(epsilon(SIGMA, 1.0, count, DELTA), rel=1e-4)
+    # reference: no amplification, and fixed-size batches have sensitivity 2C under
+    # add/remove: every one of the R*S steps is a plain Gaussian of multiplier σ/2, i.e.
+    # μ-GDP with μ = √(R*S)/(σ/2) (checked against dp_accounting below).
+    mu = math.sqrt(R * S) / (SIGMA / 2)
+    assert res["epsilon_pld"] == pytest.approx(gdp_epsilon(mu, DELTA), rel=1e-9)
     assert res["understated"]
     assert codes(res, "error") == {"amplification_without_random_sampling"}
     assert sampling in res["findings"][0]["message"]
 
 
+CLIENT = dict(
+    level="client",
+    noise_multiplier=SIGMA,
+    sampling="fixed_batch",
+    rounds=20,
+    clients_per_round=10,
+    total_clients=100,
+    noise_source="csprng",
+    delta=1e-4,
+)
+
+
 def test_client_sampling_ignored_client_level():
-    kw = dict(
-        level="client",
-        noise_multiplier=SIGMA,
-        sampling="fixed_batch",
-        rounds=20,
-        clients_per_round=10,
-        total_clients=100,
-        delta=1e-4,
-    )
+    kw = CLIENT
     amplified = epsilon(SIGMA, 0.1, 20, 1e-4)
     res = check_claim(dict(kw, claimed_epsilon=amplified))
-    assert res["epsilon_pld"] == pytest.approx(epsilon(SIGMA, 1.0, 20, 1e-4), rel=1e-4)
+    # a fixed cohort of 10 of 100 clients: 20 plain Gaussians at σ/2 (sensitivity 2C)
+    assert res["epsilon_pld"] == pytest.approx(epsilon(SIGMA / 2, 1.0, 20, 1e-4), rel=1e-4)
     assert codes(res, "error") == {"client_sampling_ignored"}
     assert "10/100" in res["findings"][0]["message"]
     # with Poisson client sampling the amplified figure is the correct one
@@ -242,3 +256,159 @@ def test_cli_exit_codes(tmp_path, capsys, eps_true):
     assert "claimed_epsilon" in err and err.count("\n") == 1
     assert main(["audit", "--claim", str(good), "/some/run"]) == 2
     assert main(["audit", "--claim", str(good), "--one-run"]) == 2
+
+
+# --------------------------------------------------------------------------- add/remove
+
+
+def dp_eps(event, count, delta, acc="pld", grid=1e-4):
+    a = (
+        pld.PLDAccountant(value_discretization_interval=grid)
+        if acc == "pld"
+        else rdp.RdpAccountant()
+    )
+    a.compose(dp_accounting.SelfComposedDpEvent(event, count))
+    return a.get_epsilon(delta)
+
+
+def test_neighbouring_relation_is_stated():
+    assert "add/remove" in audit.claims.__doc__
+    res = check_claim(dict(BASE, claimed_epsilon=1.0))
+    assert res["neighbouring"] == NEIGHBOURING["sample"] == "add/remove one example"
+    res = check_claim(dict(CLIENT, claimed_epsilon=1.0))
+    assert res["neighbouring"] == NEIGHBOURING["client"] == "add/remove one client"
+
+
+# (level, sampling, overrides, count, multiplier): count plain Gaussians of that multiplier
+FIXED = [
+    ("sample", "fixed_batch", {}, R * S, SIGMA / 2),
+    ("sample", "shuffle", {}, R * S, SIGMA / 2),
+    ("sample", "all", {}, R * S, SIGMA),
+    ("client", "fixed_batch", {}, 20, SIGMA / 2),
+    ("client", "shuffle", {"steps_per_round": 3}, 60, SIGMA / 2),
+    ("client", "fixed_batch", {"clients_per_round": 100}, 20, SIGMA),  # everyone
+    ("client", "all", {"clients_per_round": 100}, 20, SIGMA),
+]
+
+
+@pytest.mark.parametrize("level, sampling, over, count, mult", FIXED)
+def test_plain_references_against_dp_accounting_and_closed_form(level, sampling, over, count, mult):
+    base = BASE if level == "sample" else CLIENT
+    claim = dict(base, sampling=sampling, claimed_epsilon=1.0, **over)
+    delta = claim["delta"]
+    res = check_claim(claim)
+    closed = gdp_epsilon(math.sqrt(count) / mult, delta)
+    assert res["epsilon_pld"] == pytest.approx(closed, rel=1e-9)
+    # the PLD accountant estimates the same curve (pessimistically, tightly)
+    # (a 1e-3 grid: still pessimistic, and fast at the large ε of plain Gaussians)
+    direct = dp_eps(dp_accounting.GaussianDpEvent(mult), count, delta, grid=1e-3)
+    assert closed * (1 - 1e-6) <= direct <= closed * 1.01
+    direct_rdp = dp_eps(dp_accounting.GaussianDpEvent(mult), count, delta, "rdp")
+    assert res["epsilon_rdp"] == pytest.approx(direct_rdp, rel=1e-9)
+    if mult < SIGMA:
+        assert "σ/2" in res["mechanism"] and "2C" in res["mechanism"]
+
+
+def test_poisson_references_against_dp_accounting():
+    res = check_claim(dict(BASE, claimed_epsilon=1.0))
+    ev = dp_accounting.PoissonSampledDpEvent(Q, dp_accounting.GaussianDpEvent(SIGMA))
+    assert res["epsilon_pld"] == pytest.approx(dp_eps(ev, R * S, DELTA), rel=1e-9)
+    res = check_claim(dict(CLIENT, sampling="poisson", claimed_epsilon=1.0))
+    ev = dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(SIGMA))
+    assert res["epsilon_pld"] == pytest.approx(dp_eps(ev, 20, 1e-4), rel=1e-9)
+
+
+@pytest.mark.parametrize("level", ["sample", "client"])
+def test_fixed_size_never_below_sensitivity_c(level):
+    base = BASE if level == "sample" else CLIENT
+    fixed = check_claim(dict(base, sampling="fixed_batch", claimed_epsilon=1.0))
+    over = {} if level == "sample" else {"clients_per_round": base["total_clients"]}
+    every = check_claim(dict(base, sampling="all", claimed_epsilon=1.0, **over))
+    assert fixed["epsilon_pld"] > every["epsilon_pld"]
+
+
+# claims computed the old way (sensitivity C for fixed-size batches / cohorts):
+# (base, sampling, the mistaken ε, the codes expected)
+REPLACEMENT = [
+    (BASE, "fixed_batch", epsilon(SIGMA, 1.0, R * S, DELTA), set()),
+    # shuffle: one Gaussian per pass over the client's data at sensitivity C
+    (BASE, "shuffle", epsilon(SIGMA, 1.0, R * math.ceil(S * Q), DELTA), set()),
+    (BASE, "shuffle", epsilon(SIGMA, 1.0, R * S, DELTA), set()),
+    (BASE, "fixed_batch", epsilon(SIGMA, 1.0, S, DELTA), {"no_composition_across_rounds"}),
+    (CLIENT, "fixed_batch", epsilon(SIGMA, 1.0, 20, 1e-4), set()),
+    (CLIENT, "shuffle", epsilon(SIGMA, 1.0, 1, 1e-4), {"no_composition_across_rounds"}),
+]
+
+
+@pytest.mark.parametrize("base, sampling, claimed, more", REPLACEMENT)
+def test_replacement_sensitivity_ignored(base, sampling, claimed, more):
+    res = check_claim(dict(base, sampling=sampling, claimed_epsilon=claimed))
+    assert res["understated"]
+    assert codes(res, "error") == {"replacement_sensitivity_ignored"} | more
+    msg = next(f["message"] for f in res["findings"] if f["code"].startswith("replacement"))
+    assert "2C" in msg and "add/remove" in msg and f"{claimed:.4g}" in msg
+    if sampling == "shuffle" and base is BASE:
+        assert "shift every later batch" in msg
+
+
+def test_replace_one_direct_rule_uses_the_reference_sensitivity():
+    # accounting = per_round on a fixed cohort: one round of the reference is S Gaussians
+    # at σ/2, composed over the rounds to the reference ε
+    one = epsilon(SIGMA / 2, 1.0, 1, 1e-4)
+    res = check_claim(dict(CLIENT, accounting="per_round", claimed_epsilon=one))
+    msg = next(f["message"] for f in res["findings"] if f["code"] == "no_composition_across_rounds")
+    assert f"{one:.4g}" in msg
+
+
+@pytest.mark.parametrize(
+    "source, severity",
+    [("seeded", "error"), ("unknown", "warning"), (None, "warning"), ("csprng", None),
+     ("keyed_csprng", None)],
+)  # fmt: skip
+def test_noise_reproducible(source, severity, eps_true):
+    claim = dict(BASE, claimed_epsilon=eps_true)
+    claim.pop("noise_source")
+    if source is not None:
+        claim["noise_source"] = source
+    res = check_claim(claim)
+    assert res["noise_source"] == (source or "unknown")
+    assert not res["understated"]
+    found = [f for f in res["findings"] if f["code"] == "noise_reproducible"]
+    if severity is None:
+        assert not found
+    else:
+        assert [f["severity"] for f in found] == [severity]
+        assert "seed" in found[0]["message"] and "subtract" in found[0]["message"]
+
+
+def test_noise_source_validated_and_cli_exit(tmp_path, eps_true):
+    from fl.cli import main
+
+    with pytest.raises(UsageError, match="noise_source"):
+        validate_claim(dict(BASE, claimed_epsilon=1.0, noise_source="urandom"))
+    p = tmp_path / "seeded.toml"
+    claim = dict(BASE, claimed_epsilon=eps_true, noise_source="seeded")
+    p.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in claim.items()))
+    assert main(["audit", "--claim", str(p), "--json"]) == 1  # an error finding
+
+
+def test_client_all_with_a_partial_cohort_is_an_error():
+    with pytest.raises(UsageError, match="clients_per_round"):
+        validate_claim(dict(CLIENT, sampling="all", claimed_epsilon=1.0))
+
+
+def test_docs_example_claim(tmp_path):
+    """The TOML example of docs/audit.md loads and is a correct claim."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "audit.md").read_text("utf-8")
+    block = doc.split("```toml\n", 1)[1].split("```", 1)[0]
+    p = tmp_path / "example.toml"
+    p.write_text(block)
+    claim = load_claim(p)
+    res = check_claim(claim)
+    assert claim["noise_source"] == "keyed_csprng" and claim["sampling"] == "fixed_batch"
+    assert not res["understated"] and not codes(res, "error") and not codes(res, "warning")
+    # the claim is the fixed-cohort reference, not the sensitivity-C figure
+    mu = math.sqrt(claim["rounds"]) / (claim["noise_multiplier"] / 2)
+    assert claim["claimed_epsilon"] == pytest.approx(gdp_epsilon(mu, claim["delta"]), rel=2e-3)

@@ -70,11 +70,11 @@ def test_clean_run_passes(run):
     res = audit_run(run)
     m = json.loads((run / "manifest.json").read_text())
     splits = json.loads((run / "splits.json").read_text())
-    # independent reference: every client took part in both rounds; q = B / n_c
-    refs = [
-        epsilon(1.0, min(1.0, 16 / len(ids)), 4 * 2, m["privacy"]["delta"])
-        for ids in splits["clients"].values()
-    ]
+    # independent reference: every client took part in both rounds; q = B / n_c with
+    # n_c its members before the (secret) canaries were added
+    sizes = [sum(not i.startswith("canary:") for i in ids) for ids in splits["clients"].values()]
+    assert sum(sizes) == len(splits["members"])
+    refs = [epsilon(1.0, min(1.0, 16 / n), 4 * 2, m["privacy"]["delta"]) for n in sizes]
     assert res["epsilon_pld"] == pytest.approx(max(refs), rel=1e-9)
     assert res["recomputed"]["ledger"]["pld"] == pytest.approx(max(refs), rel=1e-9)
     assert res["recomputed"]["config"]["pld"] == pytest.approx(max(refs), rel=1e-9)

@@ -81,3 +81,29 @@ def test_each_benchmark_quick(name, tmp_path):
     _check_record(r)
     md = (tmp_path / "bench.md").read_text()
     assert f"| {name} |" in md
+
+
+def test_noise_source_quick_details():
+    """noise_source: both generators' steps see Poisson batches of exactly the batch size,
+    and the record carries the per-step draw costs of both and the noise coordinates."""
+    from benchmarks import noise_source
+    from benchmarks.dp_overhead import make_trainer
+    from fl.engine import poisson_masks
+    from fl.privacy.rng import NoiseKey
+
+    for make in (noise_source.keyed_factory(NoiseKey.generate()), noise_source.seeded_factory(0)):
+        name = noise_source.matched_name(make, ("t",), 160, 0.1, 2, 16)
+        assert [int(m.sum()) for m in poisson_masks(make(*name)[1], 160, 0.1, 2)] == [16, 16]
+
+    r = noise_source.run(quick=True)
+    _check_record(r)
+    assert r["name"] == "noise_source" and r["met"] is None  # the target is on minilm
+    m = r["details"]["per_model"]["tiny-bert"]
+    trainer = make_trainer("tiny-bert", m["batch_size"], m["seq_len"], m["examples"])[0]
+    params = noise_source.trainable_params(trainer, {"A", "B", "head"})
+    assert m["noise_coordinates_per_step"] == sum(p.numel() for p in params) > 0
+    for side in ("seeded", "keyed"):
+        d = m["draws"][side]
+        assert d["noise_us"] > 0 and d["mask_us"] > 0 and d["two_streams_us"] > 0
+        assert d["step_draw_us"] == pytest.approx(d["noise_us"] + d["mask_us"])
+    assert m["ratio_from_draws"] > 0

@@ -80,6 +80,7 @@ def test_zero_noise_is_infinite_epsilon():
 def test_ledger_round_trip_and_validation():
     led = Ledger("client", 1e-6, budget=3.0)
     led.record(Event("gaussian", 1.5, 1.0, 3, unit="federation", round=0, stage="agg"))
+    assert led.state_dict()["neighbouring"] == "add/remove one client"
     back = Ledger.from_state_dict(led.state_dict())
     assert back.epsilon() == led.epsilon()
     assert back.events == led.events

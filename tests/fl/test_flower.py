@@ -24,9 +24,9 @@ import torch
 pytestmark = pytest.mark.xdist_group("flower")
 
 from fl.engine import Engine  # noqa: E402
-from fl.transport import Dispatcher  # noqa: E402
 from fl.flower import records as R  # noqa: E402
 from fl.methods import registry  # noqa: E402
+from fl.transport import Dispatcher  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -142,7 +142,8 @@ def _adapter(out: Path) -> dict:
 
 def _run(cfg, out: Path, fault=None, key_of: Path | None = None) -> tuple[dict, Engine]:
     """Train; ``key_of``: a run whose noise key to reuse (the key holder's replay)."""
-    key = key_of / "private" / "noise.key" if key_of is not None else None
+    private = cfg.dp_level != "none"  # a run without DP draws from its public seed
+    key = key_of / "private" / "noise.key" if key_of is not None and private else None
     eng = Engine(cfg, out, quiet=True, noise_key=key)
     eng.fault_injector = fault
     manifest = eng.run()

@@ -4,7 +4,6 @@ added, not substituted."""
 
 import json
 
-import pytest
 import torch
 
 from fl import factors as F
@@ -184,7 +183,7 @@ def test_failed_client_state_is_rolled_back(tmp_path, tiny_cfg, monkeypatch):
 
 
 def test_canaries_are_added_not_substituted(tmp_path, tiny_cfg):
-    cfg = tiny_cfg(canaries=24, nonmembers=60)
+    cfg = tiny_cfg(canaries=24, nonmembers=60, dp_level="sample", noise_multiplier=1.0)
     eng = Engine(cfg, tmp_path / "c", quiet=True)
     eng.setup()
     can = eng._canaries["canaries"]

@@ -20,7 +20,7 @@ from fl.privacy import rng as R
 def _reference_normals(secret: bytes, parts: tuple, n: int) -> list[float]:
     """Slow, obvious: HMAC stream key, AES-256-CTR keystream from counter 0, 64-bit
     little-endian words, top 53 bits, Box–Muller pair by pair in Python floats."""
-    name = ("[" + ",".join('"%s"' % p for p in parts) + "]").encode()
+    name = ("[" + ",".join(f'"{p}"' for p in parts) + "]").encode()
     sub = hmac.new(secret, b"fedlora-audit/noise-stream/v1\x00" + name, hashlib.sha256).digest()
     m = (n + 1) // 2
     ks = Cipher(algorithms.AES(sub), modes.CTR(bytes(16))).encryptor().update(bytes(16 * m))

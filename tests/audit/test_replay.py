@@ -1,0 +1,237 @@
+"""`fedlora audit --key`: replaying a run from its noise key verifies what an audit without
+the key can only take on trust; seeded noise is reported as reproducible.
+
+Each test trains its own tiny run (tiny-bert / synthetic, DP sample level, 1–2 rounds, a
+few seconds on one core) and replays it on the CPU.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from audit.runaudit import CUDA_RTOL, TAMPER_CODES, _trained_device, audit_run, compare_adapters
+from fl.cli import main
+from fl.privacy.accounting import Ledger
+
+TRUSTED_WITHOUT_KEY = {
+    "config",
+    "privacy.noise_multiplier",
+    "privacy.delta",
+    "privacy.ledger.events",
+    "privacy.sampling",
+    "privacy.sample_rates",
+    "privacy.client_sampling",
+}
+
+
+def _train(tmp_path, tiny_cfg, name="run", **kw):
+    from fl.engine import train
+
+    out = tmp_path / name
+    train(tiny_cfg(dp_level="sample", **kw), out, quiet=True)
+    return out
+
+
+def _read(path):
+    return json.loads(path.read_text())
+
+
+def _write(path, doc):
+    path.write_text(json.dumps(doc, indent=2))
+
+
+def codes(res):
+    return {f["code"] for f in res["findings"]}
+
+
+def _edit_sigma(d, sigma, bundle):
+    """What an attacker does to raise the stated σ consistently: the config, the privacy
+    block, every ledger event, ε recomputed from the edited ledger, and every copy the
+    audit compares (ledger.json, config.json); the adapter and splits are untouched, so
+    their hashes still match."""
+    m = _read(d / "manifest.json")
+    m["config"]["noise_multiplier"] = sigma
+    m["privacy"]["noise_multiplier"] = sigma
+    for e in m["privacy"]["ledger"]["events"]:
+        e["noise_multiplier"] = sigma
+    led = Ledger.from_state_dict(m["privacy"]["ledger"])
+    m["privacy"]["epsilon"] = {"pld": led.epsilon("pld"), "rdp": led.epsilon("rdp")}
+    _write(d / "manifest.json", m)
+    if not bundle:
+        cfg = _read(d / "config.json")
+        cfg["noise_multiplier"] = sigma
+        _write(d / "config.json", cfg)
+        _write(d / "ledger.json", m["privacy"]["ledger"])
+    return m
+
+
+def test_honest_run_is_verified_by_replay(tmp_path, tiny_cfg, capsys):
+    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0)
+    plain = audit_run(run)
+    assert plain["kind"] == "run" and plain["skipped"] == [] and plain["replay"] is None
+    assert TRUSTED_WITHOUT_KEY <= set(plain["trusted"]) and plain["trusted_note"]
+
+    key = run / "private" / "noise.key"
+    assert main(["audit", str(run), "--key", str(key), "--json"]) == 0
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    assert "retraining the whole run" in cap.err  # the announcement, on stderr
+    rep = doc["replay"]
+    assert rep["verified"] is True and rep["exact"] is True
+    assert rep["max_abs_diff"] == 0.0 and rep["seconds"] > 0
+    assert rep["privacy_fields_differing"] == []
+    assert doc["findings"] == [] and doc["trusted"] == [] and doc["tampered"] is False
+    # the text form says so in one line
+    assert main(["audit", str(run), "--key", str(key)]) == 0
+    assert "replay: verified bit for bit" in capsys.readouterr().out
+
+
+def test_consistently_edited_run_needs_the_key(tmp_path, tiny_cfg):
+    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0)
+    before = _read(run / "manifest.json")["privacy"]["epsilon"]["pld"]
+    m = _edit_sigma(run, 30.0, bundle=False)
+    assert m["privacy"]["epsilon"]["pld"] < before / 5  # the edit claims far more privacy
+
+    res = audit_run(run)  # without the key the edit cannot be seen...
+    assert not res["tampered"] and not res["understated"]
+    assert not [f for f in res["findings"] if f["severity"] == "error"], res["findings"]
+    assert res["claimed_epsilon"] == pytest.approx(m["privacy"]["epsilon"]["pld"])
+    assert TRUSTED_WITHOUT_KEY <= set(res["trusted"])  # ...and the audit says so
+
+    res = audit_run(run, key=run / "private" / "noise.key")
+    assert "replay_mismatch" in codes(res) and "replay_mismatch" in TAMPER_CODES
+    assert res["tampered"] and res["replay"]["verified"] is False
+    assert res["replay"]["max_abs_diff"] > 0 and res["trusted"] == []
+    msg = next(f["message"] for f in res["findings"] if f["code"] == "replay_mismatch")
+    assert res["replay"]["worst_tensor"] in msg
+
+
+def test_consistently_edited_bundle_needs_the_key(tmp_path, tiny_cfg, capsys):
+    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0)
+    bundle = tmp_path / "published"
+    shutil.copytree(run / "release", bundle)
+    _edit_sigma(bundle, 30.0, bundle=True)
+
+    res = audit_run(bundle)
+    assert res["kind"] == "bundle" and not res["tampered"] and not res["understated"]
+    assert not [f for f in res["findings"] if f["severity"] == "error"], res["findings"]
+    assert {"splits_hash", "ledger_file", "config_file"} <= {s["check"] for s in res["skipped"]}
+    assert all(s["reason"] for s in res["skipped"])
+    assert TRUSTED_WITHOUT_KEY <= set(res["trusted"])
+    assert main(["audit", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: splits_hash" in out and "taken on trust (no --key)" in out
+
+    rc = main(["audit", str(bundle), "--key", str(run / "private" / "noise.key"), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1 and "replay_mismatch" in codes(doc) and doc["tampered"]
+    assert doc["replay"]["verified"] is False and doc["replay"]["config_source"].startswith(
+        "the manifest"
+    )
+
+
+def test_honest_bundle_is_verified_and_privacy_fields_are_compared(tmp_path, tiny_cfg):
+    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0, rounds=1)
+    key = run / "private" / "noise.key"
+    res = audit_run(run / "release", key=key)
+    assert res["replay"]["verified"] and res["findings"] == [] and res["trusted"] == []
+
+    # δ does not change the adapter (σ is given directly), only the accounting: the
+    # adapter replays bit for bit and the privacy block comparison catches the edit.
+    bundle = tmp_path / "b"
+    shutil.copytree(run / "release", bundle)
+    m = _read(bundle / "manifest.json")
+    m["privacy"]["delta"] = m["privacy"]["ledger"]["delta"] = 1e-3
+    led = Ledger.from_state_dict(m["privacy"]["ledger"])
+    m["privacy"]["epsilon"] = {"pld": led.epsilon("pld"), "rdp": led.epsilon("rdp")}
+    _write(bundle / "manifest.json", m)
+    assert not audit_run(bundle)["tampered"]
+    res = audit_run(bundle, key=key)
+    assert res["replay"]["exact"] and not res["replay"]["verified"]
+    assert "privacy.delta" in res["replay"]["privacy_fields_differing"]
+    msg = next(f["message"] for f in res["findings"] if f["code"] == "replay_mismatch")
+    assert "privacy.delta (audited 0.001, replay 1e-05)" in msg
+
+
+def test_wrong_key_is_key_mismatch(tmp_path, tiny_cfg, capsys):
+    from fl.privacy.rng import NoiseKey
+
+    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0, rounds=1)
+    (tmp_path / "other").mkdir()
+    other = NoiseKey.generate().write(tmp_path / "other")
+    res = audit_run(run, key=other)
+    assert "key_mismatch" in codes(res) and "key_mismatch" not in TAMPER_CODES
+    assert res["replay"] == {"performed": False, "verified": False, "reason": "key_mismatch"}
+    assert TRUSTED_WITHOUT_KEY <= set(res["trusted"])  # nothing was verified
+    assert main(["audit", str(run / "release"), "--key", str(other)]) == 1
+    assert "key_mismatch" in capsys.readouterr().out
+    # not a key file at all: one line, exit 2
+    bad = tmp_path / "bad.key"
+    bad.write_text("not a key\n")
+    assert main(["audit", str(run), "--key", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedlora: error:") and err.count("\n") == 1
+
+
+def test_seeded_noise_is_reproducible(tmp_path, tiny_cfg, capsys):
+    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0, rounds=1,
+                 insecure_deterministic_noise=True)  # fmt: skip
+    for d in (run, run / "release"):
+        res = audit_run(d)
+        f = next(f for f in res["findings"] if f["code"] == "noise_reproducible")
+        assert f["severity"] == "error" and "seed" in f["message"] and "subtract" in f["message"]
+        assert "noise_reproducible" not in TAMPER_CODES and not res["tampered"]
+    assert main(["audit", str(run)]) == 1
+    capsys.readouterr()
+    # there is no key to replay with: a usage error, not a finding
+    assert main(["audit", str(run), "--key", str(tmp_path / "any.key")]) == 2
+    assert "not drawn from a key" in capsys.readouterr().err
+
+
+def test_runs_before_keyed_noise_are_reproducible(tmp_path, tiny_cfg):
+    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0, rounds=1)
+    assert "noise_reproducible" not in codes(audit_run(run))
+    for d in (run, run / "release"):  # a run made before keyed noise has no noise block
+        m = _read(d / "manifest.json")
+        del m["privacy"]["noise"]
+        _write(d / "manifest.json", m)
+        res = audit_run(d)
+        f = next(f for f in res["findings"] if f["code"] == "noise_reproducible")
+        assert "before" in f["message"] and not res["tampered"]
+
+
+def test_compare_adapters_exact_and_tolerance(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    a = {"x.lora_A.weight": torch.randn(4, 8, generator=g), "head": torch.randn(2, 8, generator=g)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file({k: v.clone() for k, v in a.items()}, str(tmp_path / "same.safetensors"))
+    near = {k: v.clone() for k, v in a.items()}
+    near["head"][0, 0] += 1e-6 * a["head"].abs().max()
+    save_file(near, str(tmp_path / "near.safetensors"))
+    far = {k: v.clone() for k, v in a.items()}
+    far["x.lora_A.weight"][1, 2] += 0.1
+    save_file(far, str(tmp_path / "far.safetensors"))
+    save_file({"other": a["head"]}, str(tmp_path / "names.safetensors"))
+
+    same = compare_adapters(tmp_path / "a.safetensors", tmp_path / "same.safetensors")
+    assert same["equal"] and same["max_abs_diff"] == 0.0 and same["worst_tensor"] is None
+    n = compare_adapters(tmp_path / "a.safetensors", tmp_path / "near.safetensors", CUDA_RTOL)
+    assert not n["equal"] and n["within_tolerance"] and n["worst_tensor"] == "head"
+    f = compare_adapters(tmp_path / "a.safetensors", tmp_path / "far.safetensors", CUDA_RTOL)
+    assert not f["within_tolerance"] and f["worst_tensor"] == "x.lora_A.weight"
+    assert f["max_abs_diff"] == pytest.approx(0.1, rel=1e-5)
+    d = compare_adapters(tmp_path / "a.safetensors", tmp_path / "names.safetensors", CUDA_RTOL)
+    assert not d["equal"] and not d["within_tolerance"] and "names differ" in d["problem"]
+
+
+def test_trained_device(tmp_path):
+    m = {"config": {"device": "cuda"}}
+    assert _trained_device(tmp_path, m, bundle=True)[0] == "cuda"
+    assert _trained_device(tmp_path, {"config": {"device": "cpu"}}, bundle=True)[0] == "cpu"
+    assert _trained_device(tmp_path, {"config": {"device": "auto"}}, bundle=True)[0] == "unknown"
+    # a run directory: the engine's start line in run.log says where it actually ran
+    (tmp_path / "run.log").write_text("fedlora train: method=fedavg dp=sample device=cuda:0\n")
+    assert _trained_device(tmp_path, {"config": {"device": "auto"}}, bundle=False)[0] == "cuda"
