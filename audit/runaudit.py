@@ -597,7 +597,10 @@ def _audit_privacy(run, m, cfg, p, splits, rows, out, add, skip, bundle) -> None
                 f"Method {m['method']!r} is unknown here; {releases} release(s) per round were "
                 f"read from the ledger.",
             )
-        count = releases * active_rounds
+        # The server releases every round, an empty cohort included (skipping would
+        # reveal that no client was sampled), so every completed round counts.
+        done = int(p.get("rounds_completed", p["rounds"])) if bundle else rounds_done
+        count = releases * done
         implied["federation"] = count
         m_eff = K if scheme == "all" else (round(m_cl) if scheme == "uniform" else m_cl)
         cfg_ev = client_level_event(scheme, m_eff, K, sigma, max(count, 0))
