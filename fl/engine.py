@@ -53,7 +53,7 @@ from fl.privacy.accounting import (
 from fl.privacy.dpsgd import DpSgdParams, clip_and_noise
 from fl.privacy.rng import derive_seed
 from fl.release import write_release
-from fl.transport import Delivery, Dispatcher
+from fl.transport import Delivery, Dispatcher, transport_class
 
 SCHEMA_VERSION = 1
 
@@ -1100,9 +1100,9 @@ class Engine:
     def make_transport(self):
         if self.cfg.transport == "inprocess":
             return InProcessTransport(self)
-        from fl.flower.transport import FlowerTransport  # pragma: no cover - later issue
-
-        return FlowerTransport(self)
+        # Transports above the engine (Flower) are looked up by name: they import the
+        # engine, the engine does not import them (no cycle; see pyproject's contracts).
+        return transport_class(self.cfg.transport)(self)
 
     def _summary_line(self, row: dict) -> str:
         parts = [f"round {row['round']}/{self.cfg.rounds}"]

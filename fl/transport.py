@@ -25,8 +25,8 @@ from typing import Protocol
 
 import torch
 
-from fl.methods.base import Replies, RoundInfo
 from fl.privacy.accounting import Event
+from fl.rounds import Replies, RoundInfo, payload_bytes
 
 
 @dataclass
@@ -103,18 +103,6 @@ def validate_reply(reply: dict, method) -> str | None:
     return None
 
 
-def payload_bytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(payload_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(payload_bytes(v) for v in obj)
-    if isinstance(obj, str):
-        return len(obj.encode())
-    return 8
-
-
 class Dispatcher:
     """The engine's ``send``: per-client payloads out through a transport, replies
     validated, failures handled and DP events recorded (see the module docstring).
@@ -180,4 +168,26 @@ class Dispatcher:
         return replies
 
 
-__all__ = ["Delivery", "Dispatcher", "Transport", "validate_reply", "payload_bytes"]
+#: transports that live above the engine, by config name → "module:class"
+TRANSPORTS = {"flower": "fl.flower.transport:FlowerTransport"}
+
+
+def transport_class(name: str):
+    """The class of a registered transport (imported on first use)."""
+    import importlib
+
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; known: inprocess, {', '.join(TRANSPORTS)}")
+    mod, cls = TRANSPORTS[name].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+__all__ = [
+    "Delivery",
+    "Dispatcher",
+    "Transport",
+    "TRANSPORTS",
+    "transport_class",
+    "validate_reply",
+    "payload_bytes",
+]

@@ -18,35 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fl import factors as F
 from fl.errors import UsageError
-
-
-@dataclass
-class Replies:
-    ok: dict[str, dict] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def senders(self) -> list[str]:
-        return list(self.ok)
-
-
-@dataclass
-class RoundInfo:
-    index: int  # 0-based round number
-    seed: int  # round seed (derived from the run seed)
-    clients: list[str]
-
-    def derive(self, purpose: str) -> int:
-        from fl.privacy.rng import derive_seed
-
-        return derive_seed(self.seed, purpose)
+from fl.rounds import Replies, RoundInfo  # noqa: F401 - the method contract's types
 
 
 @dataclass

@@ -369,7 +369,7 @@ class FedASK(Method):
         """Bytes of the protocol's upstream tensors (the transport's bytes_up also counts
         the measurement side-channel): Y_k, Ỹ_k and the head of the surviving clients
         (retries re-send Ỹ_k; only the final one is counted here)."""
-        from fl.transport import payload_bytes
+        from fl.rounds import payload_bytes
 
         sk, head = 0, 0
         for c in alive:
