@@ -204,6 +204,9 @@ def write_release(run_dir: str | Path, out_dir: str | Path) -> Path:
         shutil.copyfile(adapter / name, tmp / "adapter" / name)
     atomic_write_json(tmp / "manifest.json", public_manifest(manifest))
     atomic_write_text(tmp / "metrics.jsonl", public_metrics(run_dir))
+    # A bundle is meant to be published: world-readable files (atomic writes make 0600).
+    for f in (tmp / "manifest.json", tmp / "metrics.jsonl", *(tmp / "adapter").iterdir()):
+        os.chmod(f, 0o644)
     old = out_dir.with_name(f".{out_dir.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():

@@ -256,6 +256,7 @@ def test_release_bundle_holds_only_allow_listed_fields(canary_run, tmp_path, cap
     assert _files(exp) == BUNDLE_FILES
     for f in BUNDLE_FILES:
         assert (exp / f).read_bytes() == (rel / f).read_bytes(), f
+        assert stat.S_IMODE((exp / f).stat().st_mode) == 0o644, f  # meant to be published
 
 
 def test_noise_key_is_private(canary_run):
