@@ -1,0 +1,176 @@
+"""What a method sees of the engine: :class:`ClientContext` (a client handler's view:
+its id, data, persistent state and ``train``), :class:`ServerContext` (the server
+program's view), and :class:`InProcessTransport`, which hands a ClientContext to the
+method's handlers in this process.
+
+The contexts hold the :class:`fl.engine.Engine` they were built from but do not import
+it: the engine imports this module (no cycle; see pyproject's contracts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fl.config import TrainConfig
+from fl.errors import ClientFailure
+from fl.privacy import rng as R
+from fl.privacy.accounting import Event
+from fl.privacy.dpsgd import DpSgdParams
+from fl.privacy.rng import derive_seed
+from fl.rounds import RoundInfo
+from fl.trainer import TrainResult
+from fl.transport import Delivery
+
+
+class ClientContext:
+    """What a client handler sees: its id, data size, persistent state, and ``train``."""
+
+    def __init__(self, engine, cid: str, rnd: RoundInfo):  # engine: fl.engine.Engine
+        self.engine = engine
+        self.id = cid
+        self.round = rnd
+        self.positions = engine.client_positions[cid]
+        self.n = len(self.positions)
+        self.state: dict = engine.client_states.setdefault(cid, {})
+        self.events: list[Event] = []
+
+    @property
+    def scaling(self) -> float:
+        return self.engine.trainer.scaling
+
+    def steps(self) -> int:
+        return self.engine.local_steps_for(self.engine.public_size(self.id))
+
+    def dp_params(self) -> DpSgdParams | None:
+        return self.engine.dp_params_for(self.engine.public_size(self.id))
+
+    def train(
+        self,
+        start: dict,
+        trainable: set[str] | tuple[str, ...] = ("A", "B", "head"),
+        prox_mu: float = 0.0,
+        correction: dict[str, torch.Tensor] | None = None,
+        grad_transform=None,
+        grad_mask: dict[str, torch.Tensor] | None = None,
+        stage: str = "train",
+    ) -> TrainResult:
+        eng = self.engine
+        dp = self.dp_params()
+        steps = self.steps()
+        opt_state = None if eng.cfg.reset_optimizer else self.state.get("_opt")
+        r, cid = self.round.index, self.id
+        result, opt_sd = eng.trainer.train(
+            start,
+            eng.members_data,
+            self.positions,
+            steps,
+            set(trainable),
+            dp,
+            streams=(
+                eng.rand.stream("dpsgd-noise", r, cid, stage),
+                eng.rand.stream("poisson-batches", r, cid, stage),
+            ),
+            dropout_seed=derive_seed(eng.cfg.seed, "round", r, "client", cid, stage, "dropout"),
+            prox_mu=prox_mu,
+            correction=correction,
+            opt_state=opt_state,
+            grad_transform=grad_transform,
+            grad_mask=grad_mask,
+        )
+        if not eng.cfg.reset_optimizer:
+            self.state["_opt"] = opt_sd
+        if dp is not None:
+            self.events.append(
+                Event(
+                    "poisson_gaussian" if dp.sample_rate < 1 else "gaussian",
+                    dp.noise_multiplier,
+                    dp.sample_rate,
+                    steps,
+                    unit=f"client:{self.id}",
+                    round=self.round.index,
+                    stage=stage,
+                    note="DP-SGD local steps",
+                )
+            )
+        return result
+
+
+class InProcessTransport:
+    """Direct calls to the method's handlers (the engine's :class:`Dispatcher` does
+    byte counts, validation, failures and ledger events)."""
+
+    name = "inprocess"
+
+    def __init__(self, engine):  # engine: fl.engine.Engine
+        self.engine = engine
+
+    def deliver(self, method, rnd: RoundInfo, stage, payloads, faults) -> dict[str, Delivery]:
+        eng = self.engine
+        handler = getattr(method, f"on_{stage}")
+        out: dict[str, Delivery] = {}
+        for cid, p in eng.progress(payloads, desc=f"round {rnd.index + 1} {stage}", leave=False):
+            saved = dict(eng.client_states.get(cid, {}))
+            ctx = ClientContext(eng, cid, rnd)
+            try:
+                if faults.get(cid):
+                    raise ClientFailure(faults[cid])
+                reply = dict(handler(ctx, p))
+            except ClientFailure as exc:
+                # The client's state is rolled back (what it trained is not kept); the
+                # DP steps it took still count: its data was touched.
+                eng.client_states[cid] = saved
+                out[cid] = Delivery(None, list(ctx.events), f"{type(exc).__name__}: {exc}")
+                continue
+            reply.setdefault("n", ctx.n)
+            out[cid] = Delivery(reply, list(ctx.events))
+        return out
+
+
+class ServerContext:
+    """What a method's server program sees of the engine."""
+
+    def __init__(self, engine):  # engine: fl.engine.Engine
+        self.e = engine
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.e.cfg
+
+    @property
+    def scaling(self) -> float:
+        return self.e.trainer.scaling
+
+    @property
+    def dp_level(self) -> str:
+        return self.e.cfg.dp_level
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.e.sigma
+
+    @property
+    def clip(self) -> float:
+        return self.e.cfg.clip
+
+    @property
+    def expected_clients_per_round(self) -> float:
+        return self.e.expected_clients_per_round()
+
+    def noise_generator(self, rnd: RoundInfo, purpose: str) -> R.NoiseSource:
+        """The run's secret noise stream for this round's server-side release."""
+        return self.e.rand.stream("server", rnd.index, purpose)
+
+    def noise(self, shape, std, gen) -> torch.Tensor:
+        return R.draw_normal(gen, shape, std)
+
+    def record_client_level_release(self, rnd: RoundInfo, stage: str, count: int = 1, sigma=None):
+        self.e.record_client_level(rnd, stage, count, sigma)
+
+    def log(self, msg: str) -> None:
+        self.e.log(msg)
+
+    def client_sizes(self) -> dict[str, int]:
+        return {c: len(p) for c, p in self.e.client_positions.items()}
+
+    def client_rank(self, cid: str) -> int:
+        return self.e.client_ranks.get(cid, self.e.cfg.rank)

@@ -1,0 +1,140 @@
+"""The run's manifest (``RUN/manifest.json``): configuration, privacy (mechanism, σ, δ,
+rates, steps, ε, ledger), data splits, versions, final metrics and the adapter's
+checksum. :func:`build_manifest` assembles it from a finished
+:class:`fl.engine.Engine` (passed in; this module does not import the engine).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fl.config import TrainConfig
+from fl.data import ids_hash
+from fl.io import file_sha256
+from fl.privacy.accounting import NEIGHBOURING
+
+SCHEMA_VERSION = 1
+
+
+def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> dict:
+    """The manifest dict of the run ``eng`` (an :class:`fl.engine.Engine` after its
+    last round): ``adapter`` the saved adapter directory, ``final`` the last metrics
+    row with an accuracy, ``eps`` {"pld", "rdp"} (None without DP)."""
+    cfg = eng.cfg
+    sizes = dict(eng.public_sizes)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "tool": "fedlora-audit",
+        "tool_version": _version(),
+        "created": datetime.now(UTC).isoformat(),
+        "config": cfg.to_dict(),
+        "method": cfg.method,
+        "method_options": _jsonable(vars(eng.options)),
+        "released": eng.method.release_note,
+        "privacy": {
+            "level": cfg.dp_level,
+            "mechanism": _mechanism_text(cfg),
+            "noise_multiplier": eng.sigma,
+            "clipping_norm": cfg.clip if cfg.dp_level != "none" else None,
+            "delta": eng.delta,
+            "target_epsilon": cfg.epsilon if cfg.epsilon > 0 else None,
+            "sampling": "poisson",
+            "sample_rates": {c: min(1.0, cfg.batch_size / n) for c, n in sizes.items()}
+            if cfg.dp_level == "sample"
+            else {},
+            "client_sizes": sizes,
+            "steps_per_round": {c: eng.local_steps_for(n) for c, n in sizes.items()},
+            "rounds": cfg.rounds,
+            "rounds_completed": len(eng.metrics_rows),
+            "client_sampling": {
+                "scheme": cfg.client_sampling,
+                "clients_per_round": eng.expected_clients_per_round(),
+                "total_clients": cfg.clients,
+            },
+            "participation_accounting": eng.participation_note,
+            "method_mechanism": eng.method.privacy_note(),
+            "public_log_note": "metrics.jsonl and run.log are the operator's logs (they name "
+            "the sampled clients); the released artifact is the adapter",
+            "neighbouring": NEIGHBOURING.get(cfg.dp_level),
+            "noise": eng.rand.describe(),
+            "epsilon": eps,
+            "ledger": eng.ledger.state_dict(),
+        },
+        "data": {
+            "dataset": cfg.dataset,
+            "num_classes": eng.dataset.num_classes,
+            "label_names": eng.dataset.label_names,
+            "n_members": len(eng.split.members),
+            "n_nonmembers": len(eng.split.nonmembers),
+            "n_test": len(eng.split.test),
+            "splits_sha256": file_sha256(eng.out / "splits.json"),
+            "members_sha256": ids_hash([eng.dataset.ids[i] for i in eng.split.members]),
+        },
+        "client_ranks": eng.client_ranks or None,
+        "seeds": {"seed": cfg.seed},
+        "versions": _versions(),
+        "metrics": {
+            "final": {
+                k: final.get(k) for k in ("accuracy", "balanced_accuracy", "loss") if k in final
+            }
+        },
+        "adapter_sha256": file_sha256(adapter / "adapter_model.safetensors"),
+        "wall_seconds": wall,
+        "log": eng._log_lines[-50:],
+    }
+    manifest["visibility"] = "operator"
+    manifest["device"] = eng.device.type
+    return manifest
+
+
+def _mechanism_text(cfg: TrainConfig) -> str:
+    if cfg.dp_level == "sample":
+        return (
+            "DP-SGD on each client: Poisson sampling, per-example ℓ2 clipping to C over all "
+            "trainable parameters (Opacus per-sample gradients), Gaussian noise σ·C per step"
+        )
+    if cfg.dp_level == "client":
+        return "server-side: each client update clipped to C, Gaussian noise σ·C on the sum"
+    return "none"
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating | float):
+        f = float(obj)
+        return f if math.isfinite(f) else (None if math.isnan(f) else ("inf" if f > 0 else "-inf"))
+    return obj
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("fedlora-audit")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "0+unknown"
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "peft", "opacus", "dp-accounting", "numpy", "flwr"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
