@@ -13,7 +13,8 @@ server rule of ``fl.linalg`` is applied and its relative error measured with
 * ``fedpower``: PowerDP without noise (σ = 0, no clipping): the exact average W̄
   refactorized by subspace iteration, at output rank r and at d;
 * ``flora``: stacking (exact at rank Σ r_k);
-* ``flexlora``: exact average + truncated SVD at rank d (exact) and r;
+* ``flexlora``: the method's exact average, released as its truncated SVD at rank d
+  (exact) and r;
 * ``hetlora``: zero-pad to R and average B, A with the norm weights (inexact).
 
 ``rows`` carry ``output_rank``; the figure shows error vs oversketch p (FedASK) and
@@ -32,6 +33,9 @@ from analysis import runs as runs_mod
 from analysis.schemas import validate
 from fl import linalg
 from fl.errors import UsageError
+from fl.methods import flexlora, hetlora
+from fl.methods.fedask import fedask_layer
+from fl.methods.flora import truncate_release
 from fl.privacy import powerdp as pdp
 
 NAME = "exactness"
@@ -90,7 +94,7 @@ def method_errors(Bs, As, w, oversketch=(0,), seed: int = 0, iters: int = 4) -> 
         for p in oversketch:
             if r + p > m:
                 continue  # the sketch cannot be wider than the column space
-            add("fedask", *linalg.fedask_aggregate(Bs, As, w, r, p, seed), p, r)
+            add("fedask", *fedask_layer(Bs, As, w, r, p, seed), p, r)
             if p > 0:  # at p = 0 the full sketch is the rank-r output already
                 Bw, Aw = _fedask_full(Bs, As, w, r + p, seed)
                 add("fedask", Bw, Aw, p, r + p)
@@ -98,15 +102,19 @@ def method_errors(Bs, As, w, oversketch=(0,), seed: int = 0, iters: int = 4) -> 
         Bp, Ap, _ = pdp.powerdp(Bs, As, w, orank, iters, 0.0, math.inf, seed=seed)
         add("fedpower", Bp, Ap, None, orank)
     add("flora", *linalg.flora_stack(Bs, As, w))
+    # FlexLoRA as trained: the server keeps the exact average; what is released is its
+    # rank-R truncation (fl.methods.flexlora.server_layer, flora.truncate_release).
+    Bg, Ag = flexlora.server_layer(Bs, As, w)
     for orank in sorted({r, d}):
-        add("flexlora", *linalg.flexlora_aggregate(Bs, As, w, orank), None, orank)
-    add("hetlora", *linalg.hetlora_aggregate(Bs, As, max(ranks), w))
+        Bt, At, _, _ = truncate_release(Bg, Ag, orank, 1.0, Bs[0].dtype)
+        add("flexlora", Bt, At, None, orank)
+    add("hetlora", *hetlora.server_layer(Bs, As, max(ranks)))
     return out
 
 
 def _fedask_full(Bs, As, w, width, seed):
     """FedASK keeping the whole sketch (output rank = width): B A = Q Qᵀ S."""
-    return linalg.fedask_aggregate(Bs, As, w, width, 0, seed)
+    return fedask_layer(Bs, As, w, width, 0, seed)
 
 
 def _rows_from(results: list[dict], K: int, r: int, shared, extra: dict) -> list[dict]:

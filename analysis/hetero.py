@@ -12,18 +12,27 @@ W_k* = W0 + L + E_k (L a shared rank-R_true matrix, E_k a client-specific rank-2
 matrix): loss_k = ½‖(W0 + ΔW)X_k − Y_k‖_F² / N_k, ΔW = B A. A client trains its
 rank-r_k factors with ``steps`` full-batch gradient steps (∂B = G Aᵀ, ∂A = Bᵀ G,
 G = ((W0+ΔW)X_k − Y_k)X_kᵀ/N_k), weights p_k = N_k/ΣN. Global rank R = max r_k.
-Round 0 starts every method from ΔW = 0 with A random, B = 0.
+Round 0 starts every method from ΔW = 0 with A random, B = 0. The LoRA scale is 1.
+
+Every client start and server step is the method's own pure function (one
+implementation; tests/fl/test_method_math.py ties this simulation to the methods):
 
 * flora: clients start at the merged global model with fresh factors (B = 0, A
-  random, rank r_k): init 0; the server stacks (exact) and merges: agg 0.
-* flexlora: client gets the top-r_k SVD factors of the global update (init noise =
-  the Eckart–Young tail sqrt(Σ_{j>r_k} σ_j²), drawn as the closed form); server:
-  exact average then rank-R truncated SVD.
-* hetlora: client gets the first r_k columns/rows of the global factors; server
-  zero-pads and averages B and A with the norm weights.
-* plora: rank-R global as R rank-1 modules; each client trains r_k of them (a
-  seeded random choice each round) and folds the rest into its frozen base (start =
-  global: init 0); the server averages each module over the clients that trained it.
+  random, rank r_k): init 0; the server stacks (exact) and merges
+  (``fl.methods.flora.server_layer``): agg 0.
+* flexlora: client gets the top-r_k SVD factors of the exact global update G
+  (``fl.methods.flexlora.client_start_factors``: a rank with σ_j(G) = 0, e.g. every
+  rank in round 0, gets B = 0 and the initial A row): init noise = the Eckart–Young
+  tail sqrt(Σ_{j>r_k} σ_j(G)²), drawn as the closed form. The server keeps the exact
+  average G (``server_layer``; no rank-R truncation — only the released adapter is
+  truncated): agg 0.
+* hetlora: client gets the first r_k columns/rows of the global factors; the server
+  zero-pads and averages B and A with the norm weights ‖B_kA_k‖_F / Σ_j ‖B_jA_j‖_F
+  (norms only, as the method trains; ``fl.methods.hetlora.server_layer``).
+* plora: rank-R global as R rank-1 modules; each client trains r_k of them (the
+  method's ``select_random`` policy, seeded per round and client) and folds the rest
+  into its frozen base (start = global: init 0); the server averages each module over
+  the clients that trained it (``fl.methods.plora.server_layer``).
 """
 
 from __future__ import annotations
@@ -37,6 +46,11 @@ from analysis import runs as runs_mod
 from analysis.schemas import validate
 from fl import linalg
 from fl.errors import UsageError
+from fl.methods import flexlora as flexlora_m
+from fl.methods import flora as flora_m
+from fl.methods import hetlora as hetlora_m
+from fl.methods import plora as plora_m
+from fl.privacy.rng import derive_seed
 
 NAME = "hetero"
 METHODS = ("flora", "flexlora", "hetlora", "plora")
@@ -96,11 +110,68 @@ def _fro(M):
     return float(torch.linalg.matrix_norm(M))
 
 
+def _split(mods):
+    return [b for b, _ in mods], [a for _, a in mods]
+
+
+def _global_update(method: str, state: dict) -> torch.Tensor:
+    """The global update ΔW (m×n) of a simulation state."""
+    if method == "flora":
+        if state["merged"] is None:
+            return torch.zeros(state["Bg"].shape[0], state["Ag"].shape[1], dtype=state["Bg"].dtype)
+        return state["merged"][0] @ state["merged"][1]
+    return state["Bg"] @ state["Ag"]
+
+
+def _client_start(method: str, state: dict, r: int, select_seed: int, g, rnd: int, k: int):
+    """Client k's start: (base (m×n), B (m×r), A (r×n), idx or None, init closed form),
+    by the method's own client-start function."""
+    Bg, Ag = state["Bg"], state["Ag"]
+    m, n = Bg.shape[0], Ag.shape[1]
+    base = torch.zeros(m, n, dtype=Bg.dtype)
+    idx = None
+    if method == "flora":  # fresh LoRA on the merged base
+        A = torch.randn(r, n, generator=g, dtype=torch.float64) / math.sqrt(n)
+        B = torch.zeros(m, r, dtype=torch.float64)
+        return _global_update(method, state), B, A, None, 0.0
+    if method == "flexlora":
+        B, A = flexlora_m.client_start_factors(Bg, Ag, r, r, state["A0"])
+        s = linalg.factored_svd([Bg], [Ag], None)[1]
+        return base, B, A, None, math.sqrt(float(torch.sum(s[r:] ** 2)))
+    if method == "hetlora":
+        B, A = linalg.hetlora_truncate(Bg, Ag, r)
+        return base, B, A, None, _fro(Bg[:, r:] @ Ag[r:, :])
+    R = Bg.shape[1]
+    idx = plora_m.select_random(R, r, select_seed, rnd, str(k))
+    (Bd, Ad), B, A = plora_m.client_split(Bg, Ag, idx)
+    return Bd @ Ad, B, A, idx, 0.0
+
+
+def _server_step(method: str, state: dict, client_mods: list, p: list[float], R: int) -> dict:
+    """The server step of ``method`` (its own ``server_layer``) on the clients' trained
+    factors ``client_mods`` ((B, A), or (idx, B, A) for plora); returns the new state."""
+    state = dict(state)
+    if method == "flora":
+        state["merged"], _ = flora_m.server_layer(state["merged"], *_split(client_mods), p, 1.0)
+    elif method == "flexlora":
+        state["Bg"], state["Ag"] = flexlora_m.server_layer(*_split(client_mods), p)
+    elif method == "hetlora":
+        state["Bg"], state["Ag"] = hetlora_m.server_layer(*_split(client_mods), R)
+    else:
+        state["Bg"], state["Ag"] = plora_m.server_layer(state["Bg"], state["Ag"], client_mods, p)
+    return state
+
+
 def simulate(
     method: str, m=32, n=32, ranks=(2, 4, 6, 8), rounds=8, steps=10, lr=0.1, samples=64, seed=0
 ) -> list[dict]:
     """One synthetic run of ``method``; returns one row per round
-    {method, round, init_noise, agg_noise, init_noise_closed_form, agg_noise_closed_form, loss}."""
+    {method, round, init_noise, agg_noise, init_noise_closed_form, agg_noise_closed_form, loss}.
+
+    Every client start and server step is the method's own pure function
+    (``fl.methods.<method>``: ``server_layer``, ``client_start_factors``, ``client_split``,
+    ``select_random``), so the figure describes the method as trained
+    (tests/fl/test_method_math.py ties the two)."""
     if method not in METHODS:
         raise UsageError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     P = _Problem(m, n, ranks, samples, seed)
@@ -108,68 +179,28 @@ def simulate(
     K = len(ranks)
     g = torch.Generator().manual_seed(int(seed) + 17)
     A0 = torch.randn(R, n, generator=g, dtype=torch.float64) / math.sqrt(n)
-    Bg, Ag = torch.zeros(m, R, dtype=torch.float64), A0
-    merged = torch.zeros(m, n, dtype=torch.float64)  # FLoRA's merged-into-base update
+    # The global state. flora: the merged update (B_m, A_m) (None before round 0);
+    # flexlora: the exact average G = B_g A_g (round 0: B = 0, A = the initial A, as the
+    # method's init_state); hetlora / plora: the rank-R global factors.
+    state = {"Bg": torch.zeros(m, R, dtype=torch.float64), "Ag": A0, "A0": A0, "merged": None}
     rows = []
     for rnd in range(rounds):
-        Wg = merged + Bg @ Ag  # the global update
+        Wg = _global_update(method, state)
         loss = sum(p * P.loss(k, Wg) for k, p in enumerate(P.p))
         starts, finals, init_cf = [], [], []
         client_mods = []
         for k, r in enumerate(ranks):
-            if method == "flora":
-                A = torch.randn(r, n, generator=g, dtype=torch.float64) / math.sqrt(n)
-                B = torch.zeros(m, r, dtype=torch.float64)
-                base = merged
-                init_cf.append(0.0)
-            elif method == "flexlora":
-                if rnd == 0:  # zero update: take the first r rows of the initial A
-                    B, A = linalg.hetlora_truncate(Bg, Ag, r)
-                    init_cf.append(0.0)
-                else:
-                    B, A = linalg.flexlora_redistribute(Bg, Ag, r)
-                    s = torch.linalg.svdvals(Bg @ Ag)
-                    init_cf.append(math.sqrt(float(torch.sum(s[r:] ** 2))))
-                base = torch.zeros_like(merged)
-            elif method == "hetlora":
-                B, A = linalg.hetlora_truncate(Bg, Ag, r)
-                base = torch.zeros_like(merged)
-                init_cf.append(_fro(Bg[:, r:] @ Ag[r:, :]))
-            else:  # plora
-                idx = torch.randperm(R, generator=g)[:r].sort().values.tolist()
-                (Bd, Ad), B, A = linalg.fold_modules(Bg, Ag, idx)
-                base = Bd @ Ad
-                init_cf.append(0.0)
-            start = base + B @ A
-            starts.append(start)
+            sel = derive_seed(seed, "hetero", rnd, k)
+            base, B, A, idx, cf = _client_start(method, state, r, sel, g, rnd, k)
+            init_cf.append(cf)
+            starts.append(base + B @ A)
             Bt, At = P.train(k, B, A, base, steps, lr)
             finals.append(base + Bt @ At)
-            if method == "plora":
-                client_mods.append((idx, Bt, At))
-            else:
-                client_mods.append((Bt, At))
+            client_mods.append((idx, Bt, At) if method == "plora" else (Bt, At))
         init_noise = sum(_fro(s - Wg) for s in starts) / K
         ideal = sum(p * f for p, f in zip(P.p, finals))
-        if method == "flora":
-            Bs = [b for b, _ in client_mods]
-            As = [a for _, a in client_mods]
-            Bst, Ast = linalg.flora_stack(Bs, As, P.p)
-            merged = merged + Bst @ Ast  # merge into the base, re-init next round
-            Bg = torch.zeros(m, R, dtype=torch.float64)
-            new = merged
-        elif method == "flexlora":
-            Bg, Ag = linalg.flexlora_aggregate(
-                [b for b, _ in client_mods], [a for _, a in client_mods], P.p, R
-            )
-            new = Bg @ Ag
-        elif method == "hetlora":
-            Bg, Ag = linalg.hetlora_aggregate(
-                [b for b, _ in client_mods], [a for _, a in client_mods], R, P.p
-            )
-            new = Bg @ Ag
-        else:
-            Bg, Ag = linalg.plora_aggregate(Bg, Ag, client_mods, P.p)
-            new = Bg @ Ag
+        state = _server_step(method, state, client_mods, P.p, R)
+        new = _global_update(method, state)
         agg = _fro(new - ideal)
         rows.append(
             {
@@ -178,7 +209,7 @@ def simulate(
                 "init_noise": init_noise,
                 "agg_noise": agg,
                 "init_noise_closed_form": sum(init_cf) / K,
-                "agg_noise_closed_form": 0.0 if method == "flora" else None,
+                "agg_noise_closed_form": 0.0 if method in ("flora", "flexlora") else None,
                 "relative_agg_noise": agg / _fro(ideal) if _fro(ideal) > 0 else None,
                 "loss": loss,
                 "source": "synthetic",

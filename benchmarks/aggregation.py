@@ -6,7 +6,7 @@ with independent random factors (float32, CPU), weights 1/K:
 - FedPower / PowerDP (``fl.privacy.powerdp.powerdp``, 2 power iterations, σ = 1,
   C = 1): ``dense=False`` (every projection W̄X = Σ p_k B_k(A_k X), O(K r (m+n) k))
   vs ``dense=True`` (forms W̄ = Σ p_k B_k A_k, m×n, and multiplies by it).
-- FedASK: the two-stage sketch (``fl.linalg.fedask_aggregate``, width r + 2) vs the
+- FedASK: the two-stage sketch (``fl.methods.fedask.fedask_layer``, width r + 2) vs the
   naive ΔW average: dense Σ p_k B_k A_k then a truncated SVD (randomized, on the dense
   matrix; in full mode at <= 1024 also the full SVD truncated, in ``details``).
 - One projection W̄X: powerdp's per-client loop (``linalg.apply_sum``) vs the factors
@@ -74,6 +74,7 @@ def case(
 ) -> dict:
     """One (layer size, K) case: both comparisons, interleaved."""
     from fl import linalg
+    from fl.methods.fedask import fedask_layer
     from fl.privacy.powerdp import powerdp
 
     Bs, As = _factors(size, size, K, RANK, seed=size + K)
@@ -93,7 +94,7 @@ def case(
     power = harness.paired_ratio(t["factored"], t["dense"])  # dense/factored = speed-up
 
     def fedask():
-        linalg.fedask_aggregate(Bs, As, w, RANK, oversketch=2, seed=5)
+        fedask_layer(Bs, As, w, RANK, oversketch=2, seed=5)
         sync()
 
     def naive():

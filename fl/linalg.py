@@ -41,7 +41,6 @@ __all__ = [
     "sketch_basis",
     "project",
     "refactor",
-    "fedask_aggregate",
     "factored_svd",
     "truncated_svd_factors",
     "fedavg_aggregate",
@@ -291,45 +290,6 @@ def refactor(Q: Tensor, Y_tilde: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     return _factors_from_svd(Q @ U, s, Vh, rank, "sqrt")
 
 
-def fedask_aggregate(
-    Bs: Sequence[Tensor],
-    As: Sequence[Tensor],
-    weights: Weights,
-    rank: int,
-    oversketch: int = 0,
-    seed: int = 0,
-) -> tuple[Tensor, Tensor]:
-    """Whole FedASK (arXiv 2507.09990) two-stage pipeline on lists (tests/analysis).
-
-    Stage 1: Ω = gaussian_sketch(n, w = rank + oversketch, seed); Y = Σ p_k B_k(A_k Ω);
-    Q = sketch_basis(Y). Stage 2: Ỹ = Σ p_k A_kᵀ(B_kᵀ Q); (B, A) = refactor(Q, Ỹ, rank).
-    Returns B (m×rank), A (rank×n).
-
-    When is it exact? Let d = rank(S), S = Σ p_k B_k A_k (d <= min(Σ_k r_k, m, n)).
-    Y = S Ω, and for Gaussian Ω range(S Ω) = range(S) almost surely iff the width
-    w = rank + oversketch >= d. Then Q Qᵀ S = S and the result is *exactly* the
-    rank-``rank`` truncated SVD of S (equal to S itself when rank >= d). For w < d
-    it is only the truncated SVD of the projection Q Qᵀ S (the usual randomized-SVD
-    error). Measured (tests/fl/test_linalg.py, float64): with a shared A
-    (FFA/FedASK clients train B only) d <= r and w = r is already exact (rel. error
-    ~1e-15); with K clients of rank r and independent A_k, B_k (m, n >= K r) d = K r,
-    and the error is O(1) at w = K r − 1 and ~1e-15 at w = K r. So the exactness
-    condition is oversketch p >= d − rank, i.e. p >= K r − r for independent
-    clients. The paper's p >= d_B − r + 2 (d_B the rank of the stacked B's) adds the
-    randomized-SVD oversampling of 2, which the exact-arithmetic condition does not
-    need but which helps when S is only approximately low rank.
-    """
-    _check_pairs(Bs, As)
-    w = _weights(weights, len(Bs))
-    width = int(rank) + int(oversketch)
-    B0 = Bs[0]
-    omega = gaussian_sketch(As[0].shape[1], width, seed, dtype=B0.dtype, device=B0.device)
-    Y = weighted_sum([sketch(B, A, omega) for B, A in zip(Bs, As)], w)
-    Q = sketch_basis(Y)
-    Yt = weighted_sum([project(B, A, Q) for B, A in zip(Bs, As)], w)
-    return refactor(Q, Yt, rank)
-
-
 # ------------------------------------------------------------------- truncated SVD
 
 
@@ -489,24 +449,22 @@ def hetlora_truncate(B: Tensor, A: Tensor, r: int) -> tuple[Tensor, Tensor]:
     return B[:, :r].clone(), A[:r, :].clone()
 
 
-def hetlora_weights(Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights = None) -> Tensor:
-    """HETLoRA sparsity weights: w_k ∝ p_k ‖B_k A_k‖_F, normalized to sum 1
-    (uniform when all norms are 0). ``weights=None`` means p_k = 1. Returns a (K,) tensor."""
+def hetlora_weights(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> Tensor:
+    """HETLoRA sparsity weights: w_k = ‖B_k A_k‖_F / Σ_j ‖B_j A_j‖_F (uniform when all
+    norms are 0). Norms only — no data-size factor p_k: these are the weights the method
+    (``fl.methods.hetlora``) trains with. Returns a (K,) tensor."""
     _check_pairs(Bs, As)
-    p = _weights(weights, len(Bs)) if weights is not None else [1.0] * len(Bs)
-    norms = torch.stack([q * factored_fro_norm(B, A) for q, B, A in zip(p, Bs, As)])
+    norms = torch.stack([factored_fro_norm(B, A) for B, A in zip(Bs, As)])
     tot = norms.sum()
     if float(tot) <= 0.0:
         return torch.full_like(norms, 1.0 / len(Bs))
     return norms / tot
 
 
-def hetlora_aggregate(
-    Bs: Sequence[Tensor], As: Sequence[Tensor], R: int, weights: Weights = None
-) -> tuple[Tensor, Tensor]:
+def hetlora_aggregate(Bs: Sequence[Tensor], As: Sequence[Tensor], R: int) -> tuple[Tensor, Tensor]:
     """HETLoRA server: zero-pad each client's rank-r_k factors to R, then average B and A
     separately with the sparsity weights of :func:`hetlora_weights`. Returns B (m×R), A (R×n)."""
-    w = hetlora_weights(Bs, As, weights)
+    w = hetlora_weights(Bs, As)
     padded = [hetlora_pad(B, A, R) for B, A in zip(Bs, As)]
     return weighted_sum([b for b, _ in padded], w), weighted_sum([a for _, a in padded], w)
 

@@ -25,6 +25,7 @@ import torch
 
 from fl import factors as F
 from fl.errors import UsageError
+from fl.privacy import clipping
 from fl.rounds import Replies, RoundInfo  # noqa: F401 - the method contract's types
 
 
@@ -196,7 +197,7 @@ class Method:
         clients per round m (a fixed denominator: with a data-dependent one the
         sensitivity bound C/m would not hold). Add/remove one client changes the sum
         by at most C, so each round is one Gaussian mechanism with noise multiplier σ.
-        Non-finite updates are rejected before clipping.
+        A non-finite update contributes zero and is counted (``fl.privacy.clipping``).
         """
         srv = self.server
         base = F.flatten_state(self.global_state)
@@ -207,17 +208,18 @@ class Method:
             or (k.startswith("factors/") and k.rsplit("/", 1)[-1] in keys)
         ]
         total = {k: torch.zeros_like(base[k], dtype=torch.float32) for k in names}
-        norms = []
+        updates = []
         for cid in replies.senders:
             flat = F.flatten_state(replies.ok[cid]["state"])
-            upd = {k: flat[k].float() - base[k].float() for k in names}
-            norm = math.sqrt(sum(float(u.pow(2).sum()) for u in upd.values()))
-            norms.append(norm)
-            if not math.isfinite(norm):
-                continue  # a NaN/Inf update must not pass as small: it contributes zero
-            factor = min(1.0, srv.clip / (norm + 1e-12))
-            for k in names:
-                total[k] += factor * upd[k]
+            updates.append([flat[k].float() - base[k].float() for k in names])
+        norms = torch.zeros(0, dtype=torch.float64)
+        if updates:
+            # The one client-level clip (fl.privacy.clipping): a NaN/Inf update must not
+            # pass as small — it contributes zero and is counted.
+            clipped, norms, _ = clipping.clip_dense_clients(updates, srv.clip)
+            for upd in clipped:
+                for k, u in zip(names, upd):
+                    total[k] += u
         sigma = srv.noise_multiplier
         gen = srv.noise_generator(rnd, "client-level")
         m = srv.expected_clients_per_round
@@ -226,10 +228,4 @@ class Method:
             noise = srv.noise(tuple(total[k].shape), sigma * srv.clip, gen)
             out[k] = (base[k].float() + (total[k] + noise) / m).to(base[k].dtype)
         srv.record_client_level_release(rnd, stage="aggregate", count=1)
-        finite = [n for n in norms if math.isfinite(n)]
-        stats = {
-            "update_norm_mean": sum(finite) / max(len(finite), 1),
-            "frac_clipped": sum(n > srv.clip for n in finite) / max(len(finite), 1),
-            "nonfinite_updates": len(norms) - len(finite),
-        }
-        return F.unflatten_state(out), stats
+        return F.unflatten_state(out), clipping.stats(norms, srv.clip)

@@ -101,19 +101,38 @@ def server_refactor(
 def fedask_layer(
     Bs: Sequence[torch.Tensor],
     As: Sequence[torch.Tensor],
-    weights: Sequence[float],
+    weights: Sequence[float] | None,
     rank: int,
-    oversketch: int,
-    seed: int,
+    oversketch: int = 0,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's full protocol through the same functions the method uses (for tests
-    and analysis): Ω from ``seed`` (width rank+oversketch), client sketches, server
-    basis, client projections, server refactor. Returns B (m×rank), A (rank×n)."""
+    """One layer's whole FedASK protocol through the same functions the method uses —
+    the ONE implementation that analysis, benchmarks and tests call: Ω from ``seed``
+    (width w = rank + oversketch, :func:`layer_omega`), client sketches, server basis
+    (float64), client projections, server refactor. ``weights=None``: uniform.
+    Returns B (m×rank), A (rank×n) in the inputs' dtype (as the method stores them).
+
+    When is it exact? Let d = rank(S), S = Σ p_k B_k A_k (d <= min(Σ_k r_k, m, n)).
+    Y = S Ω, and for Gaussian Ω range(S Ω) = range(S) almost surely iff w >= d. Then
+    Q Qᵀ S = S and the result is *exactly* the rank-``rank`` truncated SVD of S (S
+    itself when rank >= d); for w < d it is the truncated SVD of the projection Q Qᵀ S
+    (the usual randomized-SVD error). Measured (tests/fl/test_linalg.py, float64): with
+    a shared A (FFA/FedASK-DP clients train B only) d <= r and w = r is already exact
+    (~1e-15); with K clients of rank r and independent A_k, B_k (m, n >= K r) d = K r,
+    and the error is O(1) at w = K r − 1 and ~1e-15 at w = K r. So exactness needs
+    p >= d − rank (p >= K r − r for independent clients); the paper's p >= d_B − r + 2
+    adds the randomized-SVD oversampling of 2, which helps when S is only
+    approximately low rank.
+    """
+    L._check_pairs(Bs, As)
+    if weights is None:
+        weights = [1.0] * len(Bs)
+    dt = Bs[0].dtype
     n = As[0].shape[1]
     om = layer_omega(seed, n, rank + oversketch, dtype=As[0].dtype, device=As[0].device)
-    Q = server_basis([client_sketch(B, A, om) for B, A in zip(Bs, As)], weights)
-    Q = Q.to(Bs[0].dtype)
-    return server_refactor(Q, [client_project(B, A, Q) for B, A in zip(Bs, As)], weights, rank)
+    Q = server_basis([client_sketch(B, A, om) for B, A in zip(Bs, As)], weights).to(dt)
+    B, A = server_refactor(Q, [client_project(B, A, Q) for B, A in zip(Bs, As)], weights, rank)
+    return B.to(dt), A.to(dt)
 
 
 def _normalize(weights: Sequence[float]) -> list[float]:

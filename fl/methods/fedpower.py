@@ -52,6 +52,7 @@ from fl import linalg
 from fl.errors import UsageError
 from fl.methods.base import Method, Options
 from fl.methods.registry import register
+from fl.privacy import clipping
 from fl.privacy import powerdp as P
 
 PERTURBATIONS = ("powerdp", "input", "output", "none")
@@ -135,57 +136,27 @@ def joint_clip(
     clip: float,
 ) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor, torch.Tensor]:
     """Clip each client's update jointly over layers: ‖ΔW_k‖ = sqrt(Σ_ℓ ‖B_k^ℓ A_k^ℓ‖_F²)
-    <= clip, by scaling all of the client's B_k^ℓ by min(1, clip/‖ΔW_k‖) (norms in
-    factored form). A client whose factors or norm are not finite contributes zero
-    (its B's are zeroed): zero is within any sensitivity bound, so this is safe and
-    never lets NaN through as "small". Returns (clipped Bs by layer, norms (K,) with
-    NaN/inf kept for reporting, factors (K,))."""
+    <= clip, by scaling all of the client's B_k^ℓ by min(1, clip/‖ΔW_k‖) — the one
+    client-level clip, :func:`fl.privacy.clipping.clip_factored_clients`. A client
+    whose update is not finite contributes zero (its B's and A's are zeroed in place
+    in ``As_by_layer`` too). Returns (clipped Bs by layer, norms (K,) with NaN/inf
+    kept for reporting, factors (K,))."""
     layers = list(Bs_by_layer)
-    K = len(Bs_by_layer[layers[0]])
-    norms, facs = [], []
-    for k in range(K):
-        sq = 0.0
-        finite = True
-        for ly in layers:
-            B, A = Bs_by_layer[ly][k], As_by_layer[ly][k]
-            if not (bool(torch.isfinite(B).all()) and bool(torch.isfinite(A).all())):
-                finite = False
-                break
-            sq += float(linalg.factored_fro_norm(B, A)) ** 2
-        nrm = math.sqrt(sq) if finite else math.nan
-        norms.append(nrm)
-        if not math.isfinite(nrm):
-            facs.append(0.0)
-        elif math.isinf(clip) or nrm <= clip:
-            facs.append(1.0)
-        else:
-            facs.append(clip / nrm)
-    out = {ly: [Bs_by_layer[ly][k] * facs[k] for k in range(K)] for ly in layers}
-    for ly in layers:  # a zeroed non-finite client: also zero its A (0·NaN = NaN)
-        for k in range(K):
-            if facs[k] == 0.0 and not math.isfinite(norms[k]):
-                out[ly][k] = torch.zeros_like(Bs_by_layer[ly][k])
-                As_by_layer[ly][k] = torch.zeros_like(As_by_layer[ly][k])
-    return out, torch.tensor(norms, dtype=torch.float64), torch.tensor(facs, dtype=torch.float64)
+    clipped, norms, facs = clipping.clip_factored_clients(
+        [(Bs_by_layer[ly], As_by_layer[ly]) for ly in layers], clip
+    )
+    for ly, (_, As) in zip(layers, clipped):
+        As_by_layer[ly][:] = As
+    return {ly: Bs for ly, (Bs, _) in zip(layers, clipped)}, norms, facs
 
 
 def _clip_head(updates: list[dict], clip: float) -> tuple[list[dict], list[float]]:
-    """Clip each client's head update (all head params jointly) to ℓ2 norm ``clip``;
-    non-finite updates become zero."""
-    out, norms = [], []
-    for u in updates:
-        sq = sum(float(t.double().pow(2).sum()) for t in u.values())
-        nrm = math.sqrt(sq) if math.isfinite(sq) else math.nan
-        norms.append(nrm)
-        if not math.isfinite(nrm):
-            f = 0.0
-            u = {k: torch.zeros_like(t) for k, t in u.items()}
-        elif math.isinf(clip) or nrm <= clip:
-            f = 1.0
-        else:
-            f = clip / nrm
-        out.append({k: t * f for k, t in u.items()})
-    return out, norms
+    """Clip each client's head update (all head params jointly) to ℓ2 norm ``clip``
+    (:func:`fl.privacy.clipping.clip_dense_clients`; non-finite updates become zero)."""
+    keys = [list(u) for u in updates]
+    clipped, norms, _ = clipping.clip_dense_clients([list(u.values()) for u in updates], clip)
+    out = [dict(zip(k, ts)) for k, ts in zip(keys, clipped)]
+    return out, [float(x) for x in norms]
 
 
 def subspace_error(
@@ -415,15 +386,11 @@ class FedPower(Method):
             srv.record_client_level_release(rnd, stage="aggregate", count=1)
         self.global_state = {"factors": res.factors, "head": res.head}
         errs = [v for v in res.subspace_error.values() if v == v]
-        finite = [float(x) for x in res.norms if math.isfinite(float(x))]
-        clip = self.clip()
         metrics.update(
             {
                 "subspace_error": sum(errs) / len(errs) if errs else None,
                 "subspace_error_max": max(errs) if errs else None,
-                "frac_clipped": sum(x > clip for x in finite) / max(len(res.norms), 1),
-                "update_norm_mean": sum(finite) / len(finite) if finite else None,
-                "nonfinite_updates": len(res.norms) - len(finite),
+                **clipping.stats(res.norms, self.clip()),
                 "releases_per_round": self.round_releases() if client_level else 0,
                 "release_noise_multiplier": sigma_rel,
                 "server_seconds": server_seconds,

@@ -62,6 +62,19 @@ def client_start_factors(
     return Bf, Af
 
 
+def server_layer(
+    Bs: list[torch.Tensor], As: list[torch.Tensor], weights
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexLoRA's server step on one layer (pure; the method and ``analysis.hetero``
+    call it): the exact average G = Σ p_k B_k A_k, kept in factored float64 form
+    (:func:`fl.linalg.flora_stack`, re-factored exactly at min(m, n) when wider). It is
+    NOT truncated to rank R: clients start from the top-r_k factors of this exact G
+    (:func:`client_start_factors`); only the released adapter is the rank-R truncation."""
+    Bs = [B.double() for B in Bs]
+    As = [A.double() for A in As]
+    return compress_exact(*flora_stack(Bs, As, weights))
+
+
 @dataclass
 class FlexLoRAOptions(Options):
     pass
@@ -111,9 +124,9 @@ class FlexLoRA(Method):
         ns = [float(replies.ok[c]["n"]) for c in cids]
         ps = [x / sum(ns) for x in ns]
         for m in self.stack:
-            Bs = [replies.ok[c]["factors"][m]["B"].double() for c in cids]
-            As = [replies.ok[c]["factors"][m]["A"].double() for c in cids]
-            self.stack[m] = compress_exact(*flora_stack(Bs, As, ps))
+            Bs = [replies.ok[c]["factors"][m]["B"] for c in cids]
+            As = [replies.ok[c]["factors"][m]["A"] for c in cids]
+            self.stack[m] = server_layer(Bs, As, ps)
         head = head_average([replies.ok[c]["head"] for c in cids], ns)
         factors, tail, total = {}, 0.0, 0.0
         for m, ab in self.global_state["factors"].items():

@@ -110,6 +110,28 @@ def compress_exact(Bm: torch.Tensor, Am: torch.Tensor) -> tuple[torch.Tensor, to
     return truncated_svd_factors([Bm], [Am], None, cap, split="sqrt")
 
 
+def server_layer(
+    merged: tuple[torch.Tensor, torch.Tensor] | None,
+    Bs: list[torch.Tensor],
+    As: list[torch.Tensor],
+    weights,
+    s: float,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """FLoRA's server step on one layer (pure; the method and ``analysis.hetero`` call
+    it): stack the clients' factors, B = [p_1 B_1 .. p_K B_K], A = [A_1; ..; A_K]
+    (:func:`fl.linalg.flora_stack`, B A = Σ p_k B_k A_k exactly), and merge s·B A into
+    the merged update D = B_m A_m (``merged`` = (B_m, A_m), or None before the first
+    round), re-factored exactly when wider than min(m, n) (:func:`compress_exact`).
+    Returns ((B_m', A_m'), (B, A)): the new merged update and the round's stack."""
+    B, A = flora_stack(Bs, As, weights)
+    if merged is not None:
+        Bm, Am = merged
+        Bm, Am = torch.cat([Bm, s * B], dim=1), torch.cat([Am, A], dim=0)
+    else:
+        Bm, Am = s * B, A
+    return compress_exact(Bm, Am), (B, A)
+
+
 @dataclass
 class FLoRAOptions(Options):
     eval_merged: bool = field(
@@ -153,14 +175,8 @@ class FLoRA(Method):
         for mod in self.global_state["factors"]:
             Bs = [replies.ok[c]["factors"][mod]["B"].double() for c in cids]
             As = [replies.ok[c]["factors"][mod]["A"].double() for c in cids]
-            B, A = flora_stack(Bs, As, ps)
+            self.merged[mod], (B, A) = server_layer(self.merged.get(mod), Bs, As, ps, s)
             round_stack[mod] = {"B": B, "A": A}
-            if mod in self.merged:
-                Bm, Am = self.merged[mod]
-                Bm, Am = torch.cat([Bm, s * B], dim=1), torch.cat([Am, A], dim=0)
-            else:
-                Bm, Am = s * B, A
-            self.merged[mod] = compress_exact(Bm, Am)
         self.global_state["head"] = head_average([replies.ok[c]["head"] for c in cids], ns)
         self._refresh_release()
         metrics = {

@@ -30,12 +30,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from fl.errors import UsageError
 from fl.linalg import factored_fro_norm, hetlora_aggregate, hetlora_pad, hetlora_truncate
 from fl.methods.base import Method, Options, RoundInfo
 from fl.methods.plora import client_rank, head_average, mean, rank_mask
 from fl.methods.registry import register
 from fl.noise import agg_noise, state_distance
+
+
+def server_layer(
+    Bs: list[torch.Tensor], As: list[torch.Tensor], R: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HETLoRA's server step on one layer (pure; the method and ``analysis.hetero``
+    call it): zero-pad each client's rank-r_k factors to R and average B and A
+    separately with the sparsity weights w_k = ‖B_k A_k‖_F / Σ_j ‖B_j A_j‖_F — norms
+    only, no data-size factor (:func:`fl.linalg.hetlora_aggregate`). Returns B (m×R),
+    A (R×n)."""
+    return hetlora_aggregate(Bs, As, R)
 
 
 def truncated_start(glob: dict, r: int) -> dict:
@@ -106,7 +119,7 @@ class HetLoRA(Method):
         for m in self.global_state["factors"]:
             Bs = [replies.ok[c]["factors"][m]["B"] for c in cids]
             As = [replies.ok[c]["factors"][m]["A"] for c in cids]
-            B, A = hetlora_aggregate(Bs, As, R)
+            B, A = server_layer(Bs, As, R)
             factors[m] = {"A": A, "B": B}
             for c, Bk, Ak in zip(cids, Bs, As):
                 Bp, Ap = hetlora_pad(Bk, Ak, R)

@@ -117,6 +117,26 @@ def select_roundrobin(R: int, r: int, seed: int, round_index: int, cid: str) -> 
     return sorted({(off + round_index * r + t) % R for t in range(r)})
 
 
+# ------------------------------------------------------------------ pure steps
+
+
+def client_split(B: torch.Tensor, A: torch.Tensor, idx: list[int]):
+    """A client's view of one layer for its selected modules ``idx``: (fold (B_f, A_f),
+    B_sel (m×r), A_sel (r×n)) with B_sel A_sel + B_f A_f = B A
+    (:func:`fl.linalg.fold_modules`)."""
+    return fold_modules(B, A, idx)
+
+
+def server_layer(
+    Bg: torch.Tensor, Ag: torch.Tensor, client_modules: list[tuple], weights
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fed-PLoRA's server step on one layer (pure; the method and ``analysis.hetero``
+    call it): average each rank-1 module over the clients that trained it, weights
+    ∝ ``weights`` renormalized among them; untrained modules keep their value
+    (:func:`fl.linalg.plora_aggregate`). ``client_modules[k] = (idx_k, B_sel_k, A_sel_k)``."""
+    return plora_aggregate(Bg, Ag, client_modules, weights)
+
+
 # ------------------------------------------------------------------ the method
 
 
@@ -161,7 +181,7 @@ class PLoRA(Method):
                  replies.ok[c]["modules"][mod]["A"])
                 for c in cids
             ]  # fmt: skip
-            B, A = plora_aggregate(ab["B"], ab["A"], mods, ns)
+            B, A = server_layer(ab["B"], ab["A"], mods, ns)
             new["factors"][mod] = {"A": A, "B": B}
         for c in cids:
             trained[replies.ok[c]["idx"].long()] = True
@@ -202,7 +222,7 @@ class PLoRA(Method):
         # start state from the fold representation so init_noise measures what it runs.
         start = {"factors": {}, "head": glob["head"]}
         for mod, ab in glob["factors"].items():
-            (Bf, Af), Bk, Ak = fold_modules(ab["B"], ab["A"], idx)
+            (Bf, Af), Bk, Ak = client_split(ab["B"], ab["A"], idx)
             B, A = unfold_modules(Bk, Ak, idx, Bf, Af)
             start["factors"][mod] = {"A": A, "B": B}
         return start, idx

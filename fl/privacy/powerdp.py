@@ -64,14 +64,15 @@ from collections.abc import Sequence
 import torch
 
 from fl import linalg
+from fl.privacy import clipping
 from fl.privacy.accounting import calibrate_noise, epsilon
 from fl.privacy.rng import draw_normal
 
 Tensor = torch.Tensor
 
 __all__ = [
-    "NonFiniteUpdateError",
     "clip_factored",
+    "clip_scales",
     "clip_clients",
     "projection_sensitivity",
     "releases_per_round",
@@ -88,76 +89,43 @@ __all__ = [
 ]
 
 
-class NonFiniteUpdateError(ValueError):
-    """A client update whose factors or norm are NaN/Inf: reject it, never clip it."""
-
-
 # ---------------------------------------------------------------------------- clipping
+# One implementation and one non-finite policy for every client-level clip:
+# fl.privacy.clipping (a non-finite update contributes zero, is counted, never raises).
 
 
 def clip_factored(B: Tensor, A: Tensor, C: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Scale the update so that ‖B A‖_F <= C (the norm via ``linalg.factored_fro_norm``).
+    """Scale the update so that ‖B A‖_F <= C (:mod:`fl.privacy.clipping` on one client).
 
     Returns (B', A', norm, factor) with B' = factor·B, A' = A (only B is scaled, so an
-    orthonormal A stays orthonormal), norm = ‖B A‖_F before clipping (0-dim tensor)
-    and factor = min(1, C / norm) (0-dim tensor). If the update is s·B A with LoRA
-    scale s, pass s·B. ``C = inf`` disables clipping.
-
-    Raises NonFiniteUpdateError (a ValueError) if any factor entry is NaN/Inf or the
-    norm is not finite (e.g. overflow): a NaN norm would otherwise compare as "not
-    larger than C" and pass unclipped.
+    orthonormal A stays orthonormal), norm = ‖B A‖_F before clipping (0-dim float64
+    tensor, NaN/inf kept) and factor = min(1, C / norm) (0-dim tensor). If the update
+    is s·B A with LoRA scale s, pass s·B. ``C = inf`` disables clipping. A non-finite
+    update (NaN/Inf entries or norm) gets factor 0 and B' = A' = 0 (it contributes
+    zero; see the policy in :mod:`fl.privacy.clipping`).
     """
-    if not (isinstance(C, int | float) and not math.isnan(C) and C > 0):
-        raise ValueError(f"clipping bound must be > 0, got {C!r}")
-    norm = linalg.factored_fro_norm(B, A)
-    # Every entry of B and A enters a diagonal term (BᵀB)_ii (AAᵀ)_ii of the norm, so a
-    # NaN/Inf entry makes the norm NaN/Inf (clamp keeps NaN): one scalar check covers
-    # the entries; the full scans run only to name the problem.
-    if not bool(torch.isfinite(norm)):
-        if not (bool(torch.isfinite(B).all()) and bool(torch.isfinite(A).all())):
-            raise NonFiniteUpdateError("client update has non-finite factor entries")
-        raise NonFiniteUpdateError(f"client update norm is not finite ({float(norm)})")
-    if math.isinf(C) or float(norm) <= C:
-        factor = torch.ones_like(norm)
-    else:
-        factor = C / norm
-    return B * factor, A, norm, factor
+    [(Bc, Ac)], norms, f = clipping.clip_factored_clients([([B], [A])], C)
+    return Bc[0], Ac[0], norms[0], f[0]
 
 
 def clip_scales(Bs: Sequence[Tensor], As: Sequence[Tensor], C: float) -> Tensor:
-    """The clip factors min(1, C/‖B_k A_k‖_F) of all clients, a (K,) tensor, without
-    scaling any factor; the same checks and errors as :func:`clip_factored`. Clients of
-    one shape share batched Gram products, and one host sync checks every norm."""
+    """The clip factors of all clients, a (K,) float64 tensor (0 for a non-finite
+    update), without scaling any factor (:func:`fl.privacy.clipping.clip_factors`)."""
     if len(Bs) != len(As) or not Bs:
         raise ValueError("need equal, non-empty lists of B and A factors")
-    if not (isinstance(C, int | float) and not math.isnan(C) and C > 0):
-        raise ValueError(f"clipping bound must be > 0, got {C!r}")
-    if len({(tuple(B.shape), tuple(A.shape)) for B, A in zip(Bs, As)}) == 1:
-        if Bs[0].shape[1] != As[0].shape[0]:
-            raise ValueError(f"B is {tuple(Bs[0].shape)} but A is {tuple(As[0].shape)}")
-        Bst, Ast = torch.stack(list(Bs)), torch.stack(list(As))
-        sq = torch.sum((Bst.mT @ Bst) * (Ast @ Ast.mT), dim=(1, 2))
-        norms = torch.sqrt(torch.clamp(sq, min=0.0))
-    else:
-        norms = torch.stack([linalg.factored_fro_norm(B, A) for B, A in zip(Bs, As)])
-    if not bool(torch.isfinite(norms).all()):
-        k = int((~torch.isfinite(norms)).nonzero()[0, 0])
-        if not (bool(torch.isfinite(Bs[k]).all()) and bool(torch.isfinite(As[k]).all())):
-            raise NonFiniteUpdateError("client update has non-finite factor entries")
-        raise NonFiniteUpdateError(f"client update norm is not finite ({float(norms[k])})")
-    if math.isinf(C):
-        return torch.ones_like(norms)
-    return torch.clamp(C / norms, max=1.0)  # a zero norm gives inf, clamped to 1
+    clipping.check_bound(C)
+    return clipping.clip_factors(clipping.factored_norms([(Bs, As)]), C)
 
 
 def clip_clients(
     Bs: Sequence[Tensor], As: Sequence[Tensor], C: float
 ) -> tuple[list[Tensor], list[Tensor], Tensor]:
-    """:func:`clip_factored` on every client; returns (Bs', As', norms (K,))."""
+    """Clip every client (:func:`fl.privacy.clipping.clip_factored_clients`, one layer);
+    returns (Bs', As', norms (K,)); a non-finite client's factors are zeros."""
     if len(Bs) != len(As) or not Bs:
         raise ValueError("need equal, non-empty lists of B and A factors")
-    out = [clip_factored(B, A, C) for B, A in zip(Bs, As)]
-    return [o[0] for o in out], [o[1] for o in out], torch.stack([o[2] for o in out])
+    [(Bc, Ac)], norms, _ = clipping.clip_factored_clients([(Bs, As)], C)
+    return Bc, Ac, norms
 
 
 # ------------------------------------------------------------------------- sensitivity
@@ -310,10 +278,15 @@ def powerdp(
         raise ValueError(
             f"need rank > 0, iters >= 0, oversample >= 0; got {rank}, {iters}, {oversample}"
         )
-    scales = clip_scales(Bs, As, clip)
+    scales = clip_scales(Bs, As, clip).to(dtype=Bs[0].dtype, device=Bs[0].device)
     w = linalg._weights(weights, len(Bs))
     sens = projection_sensitivity(clip, _weight_bound(w, weight_bound))
     std = noise_multiplier * sens if noise_multiplier > 0 else 0.0
+    # A non-finite client contributes zero (fl.privacy.clipping): its factors become
+    # zeros, since a zero weight alone would still spread 0·NaN = NaN.
+    dead = [float(f) == 0.0 for f in scales.unbind()]
+    Bs = [torch.zeros_like(B) if d else B for B, d in zip(Bs, dead)]
+    As = [torch.zeros_like(A) if d else A for A, d in zip(As, dead)]
     Bc, Ac = list(Bs), list(As)
     W = linalg.dense_sum([B * f for B, f in zip(Bs, scales.unbind())], Ac, w) if dense else None
     n = Ac[0].shape[1]

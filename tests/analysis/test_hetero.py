@@ -30,7 +30,10 @@ def test_init_noise_matches_closed_form(rows):
             assert r["init_noise"] == pytest.approx(
                 r["init_noise_closed_form"], rel=1e-9, abs=1e-12
             )
-        assert all(r["agg_noise"] > 1e-6 for r in rows[meth])
+    # the methods as trained: FlexLoRA's server keeps the exact average (agg 0),
+    # HETLoRA's separate B/A averaging with norm weights is inexact
+    assert all(r["agg_noise"] < 1e-12 for r in rows["flexlora"])
+    assert all(r["agg_noise"] > 1e-6 for r in rows["hetlora"])
 
 
 def test_loss_decreases(rows):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fl import linalg as L
+from fl.methods.fedask import fedask_layer
 
 DT = torch.float64
 
@@ -194,7 +195,7 @@ def test_gaussian_sketch_deterministic_any_dtype():
 
 def test_fedask_exact_with_shared_A():
     Bs, As, w = clients(shared_A=True, r=3)
-    B, A = L.fedask_aggregate(Bs, As, w, rank=3, oversketch=0, seed=1)
+    B, A = fedask_layer(Bs, As, w, rank=3, oversketch=0, seed=1)
     assert float(L.aggregation_error(B, A, Bs, As, w)) < 1e-10
     Y = L.weighted_sum([L.sketch(b, a, L.gaussian_sketch(30, 3, 1, DT)) for b, a in zip(Bs, As)], w)
     Q = L.sketch_basis(Y)
@@ -214,14 +215,14 @@ def test_fedask_exactness_width_independent_A(K, r):
     best_r = U[:, :r] * s[:r] @ Vh[:r]
 
     def err_vs_tsvd(width, rank):
-        B, A = L.fedask_aggregate(Bs, As, w, rank=rank, oversketch=width - rank, seed=5)
+        B, A = fedask_layer(Bs, As, w, rank=rank, oversketch=width - rank, seed=5)
         ref = U[:, :rank] * s[:rank] @ Vh[:rank]
         return rel(B @ A, ref)
 
     assert err_vs_tsvd(r, r) > 1e-3  # width r: far from exact
     assert err_vs_tsvd(d - 1, r) > 1e-4  # one short: still inexact
     assert err_vs_tsvd(d, r) < 1e-10  # width = rank(S): rank-r truncated SVD exactly
-    B, A = L.fedask_aggregate(Bs, As, w, rank=d, oversketch=0, seed=5)
+    B, A = fedask_layer(Bs, As, w, rank=d, oversketch=0, seed=5)
     assert float(L.aggregation_error(B, A, Bs, As, w)) < 1e-10  # rank = width = d: S itself
     assert (
         rel(
