@@ -1,6 +1,6 @@
 """Benchmark 3: engine overhead — a federated run vs its clients' pure local training.
 
-``fl.engine.train`` runs a small federated job while ``LocalTrainer.train`` (the
+``fl.engine.train`` runs a small federated job while ``LocalTrainer.run`` (the
 clients' local training), ``LocalTrainer.evaluate``, ``Engine._save_checkpoint``,
 ``Engine.setup`` and ``Engine._finish`` are timed by wrappers installed for the
 duration of the run (and removed after). Both sides are parts of ONE run, so the
@@ -46,7 +46,7 @@ def instrument():
 
     acc: dict[str, list[float]] = {}
     targets = {
-        "local_train": (E.LocalTrainer, "train"),
+        "local_train": (E.LocalTrainer, "run"),
         "evaluate": (E.LocalTrainer, "evaluate"),
         "checkpoint": (E.Engine, "_save_checkpoint"),
         "setup": (E.Engine, "setup"),
@@ -155,7 +155,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
             f"{cfg.test} test examples evaluated every round, checkpoints every round; "
             f"{reps} run(s)"
         ),
-        baseline="Σ of the clients' LocalTrainer.train time inside the same run",
+        baseline="Σ of the clients' LocalTrainer.run time inside the same run",
         candidate="wall time of the run minus one-off set-up (model load, tokenization)",
         ratio=ratio,
         ratio_kind="time",

@@ -18,7 +18,7 @@ from fl.privacy.accounting import Event
 from fl.privacy.dpsgd import DpSgdParams
 from fl.privacy.rng import derive_seed
 from fl.rounds import RoundInfo
-from fl.trainer import TrainResult
+from fl.trainer import TrainResult, local_step
 from fl.transport import Delivery
 
 
@@ -59,23 +59,25 @@ class ClientContext:
         steps = self.steps()
         opt_state = None if eng.cfg.reset_optimizer else self.state.get("_opt")
         r, cid = self.round.index, self.id
-        result, opt_sd = eng.trainer.train(
+        privatizer, hooks = local_step(
+            dp,
+            eng.rand.stream("dpsgd-noise", r, cid, stage),
+            prox_mu=prox_mu,
+            correction=correction,
+            grad_transform=grad_transform,
+            grad_mask=grad_mask,
+        )
+        result, opt_sd = eng.trainer.run(
             start,
             eng.members_data,
             self.positions,
             steps,
             set(trainable),
-            dp,
-            streams=(
-                eng.rand.stream("dpsgd-noise", r, cid, stage),
-                eng.rand.stream("poisson-batches", r, cid, stage),
-            ),
+            privatizer,
+            hooks,
+            eng.rand.stream("poisson-batches", r, cid, stage),
             dropout_seed=derive_seed(eng.cfg.seed, "round", r, "client", cid, stage, "dropout"),
-            prox_mu=prox_mu,
-            correction=correction,
             opt_state=opt_state,
-            grad_transform=grad_transform,
-            grad_mask=grad_mask,
         )
         if not eng.cfg.reset_optimizer:
             self.state["_opt"] = opt_sd

@@ -1,6 +1,12 @@
 """Local training on the shared model: one peft model (and its Opacus per-sample-gradient
 wrapper) that every client loads its state into, trains with (DP-)SGD, and reads back.
 
+Each local step is: backward, a *privatizer* (:class:`DpSgd`: flat clipping + noise,
+:mod:`fl.privacy.dpsgd`; :class:`SpaceDpSgd`: a method's own space, e.g. FedASK's
+W-space, :mod:`fl.privacy.wspace`; or :class:`NoPrivacy`), then the *post-privacy hooks*
+(:class:`GradMask`, :class:`Prox`, :class:`Correction`) in order, then the optimizer
+step. :func:`local_step` builds them from the arguments of ``ClientContext.train``.
+
 The Poisson batches and the DP-SGD noise come from the run's secret streams, handed in
 by the caller (:class:`fl.contexts.ClientContext`); see :mod:`fl.engine`.
 """
@@ -40,6 +46,191 @@ class TrainResult:
     steps: int
     examples: int
     dp_stats: dict = field(default_factory=dict)
+
+
+# ---- the local step: privatizer, then post-privacy hooks ----------------------------
+#
+# After each backward pass: hook.pre (on the raw per-sample gradients), the privatizer
+# (sets every trainable parameter's released ``.grad``), hook.post in list order
+# (post-processing of the released gradient: data-independent terms and masks), the
+# optimizer step, hook.after_step.
+
+
+class NoPrivacy:
+    """No DP: the plain (mean-reduced) gradient; an empty batch gives a zero gradient."""
+
+    per_sample = False
+
+    def __call__(self, params: list[torch.nn.Parameter], batch_size: int) -> dict | None:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return None
+
+
+@dataclass
+class DpSgd:
+    """Sample-level DP-SGD in the parameters' own space: joint flat clipping and
+    Gaussian noise (:func:`fl.privacy.dpsgd.clip_and_noise`). ``noise``: the secret
+    noise stream."""
+
+    dp: DpSgdParams
+    noise: object
+    per_sample = True
+
+    def __call__(self, params: list[torch.nn.Parameter], batch_size: int) -> dict:
+        if batch_size == 0:
+            for p in params:
+                p.grad_sample = None
+        return clip_and_noise(params, self.dp, self.noise, batch_size)
+
+
+@dataclass
+class SpaceDpSgd:
+    """Sample-level DP-SGD in a method's own space: ``transform(params, dp, noise, b)``
+    (e.g. :class:`fl.privacy.wspace.WSpaceClipper`, FedASK's W-space clipping) sets
+    the released ``.grad`` of every parameter and returns the step's stats."""
+
+    dp: DpSgdParams
+    noise: object
+    transform: object
+    per_sample = True
+
+    def __call__(self, params: list[torch.nn.Parameter], batch_size: int) -> dict:
+        return self.transform(params, self.dp, self.noise, batch_size)
+
+
+class Hook:
+    """A post-privacy hook; every method is optional. ``names``: the flat state keys
+    of ``params`` (``factors/<layer>/<A|B>``, ``head/<name>``)."""
+
+    def start(self, params: list[torch.nn.Parameter], names: list[str]) -> None:
+        """Once, before the first step."""
+
+    def pre(self, params: list[torch.nn.Parameter]) -> None:
+        """After backward, before the privatizer."""
+
+    def post(self, params: list[torch.nn.Parameter]) -> None:
+        """After the privatizer (on the released ``.grad``)."""
+
+    def after_step(self, params: list[torch.nn.Parameter]) -> None:
+        """After the optimizer step."""
+
+
+class GradMask(Hook):
+    """Freeze the coordinates where ``mask`` (flat state key → 0/1 tensor of the
+    parameter's shape) is 0: they are excluded from the per-sample norm (``pre``: so
+    they cost no clipping budget), their released gradient is zeroed (``post``:
+    post-processing) and, since AdamW's decoupled weight decay ignores gradients,
+    they are restored after every optimizer step."""
+
+    def __init__(self, mask: dict[str, torch.Tensor]):
+        self.mask = mask
+        self.masks: list[torch.Tensor | None] = []
+        self.frozen: list[torch.Tensor] = []
+
+    def start(self, params, names):
+        self.masks = [
+            None if (mk := self.mask.get(nm)) is None else mk.to(p.device, p.dtype)
+            for p, nm in zip(params, names)
+        ]
+        self.frozen = [p.detach().clone() for p in params]
+
+    def pre(self, params):
+        for p, mk in zip(params, self.masks):
+            if mk is None:
+                continue
+            if getattr(p, "grad_sample", None) is not None:
+                p.grad_sample = p.grad_sample * mk
+            if p.grad is not None:
+                p.grad.mul_(mk)
+
+    def post(self, params):
+        for p, mk in zip(params, self.masks):
+            if mk is not None and p.grad is not None:
+                p.grad.mul_(mk)
+
+    @torch.no_grad()
+    def after_step(self, params):
+        for p, mk, p0 in zip(params, self.masks, self.frozen):
+            if mk is not None:
+                p.copy_(mk * p + (1 - mk) * p0)
+
+    def again(self) -> Hook:
+        """A hook that only re-applies the mask to the gradient (after data-independent
+        terms such as FedProx's or SCAFFOLD's, which would move frozen coordinates)."""
+        outer = self
+
+        class _Remask(Hook):
+            def post(self, params):
+                for p, mk in zip(params, outer.masks):
+                    if mk is not None:
+                        p.grad.mul_(mk)
+
+        return _Remask()
+
+
+class Prox(Hook):
+    """FedProx: add μ(θ − θ_start), the gradient of μ/2‖θ − θ_start‖² (data-independent,
+    so added after privatization)."""
+
+    def __init__(self, mu: float):
+        self.mu = mu
+        self.start_vals: list[torch.Tensor] = []
+
+    def start(self, params, names):
+        self.start_vals = [p.detach().clone() for p in params]
+
+    def post(self, params):
+        for p, p0 in zip(params, self.start_vals):
+            p.grad.add_(p.detach() - p0, alpha=self.mu)
+
+
+class Correction(Hook):
+    """SCAFFOLD: add the control-variate correction c − c_i (flat state key → tensor;
+    keys not trained are ignored), after privatization."""
+
+    def __init__(self, correction: dict[str, torch.Tensor]):
+        self.correction = correction
+        self.names: list[str] = []
+
+    def start(self, params, names):
+        self.names = list(names)
+
+    def post(self, params):
+        for p, nm in zip(params, self.names):
+            if nm in self.correction:
+                p.grad.add_(self.correction[nm].to(p.device, p.dtype))
+
+
+def local_step(
+    dp: DpSgdParams | None,
+    noise,
+    prox_mu: float = 0.0,
+    correction: dict[str, torch.Tensor] | None = None,
+    grad_transform=None,
+    grad_mask: dict[str, torch.Tensor] | None = None,
+) -> tuple[object, list[Hook]]:
+    """(privatizer, hooks) for the arguments of ``ClientContext.train``: DP-SGD (flat,
+    or in ``grad_transform``'s space) or none, then mask, prox, correction, and the mask
+    again when a data-independent term was added."""
+    if dp is None:
+        privatizer = NoPrivacy()
+    elif grad_transform is not None:
+        privatizer = SpaceDpSgd(dp, noise, grad_transform)
+    else:
+        privatizer = DpSgd(dp, noise)
+    hooks: list[Hook] = []
+    mask = GradMask(grad_mask) if grad_mask else None
+    if mask is not None:
+        hooks.append(mask)
+    if prox_mu > 0:
+        hooks.append(Prox(prox_mu))
+    if correction is not None:
+        hooks.append(Correction(correction))
+    if mask is not None and (prox_mu > 0 or correction is not None):
+        hooks.append(mask.again())
+    return privatizer, hooks
 
 
 class LocalTrainer:
@@ -110,20 +301,42 @@ class LocalTrainer:
         grad_transform=None,
         grad_mask: dict[str, torch.Tensor] | None = None,
     ) -> tuple[TrainResult, dict]:
-        """Local training from ``start``. Batches are Poisson-sampled with rate
-        q = batch_size / n in both DP and non-DP modes (so σ=0, C=∞ DP training equals
-        non-DP training); the loss is summed and divided by the expected batch q·n.
+        """:meth:`run` with the privatizer and hooks of :func:`local_step` (the
+        arguments of ``ClientContext.train``). streams: (noise source, batch source)."""
+        noise, batch_src = streams
+        privatizer, hooks = local_step(dp, noise, prox_mu, correction, grad_transform, grad_mask)
+        return self.run(
+            start,
+            data,
+            positions,
+            steps,
+            trainable,
+            privatizer,
+            hooks,
+            batch_src,
+            dropout_seed,
+            opt_state,
+        )
 
-        prox_mu: FedProx term μ/2‖θ − θ_start‖² (its gradient is data-independent and is
-        added after privatization). correction: SCAFFOLD's c − c_i, per flat state key,
-        added after privatization. grad_transform: optional callable(params, dp, gen, b)
-        for methods that privatize in their own space (FedASK W-space clipping).
-        grad_mask: flat state key → 0/1 tensor of the parameter's shape; masked-out
-        coordinates are frozen: excluded from the per-sample norm (so they cost no
-        clipping budget) and their (noisy) gradient is zeroed — post-processing. Used
-        to train a subset of ranks (heterogeneous ranks, Fed-PLoRA module selection).
-        streams: (noise source, batch source): the run's secret streams for this
-        client's DP-SGD noise and Poisson batches. dropout_seed: public.
+    def run(
+        self,
+        start: dict,
+        data: TokenizedData,
+        positions: np.ndarray,
+        steps: int,
+        trainable: set[str],
+        privatizer,
+        hooks: list[Hook],
+        batch_source,
+        dropout_seed: int,
+        opt_state: dict | None = None,
+    ) -> tuple[TrainResult, dict]:
+        """Local training from ``start``: each step backward, ``privatizer``, then
+        ``hooks`` (see :class:`Hook`), then the optimizer step. Batches are
+        Poisson-sampled with rate q = batch_size / n in both DP and non-DP modes (so
+        σ=0, C=∞ DP training equals non-DP training); the loss is summed and divided by
+        the expected batch q·n (by the privatizer in DP mode). batch_source: the run's
+        secret stream for this client's Poisson batches. dropout_seed: public.
         """
         cfg = self.cfg
         F.set_state(self.model, start)
@@ -132,7 +345,6 @@ class LocalTrainer:
         flat_names = self._flat_names(params)
         self.model.train()
         torch.manual_seed(dropout_seed)
-        noise_gen, batch_src = streams
         n = len(positions)
         q = min(1.0, cfg.batch_size / n)
         expected = q * n
@@ -142,18 +354,15 @@ class LocalTrainer:
             opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         if opt_state is not None:
             opt.load_state_dict(opt_state)
-        start_vals = [p.detach().clone() for p in params] if prox_mu > 0 else None
-        # Frozen (masked) coordinates must not move at all — not even by AdamW's
-        # decoupled weight decay, which ignores gradients: they are restored each step.
-        frozen_vals = [p.detach().clone() for p in params] if grad_mask else None
+        for h in hooks:
+            h.start(params, flat_names)
         pos_t = torch.as_tensor(positions, dtype=torch.long)
-        use_hooks = dp is not None
-        if use_hooks:
+        per_sample = privatizer.per_sample
+        if per_sample:
             self.gsm.enable_hooks()
         losses, examples, dp_stats = [], 0, {"mean_norm": [], "frac_clipped": [], "nonfinite": 0}
-        masks = poisson_masks(batch_src, n, q, steps)
         try:
-            for mask in masks:
+            for mask in poisson_masks(batch_source, n, q, steps):
                 idx = pos_t[mask]
                 b = len(idx)
                 examples += b
@@ -161,64 +370,28 @@ class LocalTrainer:
                 if b > 0:
                     batch = data.batch(idx, self.device)
                     labels = batch.pop("labels")
-                    net = self.gsm if use_hooks else self.model
+                    net = self.gsm if per_sample else self.model
                     logits = net(**batch).logits
                     loss = torch.nn.functional.cross_entropy(
                         logits.float(), labels, reduction="sum"
                     )
-                    (loss / (1.0 if use_hooks else expected)).backward()
+                    (loss / (1.0 if per_sample else expected)).backward()
                     losses.append(loss.item() / b)
-                masks = None
-                if grad_mask:
-                    masks = [grad_mask.get(nm) for nm in flat_names]
-                    for p, mk in zip(params, masks):
-                        if mk is None:
-                            continue
-                        mk = mk.to(p.device, p.dtype)
-                        if getattr(p, "grad_sample", None) is not None:
-                            p.grad_sample = p.grad_sample * mk
-                        if p.grad is not None:
-                            p.grad.mul_(mk)
-                if dp is not None:
-                    if grad_transform is not None:
-                        st = grad_transform(params, dp, noise_gen, b)
-                    else:
-                        for p in params:
-                            if b == 0:
-                                p.grad_sample = None
-                        st = clip_and_noise(params, dp, noise_gen, b)
+                for h in hooks:
+                    h.pre(params)
+                st = privatizer(params, b)
+                if st is not None:
                     if b > 0:
                         dp_stats["mean_norm"].append(st["mean_norm"])
                         dp_stats["frac_clipped"].append(st["frac_clipped"])
                     dp_stats["nonfinite"] += st["nonfinite"]
-                else:
-                    for p in params:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                if masks is not None:
-                    for p, mk in zip(params, masks):
-                        if mk is not None and p.grad is not None:
-                            p.grad.mul_(mk.to(p.device, p.dtype))
-                if prox_mu > 0:
-                    for p, p0 in zip(params, start_vals):
-                        p.grad.add_(p.detach() - p0, alpha=prox_mu)
-                if correction is not None:
-                    for p, nm in zip(params, flat_names):
-                        if nm in correction:
-                            p.grad.add_(correction[nm].to(p.device, p.dtype))
-                if masks is not None and (prox_mu > 0 or correction is not None):
-                    for p, mk in zip(params, masks):
-                        if mk is not None:
-                            p.grad.mul_(mk.to(p.device, p.dtype))
+                for h in hooks:
+                    h.post(params)
                 opt.step()
-                if frozen_vals is not None and masks is not None:
-                    with torch.no_grad():
-                        for p, mk, p0 in zip(params, masks, frozen_vals):
-                            if mk is not None:
-                                m = mk.to(p.device, p.dtype)
-                                p.copy_(m * p + (1 - m) * p0)
+                for h in hooks:
+                    h.after_step(params)
         finally:
-            if use_hooks:
+            if per_sample:
                 self.gsm.disable_hooks()
                 for p in params:
                     p.grad_sample = None

@@ -59,6 +59,43 @@ def per_sample_norms(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return sq.sqrt()
 
 
+def clip_factors(norms: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict]:
+    """Per-example clipping factors c_i = min(1, C / ‖g_i‖) from the per-example norms
+    (an example with a non-finite norm gets 0), and the step's stats: mean per-sample
+    norm, fraction clipped, examples dropped as non-finite."""
+    finite = torch.isfinite(norms)
+    factor = torch.where(
+        finite,
+        torch.clamp(clip / (norms + 1e-6), max=1.0),
+        torch.zeros_like(norms),
+    )
+    stats = {
+        "mean_norm": float(norms[finite].mean()) if finite.any() else float("nan"),
+        "frac_clipped": float((norms[finite] > clip).float().mean()) if finite.any() else 0.0,
+        "nonfinite": int((~finite).sum()),
+    }
+    return factor, stats
+
+
+def clipped_sum(p: torch.nn.Parameter, factor: torch.Tensor | None) -> torch.Tensor:
+    """Σ_i c_i g_i of one parameter (non-finite entries of ``grad_sample`` count as 0);
+    zeros when ``factor`` is None (an empty batch)."""
+    if factor is None:
+        return torch.zeros_like(p)
+    gs = p.grad_sample
+    gs = torch.where(torch.isfinite(gs), gs, torch.zeros_like(gs))
+    return torch.einsum("i,i...->...", factor.to(gs.dtype), gs)
+
+
+def set_noisy_grad(
+    p: torch.nn.Parameter, summed: torch.Tensor, noise: torch.Tensor, dp: DpSgdParams
+) -> None:
+    """The released gradient: ``p.grad = (summed + noise) / (q·n)``; clears
+    ``p.grad_sample``."""
+    p.grad = ((summed + noise.to(summed.dtype)) / dp.expected_batch).to(p.dtype)
+    p.grad_sample = None
+
+
 def clip_and_noise(
     params: list[torch.nn.Parameter],
     dp: DpSgdParams,
@@ -72,28 +109,12 @@ def clip_and_noise(
     non-finite.
     """
     stats = {"mean_norm": 0.0, "frac_clipped": 0.0, "nonfinite": 0}
+    factor = None
     if batch_size > 0:
-        norms = per_sample_norms(params)
-        finite = torch.isfinite(norms)
-        factor = torch.where(
-            finite,
-            torch.clamp(dp.clip / (norms + 1e-6), max=1.0),
-            torch.zeros_like(norms),
-        )
-        stats["nonfinite"] = int((~finite).sum())
-        stats["mean_norm"] = float(norms[finite].mean()) if finite.any() else float("nan")
-        stats["frac_clipped"] = (
-            float((norms[finite] > dp.clip).float().mean()) if finite.any() else 0.0
-        )
+        factor, stats = clip_factors(per_sample_norms(params), dp.clip)
     std = dp.noise_multiplier * dp.clip
     for p in params:
-        if batch_size > 0:
-            gs = p.grad_sample
-            gs = torch.where(torch.isfinite(gs), gs, torch.zeros_like(gs))
-            summed = torch.einsum("i,i...->...", factor.to(gs.dtype), gs)
-        else:
-            summed = torch.zeros_like(p)
+        summed = clipped_sum(p, factor)
         noise = gaussian_noise(tuple(p.shape), std, generator, p.dtype, p.device)
-        p.grad = ((summed + noise) / dp.expected_batch).to(p.dtype)
-        p.grad_sample = None
+        set_noisy_grad(p, summed, noise, dp)
     return stats

@@ -52,7 +52,13 @@ from __future__ import annotations
 import torch
 
 from fl import factors as F
-from fl.privacy.dpsgd import DpSgdParams, gaussian_noise
+from fl.privacy.dpsgd import (
+    DpSgdParams,
+    clip_factors,
+    clipped_sum,
+    gaussian_noise,
+    set_noisy_grad,
+)
 
 __all__ = ["wspace_sq_norms", "wspace_sq_norms_reference", "WSpaceClipper"]
 
@@ -235,24 +241,11 @@ class WSpaceClipper:
                 sq = v if sq is None else sq + v
             norms = sq.sqrt()
             self.last_norms = norms.detach().cpu()
-            finite = torch.isfinite(norms)
-            factor = torch.where(
-                finite, torch.clamp(dp.clip / (norms + 1e-6), max=1.0), torch.zeros_like(norms)
-            )
-            stats["nonfinite"] = int((~finite).sum())
-            stats["mean_norm"] = float(norms[finite].mean()) if finite.any() else float("nan")
-            stats["frac_clipped"] = (
-                float((norms[finite] > dp.clip).float().mean()) if finite.any() else 0.0
-            )
+            factor, stats = clip_factors(norms, dp.clip)
         std = dp.noise_multiplier * dp.clip
         self.last_noise = {}
         for p in params:
-            if batch_size > 0:
-                gs = p.grad_sample
-                gs = torch.where(torch.isfinite(gs), gs, torch.zeros_like(gs))
-                summed = torch.einsum("i,i...->...", factor.to(gs.dtype), gs)
-            else:
-                summed = torch.zeros_like(p)
+            summed = clipped_sum(p, factor)
             if id(p) in self._bkey:
                 key = self._bkey[id(p)]
                 A = self.layers[key][2].detach()
@@ -264,6 +257,5 @@ class WSpaceClipper:
                 noise = self.s * (z @ A.float().mT)
             else:
                 noise = gaussian_noise(tuple(p.shape), std, generator, p.dtype, p.device)
-            p.grad = ((summed + noise.to(summed.dtype)) / dp.expected_batch).to(p.dtype)
-            p.grad_sample = None
+            set_noisy_grad(p, summed, noise, dp)
         return stats

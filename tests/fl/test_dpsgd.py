@@ -86,3 +86,24 @@ def test_invalid_params():
         kw.update(bad)
         with pytest.raises(ValueError):
             DpSgdParams(**kw)
+
+
+def test_clip_factors_and_clipped_sum_match_reference():
+    """The shared helpers of clip_and_noise and W-space clipping, example by example."""
+    from fl.privacy.dpsgd import clip_factors, clipped_sum
+
+    norms = torch.tensor([0.5, 2.0, float("nan"), 4.0, float("inf")])
+    factor, st = clip_factors(norms, 1.0)
+    ref = [min(1.0, 1.0 / (float(x) + 1e-6)) if math.isfinite(float(x)) else 0.0 for x in norms]
+    assert torch.allclose(factor, torch.tensor(ref), atol=0, rtol=1e-6)
+    assert st == {
+        "mean_norm": pytest.approx(6.5 / 3),
+        "frac_clipped": pytest.approx(2 / 3),
+        "nonfinite": 2,
+    }
+    gs = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    gs[1, 2] = float("nan")
+    p = _param_with_samples(gs)
+    expect = sum(ref[i] * torch.nan_to_num(gs[i], nan=0.0) for i in range(5))
+    assert torch.allclose(clipped_sum(p, factor), expect, atol=1e-6)
+    assert torch.equal(clipped_sum(p, None), torch.zeros(3))
