@@ -10,12 +10,12 @@ update of a module is ΔW = s·B A.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
+from fl import rundir
 from fl.errors import UsageError
 
 __all__ = [
@@ -33,18 +33,14 @@ def _run_dir(path) -> Path:
     p = Path(path)
     if not p.is_dir():
         raise UsageError(f"run directory {str(p)!r} does not exist")
-    if not (p / "manifest.json").is_file():
-        raise UsageError(f"{str(p)!r} is not a finished run (no manifest.json)")
+    if not (p / rundir.MANIFEST).is_file():
+        raise UsageError(f"{str(p)!r} is not a finished run (no {rundir.MANIFEST})")
     return p
 
 
 def read_manifest(path) -> dict:
     """The run's manifest.json as a dict (UsageError if missing or unreadable)."""
-    p = _run_dir(path) / "manifest.json"
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"cannot read {p}: {exc}") from exc
+    return rundir.read_manifest(path)
 
 
 def run_scaling(path) -> float:
@@ -66,9 +62,9 @@ def load_factors(path, dtype: torch.dtype = torch.float64) -> dict[str, tuple]:
     pairs, or a module has only one of A, B."""
     from safetensors.torch import load_file
 
-    p = _run_dir(path) / "adapter" / "adapter_model.safetensors"
+    p = _run_dir(path) / rundir.ADAPTER / rundir.ADAPTER_WEIGHTS
     if not p.is_file():
-        raise UsageError(f"{path}: no adapter/adapter_model.safetensors")
+        raise UsageError(f"{path}: no {rundir.ADAPTER}/{rundir.ADAPTER_WEIGHTS}")
     tensors = load_file(str(p))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
@@ -88,18 +84,7 @@ def load_factors(path, dtype: torch.dtype = torch.float64) -> dict[str, tuple]:
 
 def read_metrics(path) -> list[dict]:
     """Rows of the run's metrics.jsonl (a torn last line is skipped)."""
-    p = _run_dir(path) / "metrics.jsonl"
-    if not p.is_file():
-        return []
-    rows = []
-    for line in p.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    return rundir.read_metrics(_run_dir(path)) or []
 
 
 def module_update_norm_sq(B: torch.Tensor, A: torch.Tensor, s: float) -> float:

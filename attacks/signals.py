@@ -32,9 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fl import rundir
 from fl.errors import UsageError
+from fl.io import file_sha256
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS = rundir.ADAPTER_WEIGHTS
 _PREFIX = "base_model.model."
 
 
@@ -85,14 +87,6 @@ def signals_from_logits(logits, labels) -> Signals:
 # ---------------------------------------------------------------------------------
 # Hashing and cache
 # ---------------------------------------------------------------------------------
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def data_sha256(texts: list[str], labels) -> str:
     """Hash of the examples (texts and labels, in order)."""
     h = hashlib.sha256()
@@ -334,15 +328,10 @@ def load_run(run_dir: str | Path) -> RunData:
     (ids ``<dataset>:<row>`` → rows via ``TextDataset.ids``); ids touched by audit
     canaries are left out (see below)."""
     from fl.data import load_dataset
-    from fl.io import read_json
 
     d = Path(run_dir)
-    if not d.is_dir():
-        raise UsageError(f"run directory not found: {d}")
-    if not (d / "manifest.json").is_file():
-        raise UsageError(f"{d} has no manifest.json (not a finished run directory)")
-    man = read_json(d / "manifest.json")
-    if isinstance(man, dict) and man.get("visibility") == "public":
+    man = rundir.read_manifest(d)
+    if rundir.is_release(man):
         raise UsageError(
             f"{d} is a release bundle: it carries no member list (the members are in the "
             f"operator's splits.json); attack it with `fedlora attack {d} --members FILE "
@@ -351,9 +340,9 @@ def load_run(run_dir: str | Path) -> RunData:
     cfg = man.get("config")
     if not isinstance(cfg, dict) or "dataset" not in cfg or "model" not in cfg:
         raise UsageError(f"{d}/manifest.json has no usable 'config' block")
-    if not (d / "splits.json").is_file():
+    splits = rundir.read_splits(d)
+    if splits is None:
         raise UsageError(f"{d} has no splits.json (the run's member list); cannot attack it")
-    splits = read_json(d / "splits.json")
     ds = load_dataset(
         cfg["dataset"], cfg.get("text_column", "text"), cfg.get("label_column", "label")
     )
@@ -403,17 +392,17 @@ def load_bundle(bundle_dir: str | Path) -> BundleData:
     from fl.io import read_json
 
     d = Path(bundle_dir)
-    if not (d / "manifest.json").is_file():
+    if not (d / rundir.MANIFEST).is_file():
         raise UsageError(f"{d} has no manifest.json (not a release bundle)")
-    man = read_json(d / "manifest.json")
-    if not isinstance(man, dict) or man.get("visibility") != "public":
+    man = read_json(d / rundir.MANIFEST)
+    if not rundir.is_release(man):
         raise UsageError(f"{d} is not a release bundle (its manifest is not the public one)")
     cfg = man.get("config")
     if not isinstance(cfg, dict) or "model" not in cfg:
         raise UsageError(f"{d}/manifest.json has no usable 'config' block")
-    read_adapter_config(d / "adapter")
+    read_adapter_config(d / rundir.ADAPTER)
     n = (man.get("data") or {}).get("num_classes")
-    return BundleData(d, d / "adapter", cfg, n if isinstance(n, int) else None, man)
+    return BundleData(d, d / rundir.ADAPTER, cfg, n if isinstance(n, int) else None, man)
 
 
 def run_signals(

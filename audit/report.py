@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 import platform
 import shlex
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fl import rundir
 from fl.config import TrainConfig
 from fl.errors import UsageError
 from fl.io import atomic_write_text, read_json
@@ -89,9 +89,9 @@ def train_command(config: dict, out: str) -> str:
 
 
 def _run_summary(run_dir: Path) -> dict:
-    m = read_json(run_dir / "manifest.json")
+    m = rundir.read_manifest(run_dir)
     priv = m.get("privacy", {})
-    bundle = m.get("visibility") == "public"
+    bundle = rundir.is_release(m)
     row = {
         "run": run_dir.name,
         "path": str(run_dir),
@@ -120,15 +120,7 @@ def _run_summary(run_dir: Path) -> dict:
         row["audit"] = None
     except UsageError as exc:
         row["audit"] = {"error": str(exc)}
-    metrics = []
-    mp = run_dir / "metrics.jsonl"
-    if mp.exists():
-        for line in mp.read_text(encoding="utf-8").splitlines():
-            try:
-                metrics.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    row["metrics"] = metrics
+    row["metrics"] = rundir.read_metrics(run_dir) or []
     att = run_dir / "attacks" / "attacks.json"
     row["attacks"] = read_json(att) if att.exists() else None
     scores = run_dir / "attacks" / "scores.npz"
@@ -249,7 +241,7 @@ def build_report(
     rows = []
     for d in run_dirs:
         p = Path(d)
-        if not (p / "manifest.json").is_file():
+        if not (p / rundir.MANIFEST).is_file():
             raise UsageError(
                 f"{p} is not a finished run directory or release bundle (no manifest.json)"
             )

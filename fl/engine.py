@@ -23,7 +23,6 @@ poisson_masks), :mod:`fl.contexts` (ClientContext, ServerContext, InProcessTrans
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -46,10 +45,8 @@ from fl.config import TrainConfig
 from fl.contexts import ClientContext, InProcessTransport, ServerContext
 from fl.data import load_dataset, partition, split_dataset
 from fl.errors import UsageError
-from fl.io import RunLock, atomic_write_json, atomic_write_text, read_json
+from fl.io import RunLock, atomic_write_json, read_json
 from fl.manifest import (  # noqa: F401 (re-exported)
-    SCHEMA_VERSION,
-    _jsonable,
     _mechanism_text,
     _version,
     _versions,
@@ -63,6 +60,14 @@ from fl.privacy import rng as R
 from fl.privacy.accounting import Event, PrivacyError, epsilon
 from fl.privacy.rng import derive_seed
 from fl.release import write_release
+from fl.rundir import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    SPLITS,
+    append_metrics,
+    jsonable,
+    truncate_metrics,
+)
 from fl.runsetup import draw_client_ranks, make_canaries, run_randomness
 from fl.tokenized import TokenizedData
 from fl.trainer import LocalTrainer, TrainResult, poisson_masks
@@ -234,11 +239,11 @@ class Engine(PrivacyPlan):
         if self.resume:
             self._load_checkpoint()
             self._account_inflight()
-        if self.start_round == 0 or not (self.out / "splits.json").exists():
-            atomic_write_json(self.out / "splits.json", self._splits_doc())
-        if self.start_round >= cfg.rounds and (self.out / "manifest.json").exists():
+        if self.start_round == 0 or not (self.out / SPLITS).exists():
+            atomic_write_json(self.out / SPLITS, self._splits_doc())
+        if self.start_round >= cfg.rounds and (self.out / MANIFEST).exists():
             self.log(f"run already complete ({cfg.rounds} rounds)")
-            return read_json(self.out / "manifest.json")
+            return read_json(self.out / MANIFEST)
         self._truncate_metrics(self.start_round)
         dispatcher = Dispatcher(self, self.make_transport())
         for line in self._pending_log:
@@ -421,24 +426,10 @@ class Engine(PrivacyPlan):
 
     def _append_metrics(self, row: dict) -> None:
         self.metrics_rows.append(row)
-        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(_jsonable(row)) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        append_metrics(self.out, row)
 
     def _truncate_metrics(self, completed: int) -> None:
-        path = self.out / "metrics.jsonl"
-        rows = []
-        if path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a kill
-                if isinstance(row, dict) and row.get("round", 1e9) <= completed:
-                    rows.append(row)
-        self.metrics_rows = rows
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+        self.metrics_rows = truncate_metrics(self.out, completed)
 
     def _save_checkpoint(self, completed: int) -> None:
         save_checkpoint(
@@ -480,7 +471,7 @@ class Engine(PrivacyPlan):
             else {"pld": None, "rdp": None}
         )
         manifest = build_manifest(self, adapter, wall, final, eps)
-        atomic_write_json(self.out / "manifest.json", _jsonable(manifest))
+        atomic_write_json(self.out / MANIFEST, jsonable(manifest))
         write_release(self.out, self.out / "release")
         self.log(
             f"done: accuracy={final.get('accuracy', float('nan')):.4f} "

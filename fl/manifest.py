@@ -6,20 +6,15 @@ checksum. :func:`build_manifest` assembles it from a finished
 
 from __future__ import annotations
 
-import math
 import platform
 from datetime import UTC, datetime
 from pathlib import Path
-
-import numpy as np
-import torch
 
 from fl.config import TrainConfig
 from fl.data import ids_hash
 from fl.io import file_sha256
 from fl.privacy.accounting import NEIGHBOURING
-
-SCHEMA_VERSION = 1
+from fl.rundir import ADAPTER_WEIGHTS, SCHEMA_VERSION, SPLITS, jsonable
 
 
 def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> dict:
@@ -35,7 +30,7 @@ def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> d
         "created": datetime.now(UTC).isoformat(),
         "config": cfg.to_dict(),
         "method": cfg.method,
-        "method_options": _jsonable(vars(eng.options)),
+        "method_options": jsonable(vars(eng.options)),
         "released": eng.method.release_note,
         "privacy": {
             "level": cfg.dp_level,
@@ -73,7 +68,7 @@ def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> d
             "n_members": len(eng.split.members),
             "n_nonmembers": len(eng.split.nonmembers),
             "n_test": len(eng.split.test),
-            "splits_sha256": file_sha256(eng.out / "splits.json"),
+            "splits_sha256": file_sha256(eng.out / SPLITS),
             "members_sha256": ids_hash([eng.dataset.ids[i] for i in eng.split.members]),
         },
         "client_ranks": eng.client_ranks or None,
@@ -84,7 +79,7 @@ def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> d
                 k: final.get(k) for k in ("accuracy", "balanced_accuracy", "loss") if k in final
             }
         },
-        "adapter_sha256": file_sha256(adapter / "adapter_model.safetensors"),
+        "adapter_sha256": file_sha256(adapter / ADAPTER_WEIGHTS),
         "wall_seconds": wall,
         "log": eng._log_lines[-50:],
     }
@@ -102,21 +97,6 @@ def _mechanism_text(cfg: TrainConfig) -> str:
     if cfg.dp_level == "client":
         return "server-side: each client update clipped to C, Gaussian noise σ·C on the sum"
     return "none"
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.floating | float):
-        f = float(obj)
-        return f if math.isfinite(f) else (None if math.isnan(f) else ("inf" if f > 0 else "-inf"))
-    return obj
 
 
 def _version() -> str:

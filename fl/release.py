@@ -30,6 +30,7 @@ from pathlib import Path
 
 from fl.errors import UsageError
 from fl.io import atomic_write_json, atomic_write_text, file_sha256, read_json
+from fl.rundir import ADAPTER, ADAPTER_WEIGHTS, MANIFEST, METRICS, is_release, read_metrics
 
 #: allow-list of the public manifest: True keeps the value, a dict recurses.
 PUBLIC_FIELDS: dict = {
@@ -117,21 +118,12 @@ def public_manifest(manifest: dict) -> dict:
 
 
 def public_metrics(run_dir: Path) -> str:
-    path = run_dir / "metrics.jsonl"
-    lines = []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                lines.append(json.dumps({k: row[k] for k in PUBLIC_METRICS if k in row}))
-    return "".join(line + "\n" for line in lines)
+    rows = read_metrics(run_dir) or []
+    return "".join(json.dumps({k: r[k] for k in PUBLIC_METRICS if k in r}) + "\n" for r in rows)
 
 
 #: what a bundle folder holds (anything else in a target folder is not ours to replace)
-BUNDLE_ENTRIES = ("adapter", "manifest.json", "metrics.jsonl")
+BUNDLE_ENTRIES = (ADAPTER, MANIFEST, METRICS)
 
 
 def check_release_target(out_dir: str | Path) -> None:
@@ -170,15 +162,15 @@ def write_release(run_dir: str | Path, out_dir: str | Path) -> Path:
     sees the old bundle or the new one, never half of one). ``out_dir`` must be absent,
     empty or a bundle (:func:`check_release_target`)."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    mpath = run_dir / "manifest.json"
+    mpath = run_dir / MANIFEST
     if not mpath.is_file():
-        raise UsageError(f"{run_dir} is not a finished run (no manifest.json)")
+        raise UsageError(f"{run_dir} is not a finished run (no {MANIFEST})")
     manifest = read_json(mpath)
     if not isinstance(manifest, dict):
         raise UsageError(f"{mpath}: must hold a JSON object")
-    if manifest.get("visibility") == "public":
+    if is_release(manifest):
         raise UsageError(f"{run_dir} is a release bundle already, not a run directory")
-    adapter = run_dir / "adapter"
+    adapter = run_dir / ADAPTER
     for name in ADAPTER_FILES:
         if not (adapter / name).is_file():
             raise UsageError(f"{run_dir}: adapter/{name} is missing")
@@ -187,7 +179,7 @@ def write_release(run_dir: str | Path, out_dir: str | Path) -> Path:
         raise UsageError(
             f"{mpath} records no adapter_sha256; refusing to release an unchecked adapter"
         )
-    got = file_sha256(adapter / "adapter_model.safetensors")
+    got = file_sha256(adapter / ADAPTER_WEIGHTS)
     if got != want:
         raise UsageError(
             f"{run_dir}: adapter/adapter_model.safetensors is corrupt or was replaced (sha256 "
@@ -202,10 +194,10 @@ def write_release(run_dir: str | Path, out_dir: str | Path) -> Path:
     (tmp / "adapter").mkdir(parents=True)
     for name in ADAPTER_FILES:
         shutil.copyfile(adapter / name, tmp / "adapter" / name)
-    atomic_write_json(tmp / "manifest.json", public_manifest(manifest))
-    atomic_write_text(tmp / "metrics.jsonl", public_metrics(run_dir))
+    atomic_write_json(tmp / MANIFEST, public_manifest(manifest))
+    atomic_write_text(tmp / METRICS, public_metrics(run_dir))
     # A bundle is meant to be published: world-readable files (atomic writes make 0600).
-    for f in (tmp / "manifest.json", tmp / "metrics.jsonl", *(tmp / "adapter").iterdir()):
+    for f in (tmp / MANIFEST, tmp / METRICS, *(tmp / "adapter").iterdir()):
         os.chmod(f, 0o644)
     old = out_dir.with_name(f".{out_dir.name}.old")
     shutil.rmtree(old, ignore_errors=True)
@@ -214,17 +206,6 @@ def write_release(run_dir: str | Path, out_dir: str | Path) -> Path:
     os.replace(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
-
-
-def is_release(path: str | Path) -> bool:
-    """A release bundle (public manifest), as opposed to an operator run directory."""
-    p = Path(path) / "manifest.json"
-    if not p.is_file():
-        return False
-    try:
-        return read_json(p).get("visibility") == "public"
-    except UsageError:
-        return False
 
 
 __all__ = [
