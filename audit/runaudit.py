@@ -45,7 +45,6 @@ otherwise ``replay_mismatch``.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import tempfile
@@ -57,6 +56,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from audit.claims import UNDERSTATE_TOLERANCE
+from fl import rundir
+from fl.config import RUNTIME_FIELDS
 from fl.errors import UsageError
 from fl.io import file_sha256, read_json
 from fl.privacy.accounting import (
@@ -66,6 +67,7 @@ from fl.privacy.accounting import (
     client_level_event,
     epsilon_of_events,
 )
+from fl.rundir import SCHEMA_VERSION
 
 __all__ = [
     "audit_run",
@@ -76,7 +78,6 @@ __all__ = [
     "CUDA_RTOL",
 ]
 
-SCHEMA_VERSION = 1
 #: findings that mean the run's files contradict each other or the replay (exit code 1
 #: in the CLI). ``noise_reproducible`` and ``key_mismatch`` are errors, not tampering.
 TAMPER_CODES = (
@@ -105,8 +106,9 @@ _ACCS = ("pld", "rdp")
 #: change; a relative σ edit below ~1e-4 could pass, with a negligible effect on ε).
 #: CPU-made runs are compared bit for bit.
 CUDA_RTOL = 1e-4
-#: config fields that do not change results (a replay forces device=cpu, progress off)
-_RUNTIME_FIELDS = ("device", "progress")
+#: config fields that do not change results (a replay forces device=cpu, progress off):
+#: fl.config.RUNTIME_FIELDS, the field metadata's one list
+_RUNTIME_FIELDS = RUNTIME_FIELDS
 #: privacy-block fields a replay must reproduce
 _REPLAY_PRIVACY_FIELDS = (
     "level",
@@ -147,17 +149,7 @@ def _need(d: dict, key: str, where: str, types=None):
 
 
 def _read_manifest(run: Path) -> dict:
-    if not run.is_dir():
-        raise UsageError(f"run directory not found: {run}")
-    path = run / "manifest.json"
-    if not path.is_file():
-        raise UsageError(f"{run} has no manifest.json (not a finished run directory)")
-    m = read_json(path)
-    if not isinstance(m, dict):
-        raise UsageError(f"{path}: must hold a JSON object")
-    ver = m.get("schema_version")
-    if ver != SCHEMA_VERSION:
-        raise UsageError(f"{path}: unsupported schema_version {ver!r} (expected {SCHEMA_VERSION})")
+    m = rundir.read_manifest(run, check_schema=True)
     _need(m, "method", "", (str,))
     cfg = _need(m, "config", "", (dict,))
     for k in ("batch_size", "local_steps", "seed", "members", "clients"):
@@ -180,21 +172,7 @@ def _read_manifest(run: Path) -> dict:
 
 
 def _read_metrics(run: Path) -> list[dict] | None:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{path}: line {i} is not valid JSON") from None
-        if not isinstance(row, dict):
-            raise UsageError(f"{path}: line {i} is not a JSON object")
-        rows.append(row)
-    return rows
+    return rundir.read_metrics(run, strict=True)
 
 
 # --------------------------------------------------------------------------- recomputation
@@ -269,7 +247,7 @@ def audit_run(
     """
     run = Path(run_dir)
     m = _read_manifest(run)
-    bundle = m.get("visibility") == "public"
+    bundle = rundir.is_release(m)
     cfg, p = m["config"], m["privacy"]
     level = p["level"]
     findings: list[dict] = []
@@ -377,18 +355,12 @@ def _check_noise(m: dict, add) -> None:
 
 
 def _read_splits(run: Path) -> dict | None:
-    path = run / "splits.json"
-    if not path.is_file():
-        return None
-    d = read_json(path)
-    if not isinstance(d, dict):
-        raise UsageError(f"{path}: must hold a JSON object")
-    return d
+    return rundir.read_splits(run)
 
 
 def _check_files(run: Path, m: dict, add, skip, bundle: bool) -> None:
     """Tampering: hashes of the adapter and splits, the ledger and config copies."""
-    adapter = run / "adapter" / "adapter_model.safetensors"
+    adapter = run / rundir.ADAPTER / rundir.ADAPTER_WEIGHTS
     want = m.get("adapter_sha256")
     if not adapter.is_file():
         add("adapter_missing", "error", f"The released adapter {adapter} is missing.")
@@ -413,7 +385,7 @@ def _check_files(run: Path, m: dict, add, skip, bundle: bool) -> None:
             "config_file", "needs config.json (the operator's copy); the manifest's config is used"
         )
         return
-    splits = run / "splits.json"
+    splits = run / rundir.SPLITS
     want = (m.get("data") or {}).get("splits_sha256")
     if not splits.is_file():
         add("splits_missing", "error", f"{splits} is missing.")
@@ -424,7 +396,7 @@ def _check_files(run: Path, m: dict, add, skip, bundle: bool) -> None:
             f"splits.json has sha256 {file_sha256(splits)[:16]}…, but the manifest records "
             f"{str(want)[:16]}…: the membership record was changed after the run.",
         )
-    ledger_file = run / "ledger.json"
+    ledger_file = run / rundir.LEDGER
     if ledger_file.is_file() and m.get("privacy", {}).get("ledger") is not None:
         if read_json(ledger_file) != m["privacy"]["ledger"]:
             add(
@@ -432,11 +404,8 @@ def _check_files(run: Path, m: dict, add, skip, bundle: bool) -> None:
                 "error",
                 "ledger.json differs from the ledger embedded in manifest.json.",
             )
-    config_file = run / "config.json"
-    if config_file.is_file():
-        saved = read_json(config_file)
-        if not isinstance(saved, dict):
-            raise UsageError(f"{config_file}: must hold a JSON object")
+    saved = rundir.read_config(run)
+    if saved is not None:
         cfg = m["config"]
         diff = sorted(
             k
@@ -867,8 +836,8 @@ def _replay(run: Path, m: dict, bundle: bool, key_path: Path, add, log) -> dict:
         return {"performed": False, "verified": False, "reason": "key_mismatch"}
     if bundle:
         cfg_dict, cfg_src = m["config"], "the manifest's config"
-    elif (run / "config.json").is_file():
-        cfg_dict, cfg_src = read_json(run / "config.json"), "config.json"
+    elif (run / rundir.CONFIG).is_file():
+        cfg_dict, cfg_src = read_json(run / rundir.CONFIG), "config.json"
     else:
         cfg_dict, cfg_src = m["config"], "the manifest's config (config.json is missing)"
     if not isinstance(cfg_dict, dict):

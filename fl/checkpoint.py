@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from fl.config import result_fields
 from fl.errors import UsageError
 from fl.io import atomic_write_json, file_sha256, read_json
 from fl.privacy.accounting import Ledger
@@ -62,7 +63,7 @@ def load_checkpoint(out: Path, cfg, method, sigma: float):
         raise UsageError(f"checkpoint {st_path} is missing or corrupt (checksum mismatch)")
     saved_cfg = doc.get("config", {})
     mine = cfg.to_dict()
-    diffs = [k for k in mine if k not in ("progress", "device") and saved_cfg.get(k) != mine[k]]
+    diffs = [k for k in result_fields() if saved_cfg.get(k) != mine[k]]
     if diffs:
         raise UsageError(f"--resume with a different configuration (fields {diffs}); refusing")
     tensors = load_file(str(st_path))

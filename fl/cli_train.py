@@ -8,7 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from fl.config import TrainConfig, load_toml, parse_opt_value
+from fl.config import RUNTIME_FIELDS, TrainConfig, field_choices, load_toml, parse_opt_value
 from fl.errors import UsageError
 
 
@@ -18,7 +18,15 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        helptext = f"{f.metadata.get('help', '')} (default: {default!r})"
+        # Static choices go to argparse (checked while parsing, listed in --help); the
+        # methods (callable choices: the registry, which imports every method) are
+        # checked by TrainConfig.validate() and listed by --list-methods.
+        choices = None if callable(f.metadata.get("choices")) else field_choices(f)
+        shown = choices or f.metadata.get("examples")
+        helptext = f.metadata.get("help", "")
+        if shown:
+            helptext += f" ({'choices:' if choices else 'e.g.'} {' | '.join(shown)})"
+        helptext += f" (default: {default!r})"
         if isinstance(default, bool):
             p.add_argument(
                 flag,
@@ -32,6 +40,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
                 flag,
                 dest=f.name,
                 type=type(default),
+                choices=choices,
                 default=argparse.SUPPRESS,
                 metavar=f.name.upper(),
                 help=helptext,
@@ -106,7 +115,8 @@ def cmd_train(args) -> int:
         else:
             raise UsageError(f"--resume: {run_dir} is not a run directory (no config.json)")
         cfg = TrainConfig.from_dict(saved)
-        for k in ("progress", "device"):
+        # Only the fields that do not change results may differ from the saved run.
+        for k in RUNTIME_FIELDS:
             if hasattr(args, k):
                 setattr(cfg, k, getattr(args, k))
         cfg.validate()

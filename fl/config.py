@@ -1,7 +1,11 @@
 """Training configuration: one dataclass, validated, each field with its help text.
 
 The CLI (``fedlora train``) is generated from these fields; TOML config files use the
-same names. There is no second source of defaults.
+same names. There is no second source of defaults, valid choices (metadata ``choices``,
+checked by :meth:`TrainConfig.validate`, passed to argparse) or of the fields that do not
+change results (metadata ``runtime``: :data:`RUNTIME_FIELDS`, :func:`runtime_fields`,
+:func:`result_fields`, used by ``--resume``, the checkpoint, the Flower ClientApp and the
+run audit).
 """
 
 from __future__ import annotations
@@ -15,14 +19,45 @@ from fl.errors import UsageError
 
 
 def _f(default, help: str, **kw):
+    """A config field. Metadata keys besides ``help``:
+
+    - ``choices``: the valid values (a tuple), or a zero-argument callable returning
+      them (for choices known only at run time, e.g. the registered methods).
+      ``validate()`` checks every field that has them, the CLI passes them to argparse.
+    - ``examples``: typical values shown in the help, not enforced (a field that also
+      accepts a path).
+    - ``runtime``: the field does not change the run's results. ``"run"``: it may differ
+      between a run and its resume, replay or audit (:data:`RUNTIME_FIELDS`). ``"client"``:
+      it does not change what a client computes (the Flower ClientApp's configuration
+      fingerprint ignores it; :func:`runtime_fields` with ``scope="client"``).
+    - ``cli``: ``False`` keeps the field off the command line.
+    """
     return field(default=default, metadata={"help": help, **kw})
+
+
+def _method_names() -> tuple[str, ...]:
+    from fl.methods import registry
+
+    return tuple(registry.names())
 
 
 @dataclass
 class TrainConfig:
-    method: str = _f("fedavg", "federated method (see `fedlora train --list-methods`)")
-    model: str = _f("minilm", "minilm | tiny-bert | tiny-gpt2 | path to a local HF model folder")
-    dataset: str = _f("tweets", "tweets | tweets3 | bbc | synthetic | path to .csv/.jsonl")
+    method: str = _f(
+        "fedavg",
+        "federated method (see `fedlora train --list-methods`)",
+        choices=_method_names,
+    )
+    model: str = _f(
+        "minilm",
+        "a model name or the path to a local HF model folder",
+        examples=("minilm", "tiny-bert", "tiny-gpt2"),
+    )
+    dataset: str = _f(
+        "tweets",
+        "a dataset name or the path to a .csv/.jsonl file",
+        examples=("tweets", "tweets3", "bbc", "synthetic"),
+    )
     text_column: str = _f("text", "text column of a local dataset file")
     label_column: str = _f("label", "label column of a local dataset file")
     max_length: int = _f(64, "tokens per example (truncation length)")
@@ -34,14 +69,18 @@ class TrainConfig:
         0, "clients sampled per round: a count >= 1, a fraction in (0,1), or 0 for all"
     )
     client_sampling: str = _f(
-        "uniform", "uniform (fixed count, without replacement) | poisson (each client w.p. q)"
+        "uniform",
+        "how cohorts are drawn: uniform = a fixed count without replacement, poisson = each client w.p. q",
+        choices=("uniform", "poisson"),
     )
     rounds: int = _f(5, "federated rounds")
     local_steps: int = _f(10, "local optimizer steps per round (ignored if local_epochs > 0)")
     local_epochs: float = _f(0.0, "local epochs per round (0 = use local_steps)")
     batch_size: int = _f(32, "(expected) batch size of a local step")
     lr: float = _f(5e-3, "local learning rate")
-    optimizer: str = _f("adamw", "sgd | adamw (each client has its own optimizer state)")
+    optimizer: str = _f(
+        "adamw", "local optimizer (each client has its own state)", choices=("sgd", "adamw")
+    )
     reset_optimizer: bool = _f(
         True, "reset each client's optimizer state every round (else keep it per client)"
     )
@@ -54,17 +93,23 @@ class TrainConfig:
         "", "heterogeneous ranks: draw each client's rank from this set, e.g. 4,8,16"
     )
     client_ranks_list: str = _f("", "heterogeneous ranks: one rank per client, e.g. 4,8,16,16,8")
-    partition: str = _f("iid", "client partition: iid | dirichlet")
+    partition: str = _f("iid", "client partition", choices=("iid", "dirichlet"))
     dirichlet_alpha: float = _f(0.5, "Dirichlet concentration (smaller = more label skew)")
     min_client_size: int = _f(8, "smallest allowed client; Dirichlet draws are redrawn below it")
-    dp_level: str = _f("none", "none | sample (DP-SGD on clients) | client (server-side DP)")
+    dp_level: str = _f(
+        "none",
+        "differential privacy: sample = DP-SGD on clients, client = server-side DP",
+        choices=("none", "sample", "client"),
+    )
     epsilon: float = _f(0.0, "target ε for the whole run (calibrates σ); 0 = not set")
     noise_multiplier: float = _f(-1.0, "σ given directly (instead of --epsilon); -1 = not set")
     delta: float = _f(0.0, "δ; 0 = 1/(10·n) with n the smallest accounting population")
     clip: float = _f(
         1.0, "clipping bound C (per example at sample level, per client update at client level)"
     )
-    accountant: str = _f("pld", "accountant for calibration and the budget check: pld | rdp")
+    accountant: str = _f(
+        "pld", "accountant for calibration and the budget check", choices=("pld", "rdp")
+    )
     insecure_deterministic_noise: bool = _f(
         False,
         "NOT PRIVATE (tests only): draw DP noise, batches and cohorts from the public seed, "
@@ -72,7 +117,7 @@ class TrainConfig:
         "draws them from a keyed CSPRNG with a fresh secret key in RUN/private/noise.key",
     )
     canaries: int = _f(0, "number of audit canaries (each inserted with probability 1/2)")
-    canary_kind: str = _f("mislabel", "canary kind: mislabel | random_text")
+    canary_kind: str = _f("mislabel", "canary kind", choices=("mislabel", "random_text"))
     eval_every: int = _f(1, "evaluate the global model every N rounds (and always at the end)")
     eval_batch_size: int = _f(128, "batch size for evaluation")
     seed: int = _f(
@@ -80,9 +125,25 @@ class TrainConfig:
         "public seed: data split, partition, initialization, FedASK's Ω, dropout (never "
         "the DP noise, batches or cohorts, which come from the run's secret noise key)",
     )
-    device: str = _f("auto", "auto | cpu | cuda")
-    transport: str = _f("inprocess", "inprocess | flower")
-    progress: bool = _f(True, "show progress bars")
+    # device: a resume or a replay may run elsewhere (a CUDA run's floats round
+    # differently from the CPU's; the audit compares those within CUDA_RTOL).
+    device: str = _f(
+        "auto",
+        "torch device (checked when the run starts: fl.models.resolve_device)",
+        examples=("auto", "cpu", "cuda", "cuda:N"),
+        runtime="run",
+    )
+    # transport: every client computes the same either way (the ClientApp rebuilds its
+    # engine in-process), so the ClientApp's fingerprint ignores it; a resume keeps it
+    # (the checkpoint compares it; the engine replays an interrupted round bit-exactly
+    # only on the same transport).
+    transport: str = _f(
+        "inprocess",
+        "how the server reaches its clients",
+        choices=("inprocess", "flower"),
+        runtime="client",
+    )
+    progress: bool = _f(True, "show progress bars", runtime="run")
     opts: dict = field(
         default_factory=dict,
         metadata={"help": "method options key=value (repeatable --opt)", "cli": False},
@@ -93,12 +154,13 @@ class TrainConfig:
             if not cond:
                 raise UsageError(msg)
 
-        from fl.methods import registry
-
-        need(
-            self.method in registry.names(),
-            f"unknown method {self.method!r}; choose one of {registry.names()}",
-        )
+        for f in fields(self):
+            allowed = field_choices(f)
+            value = getattr(self, f.name)
+            need(
+                allowed is None or value in allowed,
+                f"unknown {f.name} {value!r}; choose one of {list(allowed or ())}",
+            )
         need(self.max_length >= 4, f"max_length must be >= 4, got {self.max_length}")
         need(self.members > 0, f"members must be > 0, got {self.members}")
         need(self.nonmembers >= 0 and self.test > 0, "nonmembers must be >= 0 and test > 0")
@@ -110,10 +172,6 @@ class TrainConfig:
             or (cpr >= 1 and float(cpr).is_integer() and cpr <= self.clients),
             f"clients_per_round must be 0, a fraction in (0,1) or a count <= clients, got {cpr}",
         )
-        need(
-            self.client_sampling in ("uniform", "poisson"),
-            f"unknown client_sampling {self.client_sampling!r}",
-        )
         need(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
         need(self.local_steps >= 1 or self.local_epochs > 0, "local_steps must be >= 1")
         need(
@@ -121,16 +179,10 @@ class TrainConfig:
         )
         need(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
         need(self.lr > 0 and math.isfinite(self.lr), f"lr must be > 0, got {self.lr}")
-        need(self.optimizer in ("sgd", "adamw"), f"unknown optimizer {self.optimizer!r}")
         need(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
         need(self.alpha > 0 and math.isfinite(self.alpha), f"alpha must be > 0, got {self.alpha}")
         need(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0,1), got {self.lora_dropout}")
-        need(
-            self.partition in ("iid", "dirichlet"),
-            f"unknown partition {self.partition!r}; use iid or dirichlet",
-        )
         need(self.dirichlet_alpha > 0, f"dirichlet_alpha must be > 0, got {self.dirichlet_alpha}")
-        need(self.dp_level in ("none", "sample", "client"), f"unknown dp_level {self.dp_level!r}")
         need(
             not math.isnan(self.epsilon) and self.epsilon >= 0,
             f"epsilon must be > 0, got {self.epsilon}",
@@ -148,10 +200,8 @@ class TrainConfig:
             self.clip > 0 and math.isfinite(self.clip),
             f"clipping bound C must be > 0, got {self.clip}",
         )
-        need(self.accountant in ("pld", "rdp"), f"unknown accountant {self.accountant!r}")
         need(self.canaries >= 0, f"canaries must be >= 0, got {self.canaries}")
         need(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
-        need(self.transport in ("inprocess", "flower"), f"unknown transport {self.transport!r}")
         if self.dp_level != "none":
             need(
                 (self.epsilon > 0) != (self.noise_multiplier >= 0),
@@ -185,6 +235,42 @@ class TrainConfig:
         for k, v in d.items():
             kw[k] = _coerce(known[k], v)
         return cls(**kw)
+
+
+def field_choices(f) -> tuple | None:
+    """The valid values of a config field (a :func:`dataclasses.field`), or None when any
+    value of its type is accepted. Callable choices (the registered methods) are resolved
+    here, at use."""
+    c = f.metadata.get("choices")
+    if c is None:
+        return None
+    return tuple(c() if callable(c) else c)
+
+
+def runtime_fields(scope: str = "run") -> tuple[str, ...]:
+    """Names of the config fields that do not change results (metadata ``runtime``).
+
+    ``scope="run"``: fields a resume, replay or audit may change (``progress``,
+    ``device``): they are taken from the command line on ``--resume`` and ignored when a
+    checkpoint's or a manifest's config is compared. ``scope="client"``: also the fields
+    that do not change what one client computes (``transport``): the Flower ClientApp's
+    configuration fingerprint ignores them.
+    """
+    if scope not in ("run", "client"):
+        raise ValueError(f"unknown scope {scope!r}; choose one of ['run', 'client']")
+    want = ("run",) if scope == "run" else ("run", "client")
+    return tuple(f.name for f in fields(TrainConfig) if f.metadata.get("runtime") in want)
+
+
+def result_fields() -> tuple[str, ...]:
+    """Names of the config fields that change results (every field not in
+    :data:`RUNTIME_FIELDS`): a resumed or replayed run must keep each of them."""
+    skip = set(runtime_fields("run"))
+    return tuple(f.name for f in fields(TrainConfig) if f.name not in skip)
+
+
+#: config fields that do not change the run's results: ("device", "progress")
+RUNTIME_FIELDS: tuple[str, ...] = runtime_fields("run")
 
 
 def _coerce(f, v):

@@ -13,28 +13,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def tiny_cfg():
-    """A factory for tiny, fast training configs (tiny-bert on synthetic text)."""
-    from fl.config import TrainConfig
+    """A factory for tiny, fast training configs (tiny-bert on synthetic text):
+    ``fl.testing.tiny_config``, which module-scoped fixtures call directly."""
+    from fl.testing import tiny_config
 
-    def make(**kw):
-        base = dict(
-            model="tiny-bert",
-            dataset="synthetic",
-            members=240,
-            nonmembers=60,
-            test=100,
-            max_length=24,
-            clients=3,
-            rounds=2,
-            local_steps=4,
-            batch_size=16,
-            lr=0.02,
-            rank=4,
-            alpha=8.0,
-            progress=False,
-            device="cpu",
-        )
-        base.update(kw)
-        return TrainConfig(**base)
-
-    return make
+    return tiny_config

@@ -41,9 +41,12 @@ _ENGINE: dict = {}  # {"key": str, "engine": Engine}: one cached client-side eng
 
 
 def config_key(cfg_dict: dict) -> str:
-    """A short fingerprint of a TrainConfig dict (ignoring fields that do not change
-    what a client computes)."""
-    d = {k: v for k, v in cfg_dict.items() if k not in ("progress", "transport", "device")}
+    """A short fingerprint of a TrainConfig dict (ignoring the fields that do not change
+    what a client computes: ``fl.config.runtime_fields("client")``)."""
+    from fl.config import runtime_fields
+
+    skip = set(runtime_fields("client"))
+    d = {k: v for k, v in cfg_dict.items() if k not in skip}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

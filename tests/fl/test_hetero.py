@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from fl import factors as F
-from fl.config import TrainConfig
 from fl.engine import ClientContext, Engine, train
 from fl.errors import UsageError
 from fl.linalg import fold_modules, unfold_modules
@@ -26,31 +25,14 @@ from fl.methods.plora import (
     select_roundrobin,
 )
 from fl.noise import state_distance
+from fl.testing import tiny_config
 
 R = 4
 
 
 def _cfg(**kw):
-    base = dict(
-        model="tiny-bert",
-        dataset="synthetic",
-        members=90,
-        nonmembers=20,
-        test=40,
-        max_length=16,
-        clients=3,
-        rounds=2,
-        local_steps=2,
-        batch_size=16,
-        lr=0.05,
-        rank=R,
-        alpha=8.0,
-        progress=False,
-        device="cpu",
-        client_ranks="2,4",
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    small = dict(members=90, nonmembers=20, test=40, max_length=16, local_steps=2, lr=0.05)
+    return tiny_config(**{**small, "rank": R, "client_ranks": "2,4", **kw})
 
 
 # ----------------------------------------------------------------------- fixtures

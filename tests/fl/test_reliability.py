@@ -15,13 +15,9 @@ from safetensors.torch import load_file
 from fl.engine import Engine, train
 from fl.errors import UsageError
 from fl.io import RunLock
+from fl.testing import tiny_flags
 
-TINY = [
-    "--model", "tiny-bert", "--dataset", "synthetic", "--members", "240", "--nonmembers", "60",
-    "--test", "100", "--max-length", "24", "--clients", "3", "--rounds", "4", "--local-steps", "3",
-    "--batch-size", "16", "--lr", "0.02", "--rank", "4", "--alpha", "8", "--dp-level", "sample",
-    "--noise-multiplier", "1.1", "--no-progress", "--device", "cpu",
-]  # fmt: skip
+TINY = tiny_flags(rounds=4, local_steps=3, dp_level="sample", noise_multiplier=1.1)
 
 
 def _cli(args, **kw):

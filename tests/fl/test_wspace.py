@@ -9,6 +9,7 @@ from fl import factors as F
 from fl.engine import Engine
 from fl.privacy.dpsgd import DpSgdParams
 from fl.privacy.wspace import WSpaceClipper, wspace_sq_norms, wspace_sq_norms_reference
+from fl.testing import tiny_config
 
 
 @pytest.mark.parametrize("shape", [(5, 7, 6, 9), (4, 1, 3, 11), (3, 13, 8, 2)])
@@ -31,11 +32,7 @@ def test_gram_norm_matches_materialized(shape):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, request):
-    from fl.config import TrainConfig
-
-    cfg = TrainConfig(
-        model="tiny-bert",
-        dataset="synthetic",
+    cfg = tiny_config(
         members=120,
         nonmembers=20,
         test=20,
@@ -43,13 +40,8 @@ def engine(tmp_path_factory, request):
         clients=2,
         rounds=1,
         local_steps=3,
-        batch_size=16,
         lr=0.05,
-        rank=4,
-        alpha=8.0,
         optimizer="sgd",
-        progress=False,
-        device="cpu",
         method="ffa",
     )
     eng = Engine(cfg, tmp_path_factory.mktemp("ws") / "run", quiet=True)

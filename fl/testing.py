@@ -1,0 +1,51 @@
+"""The tests' tiny training configuration, in one place (tiny-bert on synthetic text, CPU,
+no progress bars: a run takes seconds).
+
+A plain module rather than a fixture: module-scoped fixtures (one shared engine or run
+per test file) cannot use the function-scoped ``tiny_cfg`` fixture, and with pytest's
+``--import-mode=importlib`` the test files cannot import ``conftest`` or each other.
+``tests/conftest.py``'s ``tiny_cfg`` fixture is :func:`tiny_config`.
+"""
+
+from __future__ import annotations
+
+from fl.config import TrainConfig
+
+#: the tiny settings; a test overrides what it needs (``tiny_config(rounds=3)``)
+TINY: dict = dict(
+    model="tiny-bert",
+    dataset="synthetic",
+    members=240,
+    nonmembers=60,
+    test=100,
+    max_length=24,
+    clients=3,
+    rounds=2,
+    local_steps=4,
+    batch_size=16,
+    lr=0.02,
+    rank=4,
+    alpha=8.0,
+    progress=False,
+    device="cpu",
+)
+
+
+def tiny_config(**overrides) -> TrainConfig:
+    """A TrainConfig with :data:`TINY`'s settings, updated with ``overrides``."""
+    return TrainConfig(**{**TINY, **overrides})
+
+
+def tiny_flags(**overrides) -> list[str]:
+    """:data:`TINY` (updated with ``overrides``) as ``fedlora train`` flags."""
+    args: list[str] = []
+    for k, v in {**TINY, **overrides}.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            args.append(flag if v else "--no-" + flag[2:])
+        else:
+            args += [flag, str(v)]
+    return args
+
+
+__all__ = ["TINY", "tiny_config", "tiny_flags"]

@@ -1,0 +1,79 @@
+"""TrainConfig field metadata: choices (validate, CLI) and the fields that do not change
+results (resume, checkpoint, Flower ClientApp fingerprint)."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from fl.cli_train import add_config_flags
+from fl.config import (
+    RUNTIME_FIELDS,
+    TrainConfig,
+    field_choices,
+    result_fields,
+    runtime_fields,
+)
+from fl.errors import UsageError
+
+CHOICE_FIELDS = [f for f in dataclasses.fields(TrainConfig) if field_choices(f) is not None]
+
+
+def test_choice_fields_are_the_expected_ones():
+    names = {f.name for f in CHOICE_FIELDS}
+    assert names == {
+        "method",
+        "client_sampling",
+        "optimizer",
+        "partition",
+        "dp_level",
+        "accountant",
+        "canary_kind",
+        "transport",
+    }
+    assert "fedavg" in field_choices(next(f for f in CHOICE_FIELDS if f.name == "method"))
+
+
+@pytest.mark.parametrize("f", CHOICE_FIELDS, ids=lambda f: f.name)
+def test_every_choice_field_is_validated(f):
+    assert f.default in field_choices(f)
+    with pytest.raises(UsageError, match=rf"unknown {f.name} 'nope'; choose one of \["):
+        TrainConfig(**{f.name: "nope"}).validate()
+    for value in field_choices(f):
+        kw = {f.name: value}
+        if f.name == "dp_level" and value != "none":
+            kw["noise_multiplier"] = 1.0
+        TrainConfig(**kw).validate()
+
+
+def test_cli_passes_static_choices_to_argparse():
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    actions = {a.dest: a for a in p._actions}
+    for f in CHOICE_FIELDS:
+        want = None if f.name == "method" else list(field_choices(f))
+        assert (list(actions[f.name].choices) if actions[f.name].choices else None) == want
+    assert "choices: sgd | adamw" in actions["optimizer"].help
+    assert "e.g. minilm | tiny-bert" in actions["model"].help
+    with pytest.raises(SystemExit):
+        p.parse_args(["--optimizer", "adam"])
+    assert p.parse_args(["--device", "cuda:1"]).device == "cuda:1"  # not a closed set
+
+
+def test_runtime_fields():
+    assert set(RUNTIME_FIELDS) == {"device", "progress"}
+    assert set(runtime_fields("client")) == {"device", "progress", "transport"}
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    assert sorted(result_fields() + RUNTIME_FIELDS) == sorted(names)
+    with pytest.raises(ValueError):
+        runtime_fields("server")
+
+
+def test_client_fingerprint_ignores_client_runtime_fields_only():
+    from fl.flower.clientapp import config_key
+
+    base = TrainConfig().to_dict()
+    key = config_key(base)
+    for k, v in (("device", "cpu"), ("progress", False), ("transport", "flower")):
+        assert config_key({**base, k: v}) == key
+    assert config_key({**base, "lr": 0.1}) != key
