@@ -17,27 +17,10 @@ from fl.privacy.accounting import epsilon
 
 
 def _cfg(**kw):
-    from fl.config import TrainConfig
+    # module-scoped fixtures cannot use the tiny_cfg fixture: the same shared settings
+    from fl.testing import tiny_config
 
-    base = dict(
-        model="tiny-bert",
-        dataset="synthetic",
-        members=240,
-        nonmembers=60,
-        test=100,
-        max_length=24,
-        clients=3,
-        rounds=2,
-        local_steps=4,
-        batch_size=16,
-        lr=0.02,
-        rank=4,
-        alpha=8.0,
-        progress=False,
-        device="cpu",
-    )  # fmt: skip  (the tiny_cfg fixture's settings; module scope needs its own copy)
-    base.update(kw)
-    return TrainConfig(**base)
+    return tiny_config(**kw)
 
 
 @pytest.fixture(scope="module")
