@@ -38,6 +38,24 @@ class ClientContext:
     def scaling(self) -> float:
         return self.engine.trainer.scaling
 
+    @property
+    def rank(self) -> int:
+        """This client's LoRA rank r_i (``--client-ranks`` / ``--client-ranks-list``; R
+        when not given)."""
+        eng = self.engine
+        return int(eng.client_ranks.get(self.id, eng.cfg.rank))
+
+    @property
+    def lr(self) -> float:
+        """The local learning rate (SCAFFOLD's control-variate update needs it)."""
+        return self.engine.cfg.lr
+
+    @property
+    def model(self):
+        """The one shared peft model the client trains in (a base-weight overlay such as
+        FLoRA's merge, or FedASK's W-space clipper, hooks into it)."""
+        return self.engine.trainer.model
+
     def steps(self) -> int:
         return self.engine.local_steps_for(self.engine.public_size(self.id))
 

@@ -417,7 +417,7 @@ class FedASK(Method):
         if dp and self.opts.clip_space == "w":
             from fl.privacy.wspace import WSpaceClipper
 
-            model = client.engine.trainer.model
+            model = client.model
             with WSpaceClipper.from_model(model, client.scaling) as gt:
                 res = client.train(start, trainable=("B", "head"), grad_transform=gt)
         elif dp:

@@ -238,7 +238,7 @@ class FLoRA(Method):
         glob = payload["state"]
         r = client_rank(client)
         start, merged = self.client_start(glob, payload, r)
-        with merged_base(client.engine.trainer.model, merged):
+        with merged_base(client.model, merged):
             res = client.train(
                 start, trainable=("A", "B", "head"), grad_mask=rank_mask(start, range(r))
             )

@@ -54,8 +54,7 @@ from fl.noise import agg_noise, state_distance
 
 def client_rank(client) -> int:
     """r_i of a client (``--client-ranks`` / ``--client-ranks-list``; R when not given)."""
-    eng = client.engine
-    return int(eng.client_ranks.get(client.id, eng.cfg.rank))
+    return client.rank
 
 
 def rank_mask(state: dict, keep_idx: list[int]) -> dict[str, torch.Tensor]:

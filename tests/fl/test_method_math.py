@@ -287,12 +287,11 @@ def test_plora_analysis_equals_method():
                      "head": _head()})  # fmt: skip
     mods, ok = [], {}
     rnd = RoundInfo(0, 77, list(RANKS))
-    eng = SimpleNamespace(client_ranks=RANKS, cfg=SimpleNamespace(rank=R_))
     for k, (c, r) in enumerate(RANKS.items()):
         sel = rnd.derive(f"select/{c}")
         base, B, A, idx, _ = hetero._client_start("plora", state, r, sel, None, 0, k)
         # the method's client start (selection policy + fold) on the same seed
-        start, midx = meth.client_start(SimpleNamespace(id=c, engine=eng, round=rnd),
+        start, midx = meth.client_start(SimpleNamespace(id=c, rank=r, round=rnd),
                                         meth.global_state)  # fmt: skip
         assert midx == idx
         assert torch.allclose(start["factors"]["q"]["B"][:, idx], B, atol=0)
