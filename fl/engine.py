@@ -28,10 +28,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
 from fl import factors as F
 from fl.checkpoint import (  # noqa: F401 (re-exported)
@@ -72,12 +70,6 @@ from fl.runsetup import draw_client_ranks, make_canaries, run_randomness
 from fl.tokenized import TokenizedData
 from fl.trainer import LocalTrainer, TrainResult, poisson_masks
 from fl.transport import Dispatcher, transport_class
-
-
-def generator(*parts: Any) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(derive_seed(*parts))
-    return g
 
 
 # ---------------------------------------------------------------------------------
@@ -505,7 +497,6 @@ __all__ = [
     "ServerContext",
     "PrivacyError",
     "epsilon",
-    "generator",
     "SCHEMA_VERSION",
     "TokenizedData",
     "TrainResult",

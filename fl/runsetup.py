@@ -65,6 +65,13 @@ def run_randomness(
     if isinstance(key, str | Path):
         path = Path(key)
         key = R.NoiseKey.read(path)
+        # A reused key replays the same noise: two runs that differ in anything but
+        # publish both would let their difference cancel the noise. Say so.
+        warn_lines.append(
+            f"noise key {key.key_id} reused from {path}: this run replays that run's noise "
+            "streams; publish at most one of two runs made with one key unless they are "
+            "identical (a replay)"
+        )
         if not R.key_file_is_private(path):
             warn_lines.append(
                 f"warning: noise key file {path} is readable by others than its owner"

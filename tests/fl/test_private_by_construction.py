@@ -96,6 +96,9 @@ def test_two_default_runs_with_the_same_seed_release_different_adapters(tmp_path
     # ... and a third given a's key replays a bit for bit
     c = _run(cfg, tmp_path / "c", tmp_path / "a" / "private" / "noise.key")
     assert all(torch.equal(ra[k], v) for k, v in _released(c).items())
+    assert (
+        "publish at most one of two runs made with one key" in (tmp_path / "c/run.log").read_text()
+    )
     ka = (tmp_path / "a/private/noise.key").read_text()
     assert ka != (tmp_path / "b/private/noise.key").read_text()
     assert ka == (tmp_path / "c/private/noise.key").read_text()
