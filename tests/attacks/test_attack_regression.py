@@ -1,0 +1,112 @@
+"""The attack pipeline's output document, pinned: every attack on fixed synthetic signals
+(a target and four shadows whose signals are drawn from a seeded generator; no model is
+trained) must give the same scores, ROC metrics, threat models and shadow record as the
+pre-registry implementation did. ``data/attack_golden.json`` was written by that
+implementation (``attacks.run._attack_core`` at commit 6167c04); only the timings
+(``seconds``, ``shared_shadow_seconds``, ``signal_seconds_total``) are left out of it."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attacks.reference import ShadowSet, shadow_halves
+from attacks.signals import signals_from_logits
+
+GOLDEN = Path(__file__).parent / "data" / "attack_golden.json"
+TIMINGS = ("seconds", "shared_shadow_seconds")
+#: the two settings pinned: every attack with the defaults; two attacks with other values
+CASES = {
+    "defaults": dict(attacks="loss,calibration,shadow,lira,rmia", seed=7, global_variance=None,
+                     rmia_a=0.3, rmia_gamma=1.0, n_bootstrap=20),
+    "options": dict(attacks="rmia,lira", seed=3, global_variance=False, rmia_a=0.5,
+                    rmia_gamma=1.5, n_bootstrap=10),
+}  # fmt: skip
+K, N_MEM, N_NON, N_Z, C = 4, 12, 8, 10, 3
+
+
+def synthetic():
+    """Pool = 12 members, 8 non-members (the evaluation points) and 10 population
+    examples; per-example logits whose true class is raised where the model trained on it."""
+    rng = np.random.default_rng(2024)
+    n = N_MEM + N_NON + N_Z
+    labels = rng.integers(0, C, n)
+    base = rng.normal(scale=1.5, size=(n, C))
+    rows = np.arange(n)
+    role = np.array(["member"] * N_MEM + ["nonmember"] * N_NON + ["test"] * N_Z)
+    t = base + rng.normal(scale=0.3, size=(n, C))
+    t[rows, labels] += 1.2 * (role == "member")
+    in_mask = shadow_halves(n, K, 11)
+    shadows = []
+    for j in range(K):
+        z = base + rng.normal(scale=0.3, size=(n, C))
+        z[rows, labels] += 1.2 * in_mask[j]
+        shadows.append(signals_from_logits(z, labels))
+    ids = [f"ex:{i}" for i in range(n)]
+    return ids, labels, role, signals_from_logits(t, labels), in_mask, shadows
+
+
+def _fake_shadow_set(in_mask) -> ShadowSet:
+    return ShadowSet(
+        in_mask, [Path(f"shadow_{j}") for j in range(K)], [1.0 + j for j in range(K)],
+        [False, False, True, False], {"model": "tiny-bert", "method": "fedavg", "clients": 1},
+    )  # fmt: skip
+
+
+def _strip(doc: dict) -> dict:
+    atk = {n: {k: v for k, v in r.items() if k not in TIMINGS} for n, r in doc["attacks"].items()}
+    sh = doc["shadows"]
+    if sh is not None:
+        sh = {k: v for k, v in sh.items() if k != "signal_seconds_total"}
+    timed = {n: [k for k in TIMINGS if k in r] for n, r in doc["attacks"].items()}
+    return {"attacks": atk, "shadows": sh, "timings_present": timed}
+
+
+def run_case(case: str, out: Path, monkeypatch) -> tuple[dict, dict]:
+    """(attacks.json's attacks + shadows without timings, scores.npz as lists)."""
+    import attacks.reference
+    import attacks.run
+    from fl.config import TrainConfig
+
+    ids, labels, role, target, in_mask, shadows = synthetic()
+    by_dir = {Path(f"shadow_{j}"): s for j, s in enumerate(shadows)}
+    monkeypatch.setattr(
+        attacks.reference, "train_shadows", lambda *a, **k: _fake_shadow_set(in_mask)
+    )
+    monkeypatch.setattr(attacks.run, "adapter_signals", lambda d, *a, **k: by_dir[Path(d)])
+    kw = CASES[case]
+    eval_idx = np.flatnonzero(role != "test")
+    doc = attacks.run._attack_core(
+        target, ids, [f"text {i}" for i in ids], labels, eval_idx, role[eval_idx] == "member",
+        np.flatnonzero(role == "test"), TrainConfig(seed=5), "tiny-bert", 16, C, kw["attacks"],
+        K, out, "cpu", kw["seed"], kw["global_variance"], kw["rmia_a"], kw["rmia_gamma"], False,
+        kw["n_bootstrap"], "synthetic pool",
+    )  # fmt: skip
+    with np.load(out / "scores.npz") as z:
+        scores = {k: z[k].tolist() for k in z.files}
+    return _strip(doc), scores
+
+
+def _close(a, b, path="doc"):
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            _close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and not isinstance(b, bool):
+        assert b == pytest.approx(a, rel=1e-9, abs=1e-12), path
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_document_and_scores_as_before(case, tmp_path, monkeypatch):
+    golden = json.loads(GOLDEN.read_text(encoding="utf-8"))[case]
+    doc, scores = run_case(case, tmp_path, monkeypatch)
+    _close(golden["doc"], doc)
+    _close(golden["scores"], scores)
+    assert (tmp_path / "roc.png").is_file() and (tmp_path / "roc.svg").is_file()
