@@ -77,7 +77,10 @@ class TrainConfig:
     local_steps: int = _f(10, "local optimizer steps per round (ignored if local_epochs > 0)")
     local_epochs: float = _f(0.0, "local epochs per round (0 = use local_steps)")
     batch_size: int = _f(32, "(expected) batch size of a local step")
-    lr: float = _f(5e-3, "local learning rate")
+    lr: float = _f(5e-3, "local learning rate of the LoRA factors")
+    head_lr: float = _f(
+        0.0, "local learning rate of the classification head (0 = the same as --lr)"
+    )
     optimizer: str = _f(
         "adamw", "local optimizer (each client has its own state)", choices=("sgd", "adamw")
     )
@@ -89,6 +92,24 @@ class TrainConfig:
     alpha: float = _f(16.0, "LoRA alpha (scaling s = alpha / R)")
     lora_dropout: float = _f(0.0, "LoRA dropout")
     target_modules: str = _f("", "comma-separated LoRA target modules (empty = per-model default)")
+    lora_layers: int = _f(
+        0,
+        "LoRA on the top N transformer layers only (0 = every layer); the frozen layers "
+        "below are computed once per example (see --prefix-cache)",
+    )
+    pooling: str = _f(
+        "auto",
+        "what the head reads: cls = the model's own pooler (BERT's CLS pooler, GPT-2's last "
+        "token), mean = mean of the hidden states, auto = the model folder's pooling config "
+        "(mean for minilm, cls for the tiny models)",
+        choices=("auto", "cls", "mean"),
+    )
+    head_init: str = _f("zero", "classification head initialization", choices=("zero", "random"))
+    prefix_cache: bool = _f(
+        True,
+        "compute the frozen layers below the LoRA layers once per example and train from "
+        "the cached hidden states (BERT-family models; same outputs up to float rounding)",
+    )
     client_ranks: str = _f(
         "", "heterogeneous ranks: draw each client's rank from this set, e.g. 4,8,16"
     )
@@ -97,9 +118,10 @@ class TrainConfig:
     dirichlet_alpha: float = _f(0.5, "Dirichlet concentration (smaller = more label skew)")
     min_client_size: int = _f(8, "smallest allowed client; Dirichlet draws are redrawn below it")
     dp_level: str = _f(
-        "none",
-        "differential privacy: sample = DP-SGD on clients, client = server-side DP",
-        choices=("none", "sample", "client"),
+        "auto",
+        "differential privacy: sample = DP-SGD on clients, client = server-side DP, none; "
+        "auto = sample when --epsilon or --noise-multiplier is given, else none",
+        choices=("auto", "none", "sample", "client"),
     )
     epsilon: float = _f(0.0, "target ε for the whole run (calibrates σ); 0 = not set")
     noise_multiplier: float = _f(-1.0, "σ given directly (instead of --epsilon); -1 = not set")
@@ -149,10 +171,21 @@ class TrainConfig:
         metadata={"help": "method options key=value (repeatable --opt)", "cli": False},
     )
 
+    def __post_init__(self):
+        self.resolve_dp_level()
+
+    def resolve_dp_level(self) -> None:
+        """``auto`` becomes ``sample`` when a target ε or a σ is set, else ``none``."""
+        if self.dp_level == "auto":
+            given = self.epsilon > 0 or self.noise_multiplier >= 0
+            self.dp_level = "sample" if given else "none"
+
     def validate(self) -> TrainConfig:
         def need(cond: bool, msg: str):
             if not cond:
                 raise UsageError(msg)
+
+        self.resolve_dp_level()
 
         for f in fields(self):
             allowed = field_choices(f)
@@ -179,6 +212,11 @@ class TrainConfig:
         )
         need(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
         need(self.lr > 0 and math.isfinite(self.lr), f"lr must be > 0, got {self.lr}")
+        need(
+            self.head_lr >= 0 and math.isfinite(self.head_lr),
+            f"head_lr must be >= 0 (0 = the same as lr), got {self.head_lr}",
+        )
+        need(self.lora_layers >= 0, f"lora_layers must be >= 0, got {self.lora_layers}")
         need(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
         need(self.alpha > 0 and math.isfinite(self.alpha), f"alpha must be > 0, got {self.alpha}")
         need(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0,1), got {self.lora_dropout}")
@@ -210,7 +248,8 @@ class TrainConfig:
         else:
             need(
                 self.epsilon == 0 and self.noise_multiplier == -1.0,
-                "--epsilon/--noise-multiplier need --dp-level sample or client",
+                "--epsilon/--noise-multiplier cannot be used with --dp-level none "
+                "(leave --dp-level out for sample level, or say sample or client)",
             )
         return self
 

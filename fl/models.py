@@ -10,7 +10,11 @@ Models by name:
 
 The classification head (``classifier`` for BERT, ``score`` for GPT-2) is trained and
 released with the LoRA factors (peft ``modules_to_save``); it is trained under the
-same DP mechanism as the factors and is part of every released adapter.
+same DP mechanism as the factors and is part of every released adapter. It reads the
+pooled encoder output chosen by ``pooling`` (:mod:`fl.heads`: the CLS pooler, or the mean
+of the hidden states, the default of mean-pooling sentence encoders such as minilm) and
+starts at zero by default (``head_init``), so the first DP steps are not spent undoing a
+random projection.
 """
 
 from __future__ import annotations
@@ -73,29 +77,87 @@ def _tiny_config(kind: str, num_labels: int, vocab_size: int):
     )
 
 
-def load_base_model(model: str, num_labels: int, seed: int = 0) -> torch.nn.Module:
-    """Base sequence classifier (no LoRA), in train mode, with a seeded random head."""
-    from transformers import AutoModelForSequenceClassification
+def model_folder(model: str) -> str | None:
+    """The local folder of a model name (None for the random-init tiny models)."""
+    if model in ("tiny-bert", "tiny-gpt2"):
+        return None
+    path = minilm_path() if model == "minilm" else model
+    if not Path(path).is_dir():
+        raise UsageError(f"unknown model {model!r}; choose one of {MODELS} or a local folder")
+    return path
+
+
+def resolve_pooling(model: str, pooling: str) -> str:
+    """``cls`` or ``mean``: ``auto`` reads the model folder's own pooling config
+    (:func:`fl.heads.folder_pooling`); mean for minilm, cls for the tiny models."""
+    from fl.heads import POOLINGS, folder_pooling
+
+    if pooling not in POOLINGS:
+        raise UsageError(f"unknown pooling {pooling!r}; choose one of {list(POOLINGS)}")
+    return folder_pooling(model_folder(model)) if pooling == "auto" else pooling
+
+
+def load_base_model(
+    model: str,
+    num_labels: int,
+    seed: int = 0,
+    pooling: str = "auto",
+    head_init: str = "zero",
+) -> torch.nn.Module:
+    """Base sequence classifier (no LoRA), in train mode: :class:`fl.heads.BertClassifier`
+    or :class:`fl.heads.Gpt2Classifier` with the resolved ``pooling``; the head zero
+    (``head_init="zero"``) or seeded random (``"random"``)."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
+    from fl.heads import CLASSES, HEAD_INITS
+
+    if head_init not in HEAD_INITS:
+        raise UsageError(f"unknown head_init {head_init!r}; choose one of {list(HEAD_INITS)}")
     hf_logging.set_verbosity_error()  # "newly initialized head" notice is expected
     hf_logging.disable_progress_bar()  # our own progress bars say what is happening
+    pool = resolve_pooling(model, pooling)
     torch.manual_seed(seed)
-    if model in ("tiny-bert", "tiny-gpt2"):
-        from transformers import AutoModelForSequenceClassification as Auto
-
+    path = model_folder(model)
+    if path is None:
         tok = load_tokenizer("minilm")
-        net = Auto.from_config(_tiny_config(model, num_labels, tok.vocab_size))
+        config = _tiny_config(model, num_labels, tok.vocab_size)
     else:
-        path = minilm_path() if model == "minilm" else model
-        if not Path(path).is_dir():
-            raise UsageError(f"unknown model {model!r}; choose one of {MODELS} or a local folder")
         try:
-            net = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
+            config = AutoConfig.from_pretrained(path, num_labels=num_labels)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot load model from {path}: {exc}") from None
+    mtype = getattr(config, "model_type", "")
+    fam = "gpt2" if mtype == "gpt2" else "bert"
+    if mtype not in ("bert", "gpt2"):
+        # Another architecture: Hugging Face's own head (its CLS/last-token pooling).
+        if pooling == "mean":
+            raise UsageError(
+                f"pooling 'mean' is implemented for BERT-family and GPT-2 models, not "
+                f"{mtype!r}; use --pooling cls"
+            )
+        pool = "cls"
+    config.fedlora_pooling = pool
+    if mtype in ("bert", "gpt2"):
+        cls = CLASSES[fam]
+    else:
+        from transformers import AutoModelForSequenceClassification as cls
+    if path is None:
+        net = cls(config) if mtype in ("bert", "gpt2") else cls.from_config(config)
+    else:
+        try:
+            net = cls.from_pretrained(path, config=config)
         except (OSError, ValueError) as exc:
             raise UsageError(f"cannot load model from {path}: {exc}") from None
     if getattr(net.config, "pad_token_id", None) is None:
         net.config.pad_token_id = 0
+    if head_init == "zero":
+        head = getattr(net, HEAD_NAMES.get(fam, "classifier"))
+        head = getattr(head, "out_proj", head)  # RoBERTa-style heads end in out_proj
+        with torch.no_grad():
+            head.weight.zero_()
+            if head.bias is not None:
+                head.bias.zero_()
     net.train()
     return net
 
@@ -113,6 +175,13 @@ class LoraSpec:
     alpha: float
     dropout: float = 0.0
     target_modules: tuple[str, ...] | None = None
+    #: LoRA on the top ``top_layers`` transformer layers only (0: every layer)
+    top_layers: int = 0
+
+
+def num_layers(net: torch.nn.Module) -> int:
+    cfg = net.config
+    return int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0))
 
 
 def wrap_lora(net: torch.nn.Module, spec: LoraSpec, seed: int = 0):
@@ -130,6 +199,14 @@ def wrap_lora(net: torch.nn.Module, spec: LoraSpec, seed: int = 0):
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in module_names)]
     if missing:
         raise UsageError(f"LoRA target module(s) {missing} not found in the model")
+    layers = None
+    if spec.top_layers:
+        L = num_layers(net)
+        if not 1 <= spec.top_layers <= L:
+            raise UsageError(
+                f"lora_layers must be in [1, {L}] for this model, got {spec.top_layers}"
+            )
+        layers = list(range(L - spec.top_layers, L))
     cfg = LoraConfig(
         task_type=TaskType.SEQ_CLS,
         r=spec.rank,
@@ -137,6 +214,8 @@ def wrap_lora(net: torch.nn.Module, spec: LoraSpec, seed: int = 0):
         lora_dropout=spec.dropout,
         target_modules=targets,
         fan_in_fan_out=(fam == "gpt2"),
+        layers_to_transform=layers,
+        layers_pattern=None if layers is None else ("h" if fam == "gpt2" else "layer"),
     )
     torch.manual_seed(seed + 1)
     model = get_peft_model(net, cfg)

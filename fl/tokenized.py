@@ -1,4 +1,10 @@
-"""Data on the device: all texts tokenized once, batches cut from them."""
+"""Data on the device: all texts tokenized once, batches cut from them.
+
+A :class:`TokenizedData` may also hold the *prefix cache* of a model whose bottom layers
+are frozen (:mod:`fl.heads`): the hidden states after the frozen layers (``hidden``) or,
+when the whole encoder is frozen, the pooled features (``features``), one row per
+example. Batches then carry those instead of the token ids.
+"""
 
 from __future__ import annotations
 
@@ -18,15 +24,33 @@ class TokenizedData:
         self.attention_mask = enc["attention_mask"]
         self.labels = torch.as_tensor(labels, dtype=torch.long)
         self.lengths = self.attention_mask.sum(dim=1)
+        self.cache_kind: str | None = None  # None, "hidden" or "features"
+        self.cache_key: tuple | None = None
+        self.cache: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    def attach_cache(self, kind: str, key: tuple, values: torch.Tensor) -> None:
+        """Attach a prefix cache: ``kind`` "hidden" (n × max_length × H) or "features"
+        (n × H); ``key`` names the model and cut it belongs to."""
+        if kind not in ("hidden", "features"):
+            raise ValueError(f"unknown cache kind {kind!r}")
+        if values.shape[0] != len(self):
+            raise ValueError(f"cache has {values.shape[0]} rows for {len(self)} examples")
+        self.cache_kind, self.cache_key, self.cache = kind, key, values
+
     def batch(self, idx: torch.Tensor | np.ndarray, device) -> dict[str, torch.Tensor]:
         idx = torch.as_tensor(idx, dtype=torch.long)
         L = int(self.lengths[idx].max()) if len(idx) else 1
-        return {
-            "input_ids": self.input_ids[idx, :L].to(device),
+        out = {
             "attention_mask": self.attention_mask[idx, :L].to(device),
             "labels": self.labels[idx].to(device),
         }
+        if self.cache_kind == "features":
+            out["features"] = self.cache[idx].to(device)
+        elif self.cache_kind == "hidden":
+            out["prefix_hidden"] = self.cache[idx, :L].to(device)
+        else:
+            out["input_ids"] = self.input_ids[idx, :L].to(device)
+        return out

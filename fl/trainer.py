@@ -237,17 +237,30 @@ class LocalTrainer:
     """One peft model (and its Opacus per-sample-gradient wrapper), reused by every
     client: load state → train → read state."""
 
-    def __init__(self, cfg: TrainConfig, num_labels: int, device: torch.device):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        num_labels: int,
+        device: torch.device,
+        frozen_encoder: bool = False,
+    ):
+        """``frozen_encoder``: the method never trains the LoRA factors (the linear
+        probe), so the whole encoder is a frozen prefix and its pooled features can be
+        cached."""
         from opacus import GradSampleModule
 
         self.cfg = cfg
         self.device = device
-        net = load_base_model(cfg.model, num_labels, seed=cfg.seed)
-        targets = tuple(t for t in cfg.target_modules.split(",") if t) or None
-        self.model = wrap_lora(
-            net, LoraSpec(cfg.rank, cfg.alpha, cfg.lora_dropout, targets), seed=cfg.seed
+        net = load_base_model(
+            cfg.model, num_labels, seed=cfg.seed, pooling=cfg.pooling, head_init=cfg.head_init
         )
+        targets = tuple(t for t in cfg.target_modules.split(",") if t) or None
+        spec = LoraSpec(cfg.rank, cfg.alpha, cfg.lora_dropout, targets, cfg.lora_layers)
+        self.model = wrap_lora(net, spec, seed=cfg.seed)
         self.model.to(device)
+        from fl.heads import FrozenPrefix
+
+        self.prefix = FrozenPrefix(self.model, net, frozen_encoder, cfg.prefix_cache)
         self.scaling = F.scaling(cfg.alpha, cfg.rank)
         # Hooks mode: Opacus computes per-sample gradients for trainable params only.
         self.gsm = GradSampleModule(self.model, batch_first=True, loss_reduction="sum")
@@ -340,6 +353,7 @@ class LocalTrainer:
         """
         cfg = self.cfg
         F.set_state(self.model, start)
+        self.prefix.check(data)
         self._ensure_hooks(trainable)
         params = self._set_trainable(trainable)
         flat_names = self._flat_names(params)
@@ -348,10 +362,7 @@ class LocalTrainer:
         n = len(positions)
         q = min(1.0, cfg.batch_size / n)
         expected = q * n
-        if cfg.optimizer == "sgd":
-            opt = torch.optim.SGD(params, lr=cfg.lr)
-        else:
-            opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = self._optimizer(params)
         if opt_state is not None:
             opt.load_state_dict(opt_state)
         for h in hooks:
@@ -404,6 +415,25 @@ class LocalTrainer:
         )
         return result, opt.state_dict()
 
+    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """SGD or AdamW with two parameter groups: the LoRA factors at ``lr``, the head
+        at ``head_lr`` (``lr`` when 0)."""
+        cfg = self.cfg
+        head_ids = {id(p) for p in self.head.values()}
+        groups = [
+            {"params": [p for p in params if id(p) not in head_ids], "lr": cfg.lr},
+            {"params": [p for p in params if id(p) in head_ids], "lr": cfg.head_lr or cfg.lr},
+        ]
+        groups = [g for g in groups if g["params"]]
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=cfg.lr)
+        return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def lr_of(self, flat_name: str) -> float:
+        """The learning rate of a flat state key (``head/...`` or ``factors/...``)."""
+        cfg = self.cfg
+        return (cfg.head_lr or cfg.lr) if flat_name.startswith("head/") else cfg.lr
+
     def _flat_names(self, params: list[torch.nn.Parameter]) -> list[str]:
         ident = {id(p): None for p in params}
         for k, ab in self.lora.items():
@@ -418,6 +448,7 @@ class LocalTrainer:
     @torch.no_grad()
     def evaluate(self, state: dict, data: TokenizedData, batch_size: int) -> dict:
         F.set_state(self.model, state)
+        self.prefix.check(data)
         self.model.eval()
         correct, loss_sum = 0, 0.0
         n = len(data)

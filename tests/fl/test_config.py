@@ -30,6 +30,8 @@ def test_choice_fields_are_the_expected_ones():
         "accountant",
         "canary_kind",
         "transport",
+        "pooling",
+        "head_init",
     }
     assert "fedavg" in field_choices(next(f for f in CHOICE_FIELDS if f.name == "method"))
 
@@ -41,9 +43,22 @@ def test_every_choice_field_is_validated(f):
         TrainConfig(**{f.name: "nope"}).validate()
     for value in field_choices(f):
         kw = {f.name: value}
-        if f.name == "dp_level" and value != "none":
+        if f.name == "dp_level" and value not in ("none", "auto"):
             kw["noise_multiplier"] = 1.0
         TrainConfig(**kw).validate()
+
+
+def test_epsilon_or_sigma_without_dp_level_means_sample_level():
+    assert TrainConfig(epsilon=8.0).validate().dp_level == "sample"
+    assert TrainConfig(noise_multiplier=1.0).validate().dp_level == "sample"
+    assert TrainConfig().validate().dp_level == "none"
+    assert TrainConfig.from_dict({"epsilon": 3}).validate().dp_level == "sample"
+    assert TrainConfig(dp_level="client", epsilon=8.0).validate().dp_level == "client"
+    with pytest.raises(UsageError, match="--dp-level none"):
+        TrainConfig(dp_level="none", epsilon=8.0).validate()
+    cfg = TrainConfig()
+    cfg.dp_level, cfg.epsilon = "auto", 3.0  # set after construction: resolved by validate
+    assert cfg.validate().dp_level == "sample"
 
 
 def test_cli_passes_static_choices_to_argparse():

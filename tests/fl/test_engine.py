@@ -202,7 +202,7 @@ def test_client_level_dp_fedavg_records_one_event_per_round(tmp_path, tiny_cfg):
         (["--model", "/nonexistent/model"], "unknown model"),
         (["--dataset", "nope"], "unknown dataset"),
         (["--config", "/nonexistent.toml"], "config file not found"),
-        (["--epsilon", "8"], "--dp-level"),
+        (["--dp-level", "none", "--epsilon", "8"], "--dp-level none"),
         (["--opt", "mu=0.1"], "unknown option"),
     ],
 )
