@@ -2,14 +2,15 @@
 
 Convention: a *higher* score means "more likely a member" (the canary was IN the training set).
 All score arrays are 1-D floats; epsilon is in nats (natural log); delta and alpha are
-probabilities in (0, 1). Every bound returned holds with probability >= 1 - alpha over the
+probabilities in (0, 1) (the one-run audit also takes delta = 0, pure DP). Every bound returned holds with probability >= 1 - alpha over the
 randomness of the audit (the sampling of scores / canary inclusion), under the stated model.
 
 Two audits:
 
 * :func:`epsilon_lower_bound` - many-run (or many-canary) hypothesis-testing audit from samples of
-  IN and OUT scores: Clopper-Pearson bounds on FPR/FNR of a threshold test, turned into an
-  (eps, delta) bound directly or via the tightest Gaussian-DP curve (Nasr et al. 2023).
+  IN and OUT scores: Clopper-Pearson bounds on FPR/FNR of threshold tests at the vertices of the
+  empirical ROC's concave hull, turned into an (eps, delta) bound directly or via the tightest
+  Gaussian-DP curve (Nasr et al. 2023).
 * :func:`epsilon_one_run` - the one-training-run audit of Steinke, Nasr & Jagielski (2023).
 """
 
@@ -37,6 +38,14 @@ def _check_prob(name: str, value: float) -> float:
     v = float(value)
     if not (0.0 < v < 1.0) or math.isnan(v):
         raise ValueError(f"{name} must be in the open interval (0, 1), got {value}")
+    return v
+
+
+def _check_delta_one_run(value: float) -> float:
+    """delta of the one-run audit: [0, 1); 0 is the theorem's pure-DP case."""
+    v = float(value)
+    if not (0.0 <= v < 1.0) or math.isnan(v):
+        raise ValueError(f"delta must be in [0, 1), got {value}")
     return v
 
 
@@ -162,11 +171,48 @@ def _eps_from_rates(fpr_ub: np.ndarray, fnr_ub: np.ndarray, delta: float) -> np.
     return np.maximum(e, 0.0)
 
 
+def _roc_hull_thresholds(in_sorted: np.ndarray, out_sorted: np.ndarray) -> np.ndarray:
+    """Thresholds at the vertices of the empirical ROC's upper concave hull, both ends excluded.
+
+    ROC points are (FP(t), TP(t)) counts of "member iff score >= t" over every distinct score t
+    (plus +inf). Both inequalities of :func:`_eps_from_rates` and the GDP mu of
+    :func:`_gdp_mu_from_rates` are maximised over a set of (FPR, TPR) points at a vertex of its
+    upper hull: a point under a hull chord is dominated by one of the chord's ends, because the
+    region where each criterion is <= c is convex (a half-plane through a fixed point for
+    eps; the region under a concave Gaussian trade-off curve for mu). The two ends, (0, 0) at
+    t = +inf and (n_out, n_in) at the lowest score, certify nothing (TPR = 0 or FPR = 1 there),
+    so they are not candidates and cost no share of alpha.
+
+    Returns:
+        ascending thresholds, shape (K,) with K >= 0; each is the lowest score with its FP count.
+    """
+    thr = np.append(np.unique(np.concatenate((in_sorted, out_sorted))), np.inf)
+    fp, fn = _counts(in_sorted, out_sorted, thr)
+    # Walk from t = +inf down: FP and TP both grow. Among equal FP keep the largest TP (the
+    # lowest t), the only one of them that can be a vertex.
+    fp, tp, thr = fp[::-1], (in_sorted.size - fn)[::-1], thr[::-1]
+    last = np.append(fp[1:] != fp[:-1], True)
+    x, y, thr = fp[last].tolist(), tp[last].tolist(), thr[last]
+    hull: list[int] = []  # indices of the upper hull, left to right (Andrew's monotone chain)
+    for i in range(len(x)):
+        while len(hull) >= 2:
+            o, a = hull[-2], hull[-1]
+            # pop a unless o -> a -> i turns clockwise (a strictly above the chord o -> i)
+            if (x[a] - x[o]) * (y[i] - y[o]) - (y[a] - y[o]) * (x[i] - x[o]) < 0:
+                break
+            hull.pop()
+        hull.append(i)
+    inner = [i for i in hull if x[i] != 0 or y[i] != 0]
+    inner = [i for i in inner if not (x[i] == out_sorted.size and y[i] == in_sorted.size)]
+    return np.sort(thr[inner])
+
+
 def _threshold_grid(pooled: np.ndarray, n_thresholds: int) -> np.ndarray:
     """Candidate thresholds: pooled-score order statistics at a bounded set of quantile levels.
 
     Half the levels are linear, the rest log-spaced into each tail, because tight epsilon bounds
     come from extreme thresholds (tiny FPR or FNR). Returns <= n_thresholds unique values.
+    The ``candidates="quantiles"`` alternative to the ROC hull.
     """
     s = np.sort(pooled)
     n = s.size
@@ -176,6 +222,15 @@ def _threshold_grid(pooled: np.ndarray, n_thresholds: int) -> np.ndarray:
     levels = np.concatenate((np.linspace(0.0, 1.0, n_lin), tail, 1.0 - tail))
     idx = np.clip(np.round(levels * (n - 1)).astype(np.intp), 0, n - 1)
     return np.unique(s[idx])
+
+
+def _candidates(in_sorted, out_sorted, candidates: str, n_thresholds: int) -> np.ndarray:
+    """The thresholds a bound is computed at (never empty: a lone +inf certifies nothing)."""
+    if candidates == "hull":
+        cand = _roc_hull_thresholds(in_sorted, out_sorted)
+    else:
+        cand = _threshold_grid(np.concatenate((in_sorted, out_sorted)), n_thresholds)
+    return cand if cand.size else np.array([np.inf])
 
 
 def _bound_at(in_sorted, out_sorted, thr, delta, a_each, method):
@@ -199,6 +254,7 @@ def epsilon_lower_bound(
     threshold_selection: str = "split",
     seed: int = 0,
     n_thresholds: int = 100,
+    candidates: str = "hull",
 ) -> dict:
     """Empirical epsilon lower bound from a threshold membership test.
 
@@ -216,12 +272,17 @@ def epsilon_lower_bound(
     final-model threat model is well approximated by it); for arbitrary mechanisms it is a
     heuristic, while ``clopper_pearson`` is assumption-free.
 
+    Candidate thresholds (``candidates``): ``"hull"`` (default) takes the vertices of the
+    empirical ROC's upper concave hull (without its two ends), which contain the maximiser of
+    both inequalities and of mu (see :func:`_roc_hull_thresholds`); ``"quantiles"`` takes
+    <= n_thresholds pooled-score quantiles, dense in both tails.
+
     Threshold choice is data-dependent, so it is corrected:
-      * ``"split"``: the in/out samples are each randomly halved; t maximises the bound on the
-        first half, and the bound is evaluated on the second (independent) half at alpha/2 per
-        rate bound.
-      * ``"bonferroni"``: all K candidate thresholds (<= n_thresholds pooled-score quantiles,
-        dense in both tails) are evaluated on the full data with alpha/(2K) per rate bound.
+      * ``"split"``: the in/out samples are each randomly halved; t maximises the bound over
+        the candidates of the first half, and the bound is evaluated on the second
+        (independent) half at alpha/2 per rate bound.
+      * ``"bonferroni"``: all K candidates are evaluated on the full data with alpha/(2K) per
+        rate bound (K counts exactly the thresholds tried).
 
     Args:
         in_scores: shape (n_in,), scores of canaries that were in the training set.
@@ -231,7 +292,8 @@ def epsilon_lower_bound(
         method: "clopper_pearson" or "gdp".
         threshold_selection: "split" or "bonferroni".
         seed: seed of the Generator used by "split".
-        n_thresholds: size of the candidate grid (>= 1).
+        n_thresholds: size of the quantile grid (>= 1), used by ``candidates="quantiles"``.
+        candidates: "hull" or "quantiles".
 
     Returns:
         dict with ``epsilon_lb`` (nats), ``method``, ``threshold_selection``, ``alpha``, ``delta``,
@@ -242,7 +304,8 @@ def epsilon_lower_bound(
 
     Raises:
         ValueError: naming the problem, for NaN/Inf/empty/non-1-D scores, delta or alpha outside
-            (0, 1), unknown method/threshold_selection, split with fewer than 2 scores per class.
+            (0, 1), unknown method/threshold_selection/candidates, split with fewer than 2
+            scores per class.
     """
     x_in = _check_scores("in_scores", in_scores)
     x_out = _check_scores("out_scores", out_scores)
@@ -254,6 +317,8 @@ def epsilon_lower_bound(
         raise ValueError(
             f"threshold_selection must be 'split' or 'bonferroni', got {threshold_selection!r}"
         )
+    if candidates not in ("hull", "quantiles"):
+        raise ValueError(f"candidates must be 'hull' or 'quantiles', got {candidates!r}")
     if int(n_thresholds) < 1:
         raise ValueError(f"n_thresholds must be >= 1, got {n_thresholds}")
 
@@ -266,7 +331,7 @@ def epsilon_lower_bound(
         p_in, p_out = rng.permutation(x_in), rng.permutation(x_out)
         sel_in, ev_in = np.sort(p_in[: x_in.size // 2]), np.sort(p_in[x_in.size // 2 :])
         sel_out, ev_out = np.sort(p_out[: x_out.size // 2]), np.sort(p_out[x_out.size // 2 :])
-        cand = _threshold_grid(np.concatenate((sel_in, sel_out)), int(n_thresholds))
+        cand = _candidates(sel_in, sel_out, candidates, int(n_thresholds))
         # Selection half: any rule is valid since evaluation data is independent; use the
         # same bound so the chosen t is the one most likely to certify on fresh data.
         crit, *_ = _bound_at(sel_in, sel_out, cand, delta, alpha / 2, method)
@@ -274,7 +339,7 @@ def epsilon_lower_bound(
         a_each = alpha / 2
     else:
         ev_in, ev_out = np.sort(x_in), np.sort(x_out)
-        cand = _threshold_grid(np.concatenate((ev_in, ev_out)), int(n_thresholds))
+        cand = _candidates(ev_in, ev_out, candidates, int(n_thresholds))
         a_each = alpha / (2 * cand.size)
 
     crit, eps, fpr_ub, fnr_ub, mu = _bound_at(ev_in, ev_out, cand, delta, a_each, method)
@@ -283,6 +348,7 @@ def epsilon_lower_bound(
     out = {
         "method": method,
         "threshold_selection": threshold_selection,
+        "candidates": candidates,
         "alpha": alpha,
         "delta": delta,
         "threshold": float(cand[j]),
@@ -395,7 +461,8 @@ def epsilon_one_run(
     Args:
         scores: shape (m,), finite scores; higher = more likely member.
         is_member: shape (m,), bool ground truth inclusion of each canary.
-        delta: delta in (0, 1) of the hypothesis being tested.
+        delta: delta in [0, 1) of the hypothesis being tested; 0 tests pure eps-DP (the
+            p-value is then the plain Binomial tail).
         alpha: failure probability in (0, 1).
         k_pos, k_neg: numbers of positive / negative guesses, k_pos + k_neg <= m.
 
@@ -404,8 +471,8 @@ def epsilon_one_run(
         ``delta``, ``alpha_per_k`` and ``n_k_tried``.
 
     Raises:
-        ValueError: naming the problem, for bad scores/labels, delta/alpha outside (0, 1),
-            negative k or k_pos + k_neg > m.
+        ValueError: naming the problem, for bad scores/labels, delta outside [0, 1), alpha
+            outside (0, 1), negative k or k_pos + k_neg > m.
     """
     s = _check_scores("scores", scores)
     y = np.asarray(is_member)
@@ -417,7 +484,7 @@ def epsilon_one_run(
         if not np.all(np.isin(np.unique(y), [0, 1])):
             raise ValueError("is_member must be boolean or 0/1")
         y = y.astype(bool)
-    delta = _check_prob("delta", delta)
+    delta = _check_delta_one_run(delta)
     alpha = _check_prob("alpha", alpha)
     m = int(s.size)
 

@@ -1,13 +1,20 @@
 """Tests for audit.empirical: validity and tightness of empirical epsilon lower bounds."""
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
-from scipy import integrate
+from scipy import integrate, special
+from scipy.spatial import ConvexHull
 from scipy.stats import binom, norm
 
 from audit.empirical import (
+    _counts,
+    _eps_from_rates,
+    _gdp_mu_from_rates,
+    _roc_hull_thresholds,
     clopper_pearson_upper,
     epsilon_lower_bound,
     epsilon_one_run,
@@ -15,6 +22,8 @@ from audit.empirical import (
     gdp_epsilon,
     one_run_p_value,
 )
+from benchmarks.jax_privacy_compare import compare as jax_compare
+from benchmarks.jax_privacy_compare.arrays import fingerprint, scores
 
 DELTA = 1e-5
 ALPHA = 0.05
@@ -134,6 +143,33 @@ def test_no_leak_gives_zero_bound(method, selection):
     assert false_claims <= MAX_VIOLATIONS
 
 
+# Soundness of every bound on exact mu-GDP pairs away from mu = 1 (mu = 1 is above). At
+# mu = 0.5 the GDP bound must stay below the truth: jax_privacy 2.0.0 does not (it takes |mu| of
+# a negative estimate). "Exceedances" counts eps_lb > truth; "rate misses" counts reps whose CP
+# bounds at the chosen threshold miss a true rate, the sharper check.
+SOUNDNESS_REPS = 100
+MAX_SOUNDNESS = int(binom.ppf(0.999, SOUNDNESS_REPS, ALPHA))
+
+
+@pytest.mark.parametrize("mu, n", [(0.5, 1000), (2.0, 1000), (3.0, 300)])
+@pytest.mark.parametrize("method, selection", CONFIGS)
+def test_soundness_over_repetitions(mu, n, method, selection):
+    truth = gdp_epsilon(mu, DELTA)
+    exceed = rate_misses = 0
+    for i, (x_in, x_out) in enumerate(_gaussian_reps(mu, n, SOUNDNESS_REPS, seed=30)):
+        res = epsilon_lower_bound(
+            x_in, x_out, DELTA, ALPHA, method=method, threshold_selection=selection, seed=i
+        )
+        exceed += res["epsilon_lb"] > truth
+        t = res["threshold"]
+        rate_misses += (norm.sf(t) > res["fpr_ub"]) or (norm.cdf(t - mu) > res["fnr_ub"])
+    print(
+        f"soundness mu={mu} n={n} {method}/{selection}: {exceed}/{SOUNDNESS_REPS} above the "
+        f"truth {truth:.3f}, {rate_misses}/{SOUNDNESS_REPS} rate misses (allowed {MAX_SOUNDNESS})"
+    )
+    assert exceed <= MAX_SOUNDNESS and rate_misses <= MAX_SOUNDNESS
+
+
 # Measured at n = 100k per class, mu = 1, delta = 1e-5 (truth 4.377), 10 datasets: clopper_pearson
 # reaches 0.46-0.66 of the truth (mean 0.57 split, 0.61 bonferroni): at small delta the optimal
 # threshold sits at FPR ~ 1e-5 where 100k samples have almost no counts, so CP is capped near
@@ -200,6 +236,87 @@ def test_result_fields_and_direction():
     )
 
 
+# --------------------------------------------------------------------------- ROC hull candidates
+
+
+def _hull_reference(x_in, x_out):
+    """Hull-vertex thresholds by qhull: the ROC points plus the corner (n_out, 0) form a convex
+    polygon whose vertices are the upper hull, that corner and the two trivial ends."""
+    thr = np.append(np.unique(np.concatenate((x_in, x_out))), np.inf)
+    fp, fn = _counts(np.sort(x_in), np.sort(x_out), thr)
+    tp = x_in.size - fn
+    pts = np.column_stack((fp, tp)).astype(float)
+    hull = ConvexHull(np.vstack((pts, [[x_out.size, 0.0]])))
+    verts = {tuple(pts[i]) for i in hull.vertices if i < len(pts)}
+    verts -= {(0.0, 0.0), (float(x_out.size), float(x_in.size))}
+    # each vertex's threshold: the lowest score with that (FP, TP)
+    return np.sort([thr[(fp == a) & (tp == b)].min() for a, b in verts])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_roc_hull_matches_qhull(seed):
+    rng = np.random.default_rng(seed)
+    n_in, n_out = rng.integers(5, 60, size=2)
+    mu = rng.choice([0.0, 0.5, 2.0])
+    # rounded scores: ties inside and across the classes
+    x_in = np.round(rng.normal(mu, 1, n_in), int(rng.integers(0, 3)))
+    x_out = np.round(rng.normal(0, 1, n_out), int(rng.integers(0, 3)))
+    got = _roc_hull_thresholds(np.sort(x_in), np.sort(x_out))
+    np.testing.assert_array_equal(got, _hull_reference(x_in, x_out))
+
+
+def test_roc_hull_contains_the_maximiser():
+    """Over every distinct threshold, both criteria peak at a hull vertex (for any rates that are
+    increasing affine maps of the counts; here add-one smoothed, so no rate is 0)."""
+    rng = np.random.default_rng(3)
+    for mu in (0.3, 1.0, 2.5):
+        x_in, x_out = np.sort(rng.normal(mu, 1, 300)), np.sort(rng.normal(0, 1, 400))
+        every = np.append(np.unique(np.concatenate((x_in, x_out))), np.inf)
+        hull = _roc_hull_thresholds(x_in, x_out)
+        assert 2 <= hull.size < every.size / 10
+
+        def rates(t, x_in=x_in, x_out=x_out):
+            fp, fn = _counts(x_in, x_out, t)
+            return (fp + 1) / (x_out.size + 2), (fn + 1) / (x_in.size + 2)
+
+        for crit in (lambda f, g: _eps_from_rates(f, g, 1e-3), _gdp_mu_from_rates):
+            assert crit(*rates(hull)).max() == pytest.approx(crit(*rates(every)).max(), rel=1e-12)
+
+
+def test_bonferroni_counts_the_candidates_tried():
+    rng = np.random.default_rng(4)
+    x_in, x_out = rng.normal(1, 1, 3000), rng.normal(0, 1, 3000)
+    k = _roc_hull_thresholds(np.sort(x_in), np.sort(x_out)).size
+    for method in ("clopper_pearson", "gdp"):
+        res = epsilon_lower_bound(
+            x_in, x_out, DELTA, method=method, threshold_selection="bonferroni"
+        )
+        assert res["candidates"] == "hull" and res["n_candidates"] == k
+        assert res["alpha_per_bound"] == pytest.approx(ALPHA / (2 * k))
+    quant = epsilon_lower_bound(
+        x_in, x_out, DELTA, threshold_selection="bonferroni", candidates="quantiles"
+    )
+    assert quant["n_candidates"] <= 100
+    # identical scores: nothing to try, nothing certified
+    flat = epsilon_lower_bound(np.ones(50), np.ones(50), DELTA, threshold_selection="bonferroni")
+    assert flat["epsilon_lb"] == 0.0
+
+
+# --------------------------------------------------------------------------- closed-form reference
+
+
+@pytest.mark.parametrize("mu", [0.5, 1.0, 2.0, 3.0])
+def test_bound_formulas_are_exact_on_population_rates(mu):
+    """N(mu,1) vs N(0,1): threshold tests are Neyman-Pearson optimal, so with the true rates
+    FPR(t) = Phi(-t), FNR(t) = Phi(t - mu) the (eps, delta) inequalities peak exactly at the
+    closed-form eps(delta) of mu-GDP, and every threshold gives back mu itself."""
+    t = np.linspace(-8, 12, 400_001)
+    fpr, fnr = norm.sf(t), norm.cdf(t - mu)
+    assert _eps_from_rates(fpr, fnr, DELTA).max() == pytest.approx(gdp_epsilon(mu, DELTA), rel=1e-6)
+    mid = np.abs(t - mu / 2) < 4  # where both rates are well above float resolution
+    np.testing.assert_allclose(_gdp_mu_from_rates(fpr[mid], fnr[mid]), mu, rtol=1e-9)
+
+
 # --------------------------------------------------------------------------- one-run audit
 
 
@@ -261,6 +378,42 @@ def test_one_run_delta_zero_is_binomial_tail():
         assert one_run_p_value(1000, r, v, eps, 0.0) == pytest.approx(binom.sf(v - 1, r, q))
     # Larger delta can only weaken the bound.
     assert one_run_p_value(1000, 100, 90, 1.0, 1e-3) >= one_run_p_value(1000, 100, 90, 1.0, 0.0)
+
+
+def test_one_run_pure_dp_closed_form():
+    """delta = 0: r guesses all right has p-value q^r, so eps_lb = logit(alpha^(1/r)) exactly."""
+    m, r = 400, 60
+    scores = np.arange(m, 0, -1, dtype=float)
+    is_member = np.zeros(m, dtype=bool)
+    is_member[:r] = True
+    is_member[r:] = np.arange(m - r) % 2 == 0
+    res = epsilon_one_run(scores, is_member, 0.0, ALPHA, k_pos=r)
+    assert (res["r"], res["v"], res["delta"]) == (r, r, 0.0)
+    assert res["epsilon_lb"] == pytest.approx(special.logit(ALPHA ** (1 / r)), rel=1e-8)
+    # Pure DP is the stronger claim, so refuting it needs no more evidence.
+    assert (
+        res["epsilon_lb"] >= epsilon_one_run(scores, is_member, 1e-5, ALPHA, k_pos=r)["epsilon_lb"]
+    )
+    # The default guess grid also runs at delta = 0.
+    assert epsilon_one_run(scores, is_member, 0.0)["epsilon_lb"] > 0
+
+
+@pytest.mark.parametrize("mu", [1.0, 2.0])
+def test_one_run_soundness_over_repetitions(mu):
+    """Canaries in with probability 1/2 (the theorem's setting), member scores N(mu, 1)."""
+    truth = gdp_epsilon(mu, DELTA)
+    rng = np.random.default_rng(31)
+    exceed, lbs = 0, []
+    for _ in range(SOUNDNESS_REPS):
+        member = rng.random(1000) < 0.5
+        res = epsilon_one_run(rng.normal(mu * member, 1.0), member, DELTA, ALPHA)
+        exceed += res["epsilon_lb"] > truth
+        lbs.append(res["epsilon_lb"])
+    print(
+        f"one-run soundness mu={mu}: {exceed}/{SOUNDNESS_REPS} above the truth {truth:.3f}, "
+        f"mean eps_lb {np.mean(lbs):.3f}"
+    )
+    assert exceed <= MAX_SOUNDNESS and np.mean(lbs) > 0.1 * truth
 
 
 def test_one_run_counts_positive_and_negative_guesses():
@@ -330,7 +483,8 @@ def test_epsilon_lower_bound_validation(kwargs, match):
         ({"scores": [0.1, np.nan, 0.3, 0.4]}, "NaN"),
         ({"scores": [], "is_member": []}, "empty"),
         ({"is_member": [True, False]}, "same length"),
-        ({"delta": 0.0}, "delta"),
+        ({"delta": -1e-5}, "delta"),
+        ({"delta": 1.0}, "delta"),
         ({"delta": 2.0}, "delta"),
         ({"alpha": 1.0}, "alpha"),
         ({"k_pos": 3, "k_neg": 2}, "k_pos \\+ k_neg"),
@@ -351,3 +505,28 @@ def test_gdp_helpers_validation():
         gdp_epsilon(-1.0, 1e-5)
     with pytest.raises(ValueError, match="mu"):
         gdp_delta(-1.0, 1.0)
+
+
+# --------------------------------------------------------------------------- side-by-side table
+
+TABLE = Path(jax_compare.__file__).with_name("results.json")
+
+
+def test_bounds_not_looser_than_recorded():
+    """The committed table (benchmarks/jax_privacy_compare) holds the toolkit to its figures:
+    no bound may drop below its recorded value on the regenerated arrays, the recorded
+    Clopper-Pearson, GDP and one-run figures are at least jax_privacy's (GDP: its upstream fix,
+    since 2.0.0's larger figures exceed the truth) and none exceeds the truth."""
+    table = json.loads(TABLE.read_text())
+    assert (table["delta"], table["alpha"]) == (DELTA, ALPHA)
+    for row in table["rows"]:
+        mu, n = row["mu"], row["n"]
+        assert row["fingerprint"] == fingerprint(*scores(mu, n)), (mu, n)
+        now = jax_compare.toolkit_bounds(mu, n)
+        for name, recorded in row["toolkit"].items():
+            assert now[name] >= recorded * (1 - 1e-6) - 1e-9, (mu, n, name, now[name], recorded)
+            assert recorded <= row["truth"], (mu, n, name)
+        jax = row["jax_privacy"]
+        assert row["toolkit"]["cp_bonferroni"] >= jax["cp_bonferroni"], (mu, n)
+        assert row["toolkit"]["gdp"] >= row["jax_privacy_upstream_gdp"], (mu, n)
+        assert row["toolkit"]["one_run"] >= jax["one_run"], (mu, n)
