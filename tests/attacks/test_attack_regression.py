@@ -2,8 +2,9 @@
 (a target and four shadows whose signals are drawn from a seeded generator; no model is
 trained) must give the same scores, ROC metrics, threat models and shadow record as the
 pre-registry implementation did. ``data/attack_golden.json`` was written by that
-implementation (``attacks.run._attack_core`` at commit 6167c04); only the timings
-(``seconds``, ``shared_shadow_seconds``, ``signal_seconds_total``) are left out of it."""
+implementation (``attacks.run._attack_core`` of commit 6167c04, driven with these same
+synthetic inputs by this file as of commit 7bb5f0f); only the timings (``seconds``,
+``shared_shadow_seconds``, ``signal_seconds_total``) are left out of it."""
 
 import json
 from pathlib import Path
@@ -64,25 +65,36 @@ def _strip(doc: dict) -> dict:
 
 
 def run_case(case: str, out: Path, monkeypatch) -> tuple[dict, dict]:
-    """(attacks.json's attacks + shadows without timings, scores.npz as lists)."""
+    """(attacks.json's attacks + shadows without timings, scores.npz as lists), from
+    :func:`attacks.run.attack` on a run-directory target whose signals (the target's and
+    the shadows') are the synthetic ones: no model is loaded or trained."""
     import attacks.reference
     import attacks.run
+    import attacks.target
+    from attacks.config import AttackConfig
+    from attacks.target import Target
     from fl.config import TrainConfig
 
     ids, labels, role, target, in_mask, shadows = synthetic()
     by_dir = {Path(f"shadow_{j}"): s for j, s in enumerate(shadows)}
+    by_dir[Path("target")] = target
     monkeypatch.setattr(
         attacks.reference, "train_shadows", lambda *a, **k: _fake_shadow_set(in_mask)
     )
-    monkeypatch.setattr(attacks.run, "adapter_signals", lambda d, *a, **k: by_dir[Path(d)])
-    kw = CASES[case]
-    eval_idx = np.flatnonzero(role != "test")
-    doc = attacks.run._attack_core(
-        target, ids, [f"text {i}" for i in ids], labels, eval_idx, role[eval_idx] == "member",
-        np.flatnonzero(role == "test"), TrainConfig(seed=5), "tiny-bert", 16, C, kw["attacks"],
-        K, out, "cpu", kw["seed"], kw["global_variance"], kw["rmia_a"], kw["rmia_gamma"], False,
-        kw["n_bootstrap"], "synthetic pool",
+    for mod in (attacks.run, attacks.target):
+        monkeypatch.setattr(mod, "adapter_signals", lambda d, *a, **k: by_dir[Path(d)])
+    kw = dict(CASES[case])
+    cfg = AttackConfig.with_variance(
+        kw.pop("global_variance"), bootstrap=kw.pop("n_bootstrap"), shadows=K, device="cpu",
+        progress=False, **kw,
     )  # fmt: skip
+    tgt = Target(
+        kind="run", source=str(out / "run"), adapter_dir=Path("target"), base_model="tiny-bert",
+        max_length=16, base_seed=0, num_labels=C, batch_size=128, ids=tuple(ids),
+        texts=tuple(f"text {i}" for i in ids), labels=labels, role=role,
+        shadow_config=TrainConfig(seed=5), pool_note="synthetic pool",
+    )  # fmt: skip
+    doc = attacks.run.attack(tgt, cfg, out=out)
     with np.load(out / "scores.npz") as z:
         scores = {k: z[k].tolist() for k in z.files}
     return _strip(doc), scores

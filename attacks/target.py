@@ -1,0 +1,356 @@
+"""What is attacked: one frozen record for a run directory, a foreign PEFT adapter or a
+release bundle, with its candidate examples and the pipeline its shadows are trained with.
+
+Three ways in (each a constructor of :class:`Target`):
+
+- a run directory (:meth:`Target.from_run`): members and non-members from the run's
+  ``splits.json`` are the candidates; the attacker pool adds the run's test examples,
+  which are also RMIA's population z; shadows use the run's configuration;
+- a foreign adapter (:meth:`Target.from_adapter`): candidates from two CSV/JSONL files,
+  pool = z = the candidates; shadows use a reference pipeline (one client, non-private,
+  the adapter's rank / alpha / target modules, overridden by ``shadow_config``);
+- a release bundle (:meth:`Target.from_bundle`): as a foreign adapter, with the base
+  model, max_length, seed and shadow configuration from the bundle's public manifest.
+
+:class:`TargetSpec` is how ``fedlora attack`` names a target (its flags are generated from
+the fields); :meth:`TargetSpec.resolve` checks the combination and builds the record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from attacks.signals import (
+    Signals,
+    adapter_num_labels,
+    adapter_signals,
+    load_bundle,
+    load_run,
+    read_adapter_config,
+)
+from fl.errors import UsageError
+
+KINDS = ("run", "adapter", "bundle")
+
+
+@dataclass(frozen=True, eq=False)
+class Target:
+    """A released adapter on its base model, and the attacker pool of m examples:
+    candidates (role ``member`` / ``nonmember``, the evaluation points) and, for a run
+    directory, the attacker's own examples (role ``test``)."""
+
+    kind: str  # one of KINDS
+    source: str  # the run directory, adapter folder or bundle, as attacks.json names it
+    adapter_dir: Path  # PEFT adapter folder (adapter_config.json + safetensors)
+    base_model: str  # fl.models name or local HF folder
+    max_length: int  # tokens per example
+    base_seed: int  # seed of a random-init base model (tiny-bert, tiny-gpt2)
+    num_labels: int  # classes of the head
+    batch_size: int  # examples per forward pass when computing signals
+    ids: tuple[str, ...]  # (m,) pool ids
+    texts: tuple[str, ...]  # (m,)
+    labels: np.ndarray  # (m,) int64
+    role: np.ndarray  # (m,) "member" | "nonmember" | "test"
+    shadow_config: object  # fl.config.TrainConfig of the shadows' training pipeline
+    pool_note: str  # how the attacker pool was formed (attacks.json's shadow design)
+    method: str | None = None  # the target's own method, dataset, DP level, where known
+    dataset: str | None = None
+    dp_level: str | None = None
+    members_from: str | None = None  # the candidate files (foreign adapter, bundle)
+    nonmembers_from: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown target kind {self.kind!r}; choose one of {KINDS}")
+        m = len(self.texts)
+        if not (len(self.ids) == len(self.labels) == len(self.role) == m):
+            raise ValueError("ids, texts, labels and role must have one entry per example")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def eval_idx(self) -> np.ndarray:
+        """Pool indices of the evaluation points (members, then non-members)."""
+        return np.flatnonzero(self.role != "test")
+
+    @property
+    def is_member(self) -> np.ndarray:
+        """(n,) bool over the evaluation points."""
+        return self.role[self.eval_idx] == "member"
+
+    @property
+    def z_idx(self) -> np.ndarray:
+        """Pool indices of RMIA's population z: a run's test examples, else the whole pool."""
+        if self.kind == "run":
+            return np.flatnonzero(self.role == "test")
+        return np.arange(len(self.texts))
+
+    @property
+    def default_attacks(self) -> tuple[str, ...]:
+        """Every attack for a run directory; the loss attack (no shadows) otherwise."""
+        from attacks.config import FAMILIES
+
+        return FAMILIES if self.kind == "run" else ("loss",)
+
+    @property
+    def default_out(self) -> Path:
+        return Path(self.source) / "attacks"
+
+    def signals(self, device="auto", cache_dir=None, progress: bool = True) -> Signals:
+        """The target model's signals on the whole pool (m rows, pool order)."""
+        return adapter_signals(
+            self.adapter_dir,
+            self.base_model,
+            list(self.texts),
+            self.labels,
+            self.max_length,
+            device=device,
+            seed=self.base_seed,
+            num_labels=self.num_labels,
+            batch_size=self.batch_size,
+            cache_dir=cache_dir,
+            progress=progress,
+        )
+
+    def document(self) -> dict:
+        """attacks.json's ``target`` block."""
+        counts = {
+            "n_members": int(self.is_member.sum()),
+            "n_nonmembers": int((~self.is_member).sum()),
+        }
+        if self.kind == "run":
+            return {
+                "run_dir": self.source,
+                "model": self.base_model,
+                "dataset": self.dataset,
+                "method": self.method,
+                "dp_level": self.dp_level,
+                **counts,
+            }
+        doc = {
+            "adapter": self.source if self.kind == "adapter" else str(self.adapter_dir),
+            "model": self.base_model,
+            **counts,
+        }
+        if self.kind == "bundle":
+            doc.update(
+                bundle=self.source,
+                method=self.method,
+                dataset=self.dataset,
+                dp_level=self.dp_level,
+                members_from=self.members_from,
+                nonmembers_from=self.nonmembers_from,
+            )
+        return doc
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_run(cls, run_dir) -> Target:
+        """A finished run directory (see :func:`attacks.signals.load_run`)."""
+        from fl.config import TrainConfig
+
+        run = load_run(run_dir)
+        cfg = TrainConfig.from_dict(run.config)
+        raw = run.config
+        return cls(
+            kind="run",
+            source=str(run.run_dir),
+            adapter_dir=run.run_dir / "adapter",
+            base_model=raw["model"],
+            max_length=int(raw.get("max_length", 64)),
+            base_seed=int(raw.get("seed", 0)),
+            num_labels=run.num_labels,
+            batch_size=int(raw.get("eval_batch_size", 128)),
+            ids=tuple(run.ids),
+            texts=tuple(run.texts),
+            labels=run.labels,
+            role=run.role,
+            shadow_config=cfg,
+            pool_note="the run's members ∪ non-members ∪ test examples",
+            method=cfg.method,
+            dataset=cfg.dataset,
+            dp_level=cfg.dp_level,
+        )
+
+    @classmethod
+    def from_adapter(
+        cls,
+        adapter,
+        model: str,
+        members_file,
+        nonmembers_file,
+        max_length: int = 64,
+        base_seed: int = 0,
+        shadow_config: dict | None = None,
+    ) -> Target:
+        """A PEFT LoRA adapter trained elsewhere, on ``model``, with the candidates of two
+        local files. The shadows' reference pipeline is fedlora's centralised training
+        (one client, non-private) of a LoRA of the adapter's rank, alpha and target modules,
+        TrainConfig defaults overridden by ``shadow_config`` (fields of TrainConfig)."""
+        from fl.config import TrainConfig
+        from fl.data import load_local
+
+        acfg = read_adapter_config(adapter)
+        mem = load_local(str(members_file))
+        non = load_local(str(nonmembers_file))
+        (ml, nl), n_cls = _joint_labels([mem, non])
+        num_labels = adapter_num_labels(adapter) or n_cls
+        if n_cls > num_labels:
+            raise UsageError(
+                f"the data has {n_cls} classes but the adapter's head has {num_labels}"
+            )
+        tm = acfg.get("target_modules")
+        d = dict(
+            model=model,
+            dataset="synthetic",
+            max_length=max_length,
+            rank=int(acfg.get("r", 8)),
+            alpha=float(acfg.get("lora_alpha", 16)),
+            target_modules=",".join(tm) if isinstance(tm, list) else "",
+            clients=1,
+            seed=base_seed,
+        )
+        d.update(shadow_config or {})
+        scfg = TrainConfig.from_dict(d)
+        ids = [f"members:{i}" for i in range(len(mem))]
+        ids += [f"nonmembers:{i}" for i in range(len(non))]
+        return cls(
+            kind="adapter",
+            source=str(adapter),
+            adapter_dir=Path(adapter),
+            base_model=model,
+            max_length=max_length,
+            base_seed=base_seed,
+            num_labels=num_labels,
+            batch_size=128,
+            ids=tuple(ids),
+            texts=tuple(mem.texts) + tuple(non.texts),
+            labels=np.concatenate([ml, nl]),
+            role=np.array(["member"] * len(mem) + ["nonmember"] * len(non)),
+            shadow_config=scfg,
+            pool_note=(
+                "the given members ∪ non-members (reference pipeline: fedlora, "
+                f"{scfg.clients} client(s), {scfg.rounds} rounds × {scfg.local_steps} steps, "
+                f"dp_level={scfg.dp_level})"
+            ),
+            members_from=str(members_file),
+            nonmembers_from=str(nonmembers_file),
+        )
+
+    @classmethod
+    def from_bundle(
+        cls, bundle_dir, members_file, nonmembers_file, shadow_config: dict | None = None
+    ) -> Target:
+        """A release bundle (``RUN/release``, ``fedlora export``): it carries no member
+        list, so the candidates come from two files; the base model, max_length and seed
+        from its public manifest, whose configuration (updated with ``shadow_config``)
+        also trains the shadows."""
+        b = load_bundle(bundle_dir)
+        cfg = b.config
+        shadow = {k: v for k, v in cfg.items() if k not in ("device", "progress")}
+        shadow.update(shadow_config or {})
+        t = cls.from_adapter(
+            b.adapter_dir,
+            cfg["model"],
+            members_file,
+            nonmembers_file,
+            max_length=int(cfg.get("max_length", 64)),
+            base_seed=int(cfg.get("seed", 0)),
+            shadow_config=shadow,
+        )
+        return replace(
+            t,
+            kind="bundle",
+            source=str(b.bundle_dir),
+            method=cfg.get("method"),
+            dataset=cfg.get("dataset"),
+            dp_level=cfg.get("dp_level"),
+        )
+
+
+def _joint_labels(datasets) -> tuple[list[np.ndarray], int]:
+    """Map the label strings of several local files to one set of class indices (integers
+    as themselves, else sorted names, as fl.data.load_local does for one file)."""
+    raw = [[d.label_names[i] for i in d.labels] for d in datasets]
+    names = sorted({v for r in raw for v in r})
+    if all(v.lstrip("-").isdigit() for v in names):
+        vals = [np.asarray([int(v) for v in r], np.int64) for r in raw]
+        if min(int(v) for v in names) < 0:
+            raise UsageError("integer labels must be >= 0")
+        return vals, max(int(v) for v in names) + 1
+    return [np.asarray([names.index(v) for v in r], np.int64) for r in raw], len(names)
+
+
+def _f(help: str, default=None, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """How ``fedlora attack`` names a target: a run directory or a release bundle
+    (``run_dir``), or a foreign adapter (``adapter``, ``model``); the candidate files
+    (``members``, ``nonmembers``) for a bundle or an adapter."""
+
+    run_dir: str | None = _f(
+        "a finished fedlora run directory, or a release bundle (with --members and --nonmembers)",
+        cli=False,  # the positional RUN_OR_BUNDLE
+    )
+    adapter: str | None = _f("PEFT LoRA adapter folder (adapter_model.safetensors)")
+    model: str | None = _f("base model: minilm | tiny-bert | tiny-gpt2 | local folder")
+    members: str | None = _f("CSV/JSONL of member examples (text, label); also for a bundle")
+    nonmembers: str | None = _f("CSV/JSONL of non-member examples (text, label); also for a bundle")
+    max_length: int = _f("tokens per example", 64)
+    base_seed: int = _f("seed of a random-init base model", 0)
+    shadow_config: str | None = _f(
+        "TOML of TrainConfig fields for the reference pipeline (default: a bundle's "
+        "configuration; for --adapter 1 client, non-private, TrainConfig defaults, the "
+        "adapter's rank/alpha/targets)"
+    )
+
+    def resolve(self) -> Target:
+        """The :class:`Target` named, or a UsageError for a combination that names none."""
+        from fl.release import is_release
+
+        foreign = [self.adapter, self.model, self.members, self.nonmembers]
+        if self.run_dir and is_release(self.run_dir):
+            if self.adapter or self.model:
+                raise UsageError(
+                    f"{self.run_dir} is a release bundle: it brings its adapter and base "
+                    "model; give only --members FILE and --nonmembers FILE"
+                )
+            if not (self.members and self.nonmembers):
+                raise UsageError(
+                    f"{self.run_dir} is a release bundle: it carries no member list (that "
+                    "lives in the operator's splits.json); give --members FILE and "
+                    "--nonmembers FILE with the candidate examples"
+                )
+            return Target.from_bundle(
+                self.run_dir, self.members, self.nonmembers, self._shadow_overrides()
+            )
+        if self.run_dir:
+            if any(foreign):
+                raise UsageError("give either RUN_DIR or --adapter/--model/--members/--nonmembers")
+            return Target.from_run(self.run_dir)
+        if not all(foreign):
+            raise UsageError(
+                "give RUN_DIR, or all of --adapter, --model, --members and --nonmembers"
+            )
+        return Target.from_adapter(
+            self.adapter,
+            self.model,
+            self.members,
+            self.nonmembers,
+            max_length=self.max_length,
+            base_seed=self.base_seed,
+            shadow_config=self._shadow_overrides(),
+        )
+
+    def _shadow_overrides(self) -> dict | None:
+        """The --shadow-config TOML's fields (a run directory's shadows ignore it)."""
+        if not self.shadow_config:
+            return None
+        from fl.config import load_toml
+
+        return load_toml(self.shadow_config)
