@@ -5,33 +5,13 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from fl.cli import main
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # On shared, busy cores a second intra-op thread slows tiny models down several times.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    from fl.config import TrainConfig
-    from fl.engine import train
-
-    cfg = TrainConfig(
-        model="tiny-bert", dataset="synthetic", members=16, nonmembers=8, test=8,
-        max_length=16, clients=1, rounds=1, local_steps=4, batch_size=8, lr=0.02, rank=4,
-        alpha=8.0, progress=False, device="cpu", seed=5,
-    )  # fmt: skip
-    d = tmp_path_factory.mktemp("cli") / "run"
-    train(cfg, d, quiet=True)
-    return d
+def run_dir(train_target):
+    return train_target("cli", seed=5)[0]
 
 
 def test_cli_writes_results_and_json(run_dir, tmp_path, capsys):

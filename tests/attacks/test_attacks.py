@@ -6,7 +6,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 from scipy.stats import norm
 
@@ -142,35 +141,19 @@ ALL = ("loss", "calibration", "shadow", "shadow_single", "lira_online", "lira_of
        "rmia_online", "rmia_offline")  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # On shared, busy cores a second intra-op thread slows tiny models down several times.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def attacked(tmp_path_factory):
+def attacked(train_target):
     """A tiny-bert target made to memorize 16 members, attacked with 4 shadows; and the
     same set-up with the adapter reset to its untrained state (LoRA B = 0 and a head that
     never saw data), attacked with the same shadows."""
     from attacks.run import run_attacks
-    from fl.config import TrainConfig
-    from fl.engine import train
 
-    root = tmp_path_factory.mktemp("e2e")
-    cfg = TrainConfig(
-        model="tiny-bert", dataset="synthetic", members=16, nonmembers=8, test=8,
-        max_length=16, clients=1, rounds=1, local_steps=40, batch_size=8, lr=0.02, rank=4,
-        alpha=8.0, progress=False, device="cpu", seed=0,
-    )  # fmt: skip
-    train(cfg, root / "mem", quiet=True)
+    mem_dir = train_target("e2e", local_steps=40, seed=0)[0]
+    root = mem_dir.parent
     kw = dict(shadows=4, device="cpu", progress=False, n_bootstrap=20, shadow_dir=root / "sh")
-    mem = run_attacks(root / "mem", out=root / "mem_out", **kw)
+    mem = run_attacks(mem_dir, out=root / "mem_out", **kw)
     null_dir = root / "null"
-    shutil.copytree(root / "mem", null_dir)
+    shutil.copytree(mem_dir, null_dir)
     w = load_file(str(null_dir / "adapter" / "adapter_model.safetensors"))
     for key in w:
         if "lora_B" in key:

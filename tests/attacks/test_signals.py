@@ -48,28 +48,9 @@ def test_phi_is_stable_for_confident_logits():
     assert np.isfinite(s.loss).all() and s.loss[1] == pytest.approx(400.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # On shared, busy cores a second intra-op thread slows tiny models down several times.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    from fl.config import TrainConfig
-    from fl.engine import train
-
-    cfg = TrainConfig(
-        model="tiny-bert", dataset="synthetic", members=24, nonmembers=12, test=20,
-        max_length=16, clients=1, rounds=1, local_steps=6, batch_size=8, lr=0.05, rank=4,
-        alpha=8.0, progress=False, device="cpu", seed=3,
-    )  # fmt: skip
-    d = tmp_path_factory.mktemp("sig") / "run"
-    man = train(cfg, d, quiet=True)
-    return d, man
+def tiny_run(train_target):
+    return train_target("sig", members=24, nonmembers=12, test=20, local_steps=6, lr=0.05, seed=3)
 
 
 def test_run_signals_reproduce_the_engine_evaluation(tiny_run, tmp_path):
