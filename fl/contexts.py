@@ -1,7 +1,8 @@
 """What a method sees of the engine: :class:`ClientContext` (a client handler's view:
 its id, data, persistent state and ``train``), :class:`ServerContext` (the server
 program's view), and :class:`InProcessTransport`, which hands a ClientContext to the
-method's handlers in this process.
+method's handlers in this process. Methods may use only the members of the protocols
+they implement, :class:`fl.methods.context.ClientView` and ``ServerView``.
 
 The contexts hold the :class:`fl.engine.Engine` they were built from but do not import
 it: the engine imports this module (no cycle; see pyproject's contracts).
@@ -23,7 +24,9 @@ from fl.transport import Delivery
 
 
 class ClientContext:
-    """What a client handler sees: its id, data size, persistent state, and ``train``."""
+    """What a client handler sees: its id, data size, persistent state, and ``train``
+    (``ClientView``; ``engine``, ``positions``, ``events`` and ``steps`` are the
+    transports' side)."""
 
     def __init__(self, engine, cid: str, rnd: RoundInfo):  # engine: fl.engine.Engine
         self.engine = engine
@@ -147,7 +150,7 @@ class InProcessTransport:
 
 
 class ServerContext:
-    """What a method's server program sees of the engine."""
+    """What a method's server program sees of the engine (``ServerView``)."""
 
     def __init__(self, engine):  # engine: fl.engine.Engine
         self.e = engine
@@ -189,8 +192,20 @@ class ServerContext:
     def log(self, msg: str) -> None:
         self.e.log(msg)
 
-    def client_sizes(self) -> dict[str, int]:
-        return {c: len(p) for c, p in self.e.client_positions.items()}
-
     def client_rank(self, cid: str) -> int:
         return self.e.client_ranks.get(cid, self.e.cfg.rank)
+
+    @property
+    def model(self):
+        """The one shared peft model :meth:`evaluate` runs (for a base-weight overlay)."""
+        return self.e.trainer.model
+
+    def is_eval_round(self, rnd: RoundInfo) -> bool:
+        """The engine's evaluation rounds: every ``eval_every``-th and the last."""
+        cfg = self.e.cfg
+        return (rnd.index + 1) % cfg.eval_every == 0 or rnd.index + 1 == cfg.rounds
+
+    def evaluate(self, state: dict) -> dict:
+        """Accuracy and loss of ``state`` on the test data (as the engine evaluates)."""
+        e = self.e
+        return e.trainer.evaluate(state, e.test_data, e.cfg.eval_batch_size)

@@ -7,8 +7,11 @@ A method is written once and runs unchanged on any transport:
   each client's ``on_<stage>`` handler and returns :class:`Replies`. It may be called
   several times per round (FedASK's two stages). It returns the round's metrics.
 - ``on_<stage>(client, payload)`` runs where the client's data lives. ``client`` is a
-  :class:`fl.engine.ClientContext`: ``client.train(...)`` does local (DP-)SGD and
+  :class:`fl.methods.context.ClientView`: ``client.train(...)`` does local (DP-)SGD and
   records its DP event; ``client.state`` persists between stages and rounds.
+
+A method sees the engine only through ``ClientView`` and ``ServerView`` (``self.server``):
+nothing else of the engine, its trainer or its configuration.
 
 Payloads and replies are dicts of tensors, numbers, strings and nested dicts of those
 (what a Flower record can carry).
@@ -25,6 +28,7 @@ import torch
 
 from fl import factors as F
 from fl.errors import UsageError
+from fl.methods.context import ClientView, ServerView  # noqa: F401 - the contract's views
 from fl.privacy import clipping
 from fl.rounds import Replies, RoundInfo  # noqa: F401 - the method contract's types
 
@@ -71,8 +75,8 @@ class Method:
     # the DP-SGD event the server planned for that client (fl.transport.Dispatcher).
     train_stages: tuple[str, ...] = ("train",)
 
-    def __init__(self, server, options):
-        self.server = server  # fl.engine.ServerContext
+    def __init__(self, server: ServerView, options):
+        self.server = server
         self.opts = options
         self.global_state: dict = {}
 

@@ -40,6 +40,7 @@ from fl import factors as F
 from fl import linalg as L
 from fl.errors import UsageError
 from fl.methods.base import Method, Options, Replies, RoundInfo
+from fl.methods.context import ClientView, ServerView
 from fl.methods.registry import register
 
 __all__ = [
@@ -201,7 +202,7 @@ class FedASK(Method):
         "in DP mode. Released: global B = QUΣ^½, A = Σ^½Vᵀ and the averaged head."
     )
 
-    def __init__(self, server, options):
+    def __init__(self, server: ServerView, options):
         super().__init__(server, options)
         self.A0: dict[str, torch.Tensor] = {}
 
@@ -411,7 +412,7 @@ class FedASK(Method):
             raise UsageError(f"fedask checkpoint lacks A_0 for layers {sorted(missing)}")
 
     # ---- clients ---------------------------------------------------------------------
-    def on_train_sketch(self, client, payload):
+    def on_train_sketch(self, client: ClientView, payload: dict) -> dict:
         start = payload["state"]
         dp = client.dp_params() is not None
         if dp and self.opts.clip_space == "w":
@@ -435,7 +436,7 @@ class FedASK(Method):
             Y[k] = client_sketch(ab["B"], ab["A"], om)
         return {"Y": Y, "head": res.state["head"], "loss": res.loss, "n": client.n}
 
-    def on_project(self, client, payload):
+    def on_project(self, client: ClientView, payload: dict) -> dict:
         st = client.state.get("fedask")
         if st is None:
             raise RuntimeError("fedask: stage 'project' before 'train_sketch' on this client")

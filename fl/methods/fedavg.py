@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fl.methods.base import Method, Options, Replies, RoundInfo
+from fl.methods.context import ClientView
 from fl.methods.registry import register
 
 
@@ -48,7 +49,7 @@ class FedAvg(Method):
         metrics.update(self.noise_metrics(replies))
         return metrics
 
-    def local_train(self, client, payload, start=None, **kw):
+    def local_train(self, client: ClientView, payload: dict, start=None, **kw) -> dict:
         from fl.noise import state_distance
 
         start = payload["state"] if start is None else start
@@ -61,7 +62,7 @@ class FedAvg(Method):
             "init_noise": state_distance(start, payload["state"], client.scaling),
         }
 
-    def on_train(self, client, payload):
+    def on_train(self, client: ClientView, payload: dict) -> dict:
         return self.local_train(client, payload)
 
 

@@ -51,6 +51,7 @@ import torch
 from fl import linalg
 from fl.errors import UsageError
 from fl.methods.base import Method, Options
+from fl.methods.context import ClientView, ServerView
 from fl.methods.registry import register
 from fl.privacy import clipping
 from fl.privacy import powerdp as P
@@ -296,10 +297,9 @@ class FedPower(Method):
         "the classification head"
     )
 
-    def __init__(self, server, options):
+    def __init__(self, server: ServerView, options):
         super().__init__(server, options)
-        cfg = server.cfg
-        if cfg.dp_level == "client":
+        if server.dp_level == "client":
             if options.perturbation == "none":
                 raise UsageError(
                     "fedpower: perturbation=none adds no noise and cannot give client-level DP"
@@ -401,7 +401,7 @@ class FedPower(Method):
         return metrics
 
     # ----------------------------------------------------------------- client side
-    def on_train(self, client, payload):
+    def on_train(self, client: ClientView, payload: dict) -> dict:
         from fl.noise import state_distance
 
         start = payload["state"]

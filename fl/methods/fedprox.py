@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from fl.errors import UsageError
 from fl.methods.base import Options
+from fl.methods.context import ClientView
 from fl.methods.fedavg import FedAvg
 from fl.methods.registry import register
 
@@ -27,5 +28,5 @@ class FedProx(FedAvg):
     name = "fedprox"
     Options = FedProxOptions
 
-    def on_train(self, client, payload):
+    def on_train(self, client: ClientView, payload: dict) -> dict:
         return self.local_train(client, payload, prox_mu=self.opts.mu)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from fl import factors as F
+from fl.methods.context import ClientView
 from fl.methods.fedavg import FedAvg
 from fl.methods.registry import register
 
@@ -45,7 +46,7 @@ class FedSA(FedAvg):
         out.update(self.noise_metrics(replies))
         return out
 
-    def on_train(self, client, payload):
+    def on_train(self, client: ClientView, payload: dict) -> dict:
         start = F.clone_state(payload["state"])
         local_B = client.state.get("B")
         if local_B is not None:

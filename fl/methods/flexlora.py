@@ -29,6 +29,7 @@ import torch
 
 from fl.linalg import factored_svd, flexlora_redistribute, flora_stack
 from fl.methods.base import Method, Options, RoundInfo
+from fl.methods.context import ClientView
 from fl.methods.flora import compress_exact, truncate_release
 from fl.methods.plora import client_rank, head_average, mean, rank_mask
 from fl.methods.registry import register
@@ -145,7 +146,7 @@ class FlexLoRA(Method):
             metrics["failed_clients"] = replies.failed
         return metrics
 
-    def on_train(self, client, payload) -> dict:
+    def on_train(self, client: ClientView, payload: dict) -> dict:
         start = payload["state"]
         r = int(payload["rank"])
         if r != client_rank(client):

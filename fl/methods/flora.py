@@ -41,6 +41,7 @@ import torch
 from fl import factors as F
 from fl.linalg import factored_svd, flora_stack, truncated_svd_factors
 from fl.methods.base import Method, Options, RoundInfo
+from fl.methods.context import ClientView
 from fl.methods.plora import client_rank, head_average, mean, rank_mask
 from fl.methods.registry import register
 from fl.noise import agg_noise, state_distance
@@ -187,13 +188,9 @@ class FLoRA(Method):
             "release_rel_error": self._release_err,
             "merged_width": max(Bm.shape[1] for Bm, _ in self.merged.values()),
         }
-        cfg = srv.cfg
-        if self.opts.eval_merged and (
-            (rnd.index + 1) % cfg.eval_every == 0 or rnd.index + 1 == cfg.rounds
-        ):
-            eng = srv.e
-            with merged_base(eng.trainer.model, self.merged):
-                ev = eng.trainer.evaluate(self.global_state, eng.test_data, cfg.eval_batch_size)
+        if self.opts.eval_merged and srv.is_eval_round(rnd):
+            with merged_base(srv.model, self.merged):
+                ev = srv.evaluate(self.global_state)
             metrics["merged_accuracy"] = ev["accuracy"]
             metrics["merged_loss"] = ev["loss"]
         if replies.failed:
@@ -234,7 +231,7 @@ class FLoRA(Method):
         merged = {mod: (v["B"], v["A"]) for mod, v in payload["merged"].items()}
         return start, merged
 
-    def on_train(self, client, payload) -> dict:
+    def on_train(self, client: ClientView, payload: dict) -> dict:
         glob = payload["state"]
         r = client_rank(client)
         start, merged = self.client_start(glob, payload, r)

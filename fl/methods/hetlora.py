@@ -35,6 +35,7 @@ import torch
 from fl.errors import UsageError
 from fl.linalg import factored_fro_norm, hetlora_aggregate, hetlora_pad, hetlora_truncate
 from fl.methods.base import Method, Options, RoundInfo
+from fl.methods.context import ClientView
 from fl.methods.plora import client_rank, head_average, mean, rank_mask
 from fl.methods.registry import register
 from fl.noise import agg_noise, state_distance
@@ -139,7 +140,7 @@ class HetLoRA(Method):
             metrics["failed_clients"] = replies.failed
         return metrics
 
-    def on_train(self, client, payload) -> dict:
+    def on_train(self, client: ClientView, payload: dict) -> dict:
         glob = payload["state"]
         r = int(client.state.get("hetlora_rank", client_rank(client)))
         start = truncated_start(glob, r)

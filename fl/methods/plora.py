@@ -46,13 +46,14 @@ import torch
 from fl.errors import UsageError
 from fl.linalg import fold_modules, plora_aggregate, unfold_modules
 from fl.methods.base import Method, Options, RoundInfo
+from fl.methods.context import ClientView
 from fl.methods.registry import register
 from fl.noise import agg_noise, state_distance
 
 # ------------------------------------------------------------------ shared rank helpers
 
 
-def client_rank(client) -> int:
+def client_rank(client: ClientView) -> int:
     """r_i of a client (``--client-ranks`` / ``--client-ranks-list``; R when not given)."""
     return client.rank
 
@@ -209,7 +210,7 @@ class PLoRA(Method):
             out["factors"][mod] = {"A": A, "B": B}
         return out
 
-    def client_start(self, client, glob: dict) -> tuple[dict, list[int]]:
+    def client_start(self, client: ClientView, glob: dict) -> tuple[dict, list[int]]:
         """The client's start state and its selected modules K_i for this round."""
         R = next(iter(glob["factors"].values()))["A"].shape[0]
         r = client_rank(client)
@@ -226,7 +227,7 @@ class PLoRA(Method):
             start["factors"][mod] = {"A": A, "B": B}
         return start, idx
 
-    def on_train(self, client, payload) -> dict:
+    def on_train(self, client: ClientView, payload: dict) -> dict:
         glob = payload["state"]
         start, idx = self.client_start(client, glob)
         res = client.train(start, trainable=("A", "B", "head"), grad_mask=rank_mask(start, idx))

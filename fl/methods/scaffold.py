@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from fl import factors as F
+from fl.methods.context import ClientView
 from fl.methods.fedavg import FedAvg
 from fl.methods.registry import register
 
@@ -43,7 +44,7 @@ class Scaffold(FedAvg):
         out.update(self.noise_metrics(replies))
         return out
 
-    def on_train(self, client, payload):
+    def on_train(self, client: ClientView, payload: dict) -> dict:
         c = payload["c"]
         ck = client.state.get("c") or {k: torch.zeros_like(v) for k, v in c.items()}
         correction = {k: c[k] - ck[k] for k in c}
