@@ -21,6 +21,11 @@ def test_cli_writes_results_and_json(run_dir, tmp_path, capsys):
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)  # --json: stdout is exactly one JSON document
     assert set(doc["attacks"]) == {"loss"}
+    assert list(doc) == ["schema_version", "target", "seed", "attacks", "shadows"]
+    assert doc["target"] == {"run_dir": str(run_dir), "model": "tiny-bert", "dataset": "synthetic",
+                             "method": "fedavg", "dp_level": "none", "n_members": 16,
+                             "n_nonmembers": 8}  # fmt: skip
+    assert doc["shadows"] is None and doc["seed"] == 0
     assert (
         json.loads((out / "attacks.json").read_text())["attacks"]["loss"]["auc"]
         == doc["attacks"]["loss"]["auc"]
