@@ -85,199 +85,27 @@ knows or guesses the seed. ``noise_source = "seeded"`` is the error ``noise_repr
 
 from __future__ import annotations
 
-import json
 import math
-import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 
+from audit.claim_schema import Claim, load_claim, validate_claim
 from audit.empirical import gdp_epsilon
-from fl.errors import UsageError
+from audit.findings import Code, Findings, Severity
 from fl.privacy.accounting import NEIGHBOURING, Event, epsilon_of_events
 
-__all__ = ["check_claim", "load_claim", "validate_claim", "MATCH_TOLERANCE", "UNDERSTATE_TOLERANCE"]
+__all__ = [
+    "Claim",
+    "check_claim",
+    "load_claim",
+    "validate_claim",
+    "MATCH_TOLERANCE",
+    "UNDERSTATE_TOLERANCE",
+]
 
 #: a claimed ε "matches" a recomputed one when within this relative distance
 MATCH_TOLERANCE = 0.02
 #: a claim is understated when the recomputed ε exceeds it by more than this fraction
 UNDERSTATE_TOLERANCE = 0.01
-
-LEVELS = ("sample", "client")
-SAMPLINGS = ("poisson", "shuffle", "fixed_batch", "all")
-ACCOUNTINGS = ("composed", "per_round", "per_epoch", "unknown")
-NOISE_SOURCES = ("keyed_csprng", "csprng", "seeded", "unknown")
-_FREE_TEXT = ("name", "source", "notes")
-_FIELDS = (
-    "level",
-    "noise_multiplier",
-    "clipping_norm",
-    "sampling",
-    "batch_size",
-    "dataset_size",
-    "sample_rate",
-    "steps_per_round",
-    "rounds",
-    "clients_per_round",
-    "total_clients",
-    "accounting",
-    "noise_source",
-    "claimed_epsilon",
-    "delta",
-) + _FREE_TEXT
-
-# Explanations of each finding code (docs/audit.md lists them with examples).
-CODES = {
-    "no_composition_across_rounds": "each round accounted afresh instead of composed",
-    "partial_composition": "only one epoch of steps accounted",
-    "wrong_sample_rate": "sampling rate computed over the whole federation",
-    "amplification_without_random_sampling": "Poisson amplification claimed for non-Poisson batches",
-    "client_sampling_ignored": "amplification by client sampling that the mechanism does not give",
-    "replacement_sensitivity_ignored": (
-        "fixed-size batches/cohorts accounted with sensitivity C under add/remove"
-    ),
-    "noise_reproducible": "noise from a seeded (or unstated) generator: can be regenerated",
-    "delta_too_large": "δ >= 1/n",
-    "noise_not_applied": "σ = 0: no privacy",
-    "unexplained_understatement": "claimed ε below the recomputed one, no known mistake matches",
-    "clipping_norm_missing": "clipping norm not stated",
-}
-
-
-# --------------------------------------------------------------------------- loading / schema
-
-
-def _num(claim: dict, key: str, *, integer: bool = False, lo=None, lo_open=False, hi=None):
-    v = claim[key]
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise UsageError(f"claim field {key!r} must be a number, got {v!r}")
-    if integer and not (isinstance(v, int) or float(v).is_integer()):
-        raise UsageError(f"claim field {key!r} must be an integer, got {v!r}")
-    if not math.isfinite(v):
-        raise UsageError(f"claim field {key!r} must be finite, got {v!r}")
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise UsageError(f"claim field {key!r} must be {'>' if lo_open else '>='} {lo}, got {v!r}")
-    if hi is not None and v > hi:
-        raise UsageError(f"claim field {key!r} must be <= {hi}, got {v!r}")
-    return int(v) if integer else float(v)
-
-
-def validate_claim(claim: dict) -> dict:
-    """Check a claim's schema; return a normalized copy (defaults filled, numbers typed).
-
-    Raises:
-        UsageError: one line naming the offending field.
-    """
-    if not isinstance(claim, dict):
-        raise UsageError(f"a claim must be an object/table, got {type(claim).__name__}")
-    claim = {k: v for k, v in claim.items() if v is not None}  # None = absent (idempotent)
-    unknown = sorted(set(claim) - set(_FIELDS))
-    if unknown:
-        raise UsageError(f"unknown claim field(s) {unknown}; known fields: {list(_FIELDS)}")
-    for key in ("level", "noise_multiplier", "sampling", "rounds", "claimed_epsilon", "delta"):
-        if key not in claim:
-            raise UsageError(f"claim is missing required field {key!r}")
-    c: dict = {k: claim[k] for k in _FREE_TEXT if k in claim}
-    for key, allowed in (("level", LEVELS), ("sampling", SAMPLINGS)):
-        if claim[key] not in allowed:
-            raise UsageError(f"claim field {key!r} must be one of {allowed}, got {claim[key]!r}")
-        c[key] = claim[key]
-    c["accounting"] = claim.get("accounting", "unknown")
-    if c["accounting"] not in ACCOUNTINGS:
-        raise UsageError(
-            f"claim field 'accounting' must be one of {ACCOUNTINGS}, got {c['accounting']!r}"
-        )
-    c["noise_source"] = claim.get("noise_source", "unknown")
-    if c["noise_source"] not in NOISE_SOURCES:
-        raise UsageError(
-            f"claim field 'noise_source' must be one of {NOISE_SOURCES}, got {c['noise_source']!r}"
-        )
-    c["noise_multiplier"] = _num(claim, "noise_multiplier", lo=0.0)
-    c["claimed_epsilon"] = _num(claim, "claimed_epsilon", lo=0.0, lo_open=True)
-    c["delta"] = _num(claim, "delta", lo=0.0, lo_open=True)
-    if c["delta"] >= 1.0:
-        raise UsageError(f"claim field 'delta' must be < 1, got {claim['delta']!r}")
-    c["rounds"] = _num(claim, "rounds", integer=True, lo=1)
-    c["clipping_norm"] = (
-        _num(claim, "clipping_norm", lo=0.0, lo_open=True) if "clipping_norm" in claim else None
-    )
-    for key in ("batch_size", "dataset_size", "clients_per_round", "total_clients"):
-        c[key] = _num(claim, key, integer=True, lo=1) if key in claim else None
-    c["sample_rate"] = (
-        _num(claim, "sample_rate", lo=0.0, lo_open=True, hi=1.0) if "sample_rate" in claim else None
-    )
-    if "steps_per_round" in claim:
-        c["steps_per_round"] = _num(claim, "steps_per_round", integer=True, lo=1)
-    elif c["level"] == "client":
-        c["steps_per_round"] = 1  # one Gaussian release of the aggregate per round
-    else:
-        raise UsageError("claim is missing required field 'steps_per_round' (sample level)")
-    if (
-        c["clients_per_round"]
-        and c["total_clients"]
-        and c["clients_per_round"] > c["total_clients"]
-    ):
-        raise UsageError(
-            f"claim field 'clients_per_round' ({c['clients_per_round']}) exceeds "
-            f"'total_clients' ({c['total_clients']})"
-        )
-    if c["level"] == "sample":
-        if c["sampling"] != "all":
-            have_bd = c["batch_size"] is not None and c["dataset_size"] is not None
-            if not have_bd and c["sample_rate"] is None:
-                raise UsageError(
-                    "claim needs 'batch_size' and 'dataset_size' or 'sample_rate' for sampling "
-                    f"{c['sampling']!r}"
-                )
-            if have_bd and c["batch_size"] > c["dataset_size"]:
-                raise UsageError(
-                    f"claim field 'batch_size' ({c['batch_size']}) exceeds 'dataset_size' "
-                    f"({c['dataset_size']}, the records of one client)"
-                )
-            if have_bd and c["sample_rate"] is not None:
-                q = c["batch_size"] / c["dataset_size"]
-                if abs(q - c["sample_rate"]) > 1e-9 * max(q, 1e-300) + 1e-12:
-                    raise UsageError(
-                        f"claim field 'sample_rate' ({c['sample_rate']:g}) disagrees with "
-                        f"batch_size/dataset_size = {q:g}"
-                    )
-    else:
-        for key in ("clients_per_round", "total_clients"):
-            if c[key] is None:
-                raise UsageError(f"claim is missing required field {key!r} (client level)")
-        if c["sampling"] == "all" and c["clients_per_round"] < c["total_clients"]:
-            raise UsageError(
-                f"claim field 'clients_per_round' ({c['clients_per_round']}) is below "
-                f"'total_clients' ({c['total_clients']}) but sampling is 'all'; describe "
-                "how the cohort is drawn (poisson | shuffle | fixed_batch)"
-            )
-    return c
-
-
-def load_claim(path) -> dict:
-    """Read and validate a claim file (``.json`` or ``.toml``; other suffixes: JSON, then TOML).
-
-    Returns the normalized claim (see :func:`validate_claim`).
-
-    Raises:
-        UsageError: unreadable file, bad syntax, or a schema error naming the field.
-    """
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot read claim file {p}: {exc.strerror or exc}") from None
-    suffix = p.suffix.lower()
-    parsers = {".json": ("json",), ".toml": ("toml",)}.get(suffix, ("json", "toml"))
-    errors = []
-    for kind in parsers:
-        try:
-            doc = json.loads(text) if kind == "json" else tomllib.loads(text)
-            break
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-            errors.append(f"{kind}: {exc}")
-    else:
-        raise UsageError(f"cannot parse claim file {p} ({'; '.join(errors)})")
-    return validate_claim(doc)
 
 
 # --------------------------------------------------------------------------- recomputation
@@ -347,50 +175,34 @@ class _Eps:
         return out
 
 
-def _record_rate(c: dict) -> float:
-    """q of one step at sample level: batch / records of ONE client (1 for ``all``)."""
-    if c["sampling"] == "all":
-        return 1.0
-    if c["sample_rate"] is not None:
-        return c["sample_rate"]
-    return c["batch_size"] / c["dataset_size"]
-
-
-def _fixed_cohort(c: dict) -> bool:
-    """Client level: a cohort of a fixed count m < K (not Poisson, not everyone)."""
-    return c["sampling"] in ("shuffle", "fixed_batch") and (
-        c["clients_per_round"] < c["total_clients"]
-    )
-
-
 _REPL = frozenset({"replacement_sensitivity_ignored"})
 
 
-def _plain_models(c: dict) -> list[tuple[frozenset, int, int, int, str]]:
+def _plain_models(c: Claim) -> list[tuple[frozenset, int, int, int, str]]:
     """Per-round models of a mechanism without amplification, for the reference and the
     replacement mistake: (codes, steps per round, steps per epoch, sensitivity, what).
     The model with no code is the reference (see the module docstring)."""
-    S = c["steps_per_round"]
-    if c["level"] == "client":
-        if c["sampling"] == "poisson" and c["clients_per_round"] < c["total_clients"]:
+    S = c.steps_per_round
+    if c.level == "client":
+        if c.sampling == "poisson" and c.clients_per_round < c.total_clients:
             return []
-        if not _fixed_cohort(c):
+        if not c.fixed_cohort:
             return [(frozenset(), S, S, 1, "Gaussian release(s)")]
         return [
             (frozenset(), S, S, 2, "Gaussian release(s) at σ/2 (sensitivity 2C)"),
             (_REPL, S, S, 1, "Gaussian release(s) at sensitivity C"),
         ]
-    q = _record_rate(c)
+    q = c.record_rate
     epoch = min(S, max(1, math.ceil(1.0 / q - 1e-9)))
-    if c["sampling"] == "poisson":
+    if c.sampling == "poisson":
         return []
-    if c["sampling"] == "all":
+    if c.sampling == "all":
         return [(frozenset(), S, epoch, 1, "plain Gaussian step(s)")]
     out = [
         (frozenset(), S, epoch, 2, "plain Gaussian step(s) at σ/2 (sensitivity 2C)"),
         (_REPL, S, epoch, 1, "plain Gaussian step(s) at sensitivity C"),
     ]
-    if c["sampling"] == "shuffle":
+    if c.sampling == "shuffle":
         # each record sits in exactly one batch per pass: one Gaussian per pass at
         # sensitivity C (the replace-one view) — a round makes ceil(S*q) passes
         passes = max(1, math.ceil(S * q - 1e-9))
@@ -400,40 +212,40 @@ def _plain_models(c: dict) -> list[tuple[frozenset, int, int, int, str]]:
     return out
 
 
-def _reference(c: dict) -> _Mech:
+def _reference(c: Claim) -> _Mech:
     """The mechanism as actually described (see the module docstring)."""
-    R, S = c["rounds"], c["steps_per_round"]
+    R, S = c.rounds, c.steps_per_round
     models = _plain_models(c)
     if not models:  # Poisson-subsampled
-        if c["level"] == "client":
-            return _Mech(True, c["clients_per_round"] / c["total_clients"], R * S)
-        return _Mech(True, _record_rate(c), R * S)
+        if c.level == "client":
+            return _Mech(True, c.clients_per_round / c.total_clients, R * S)
+        return _Mech(True, c.record_rate, R * S)
     _, per_round, _, sens, _ = models[0]
     return _Mech(False, 1.0, R * per_round, sens)
 
 
-def _mistakes(c: dict) -> list[tuple[frozenset, _Mech, str]]:
+def _mistakes(c: Claim) -> list[tuple[frozenset, _Mech, str]]:
     """Mechanisms that common accounting mistakes would use instead of the reference.
 
     Returns (codes, mechanism, how) triples; ``how`` describes the mistaken computation.
     """
-    R, S = c["rounds"], c["steps_per_round"]
+    R, S = c.rounds, c.steps_per_round
     out: list[tuple[frozenset, _Mech, str]] = []
-    if c["level"] == "client":
-        K, m = c["total_clients"], c["clients_per_round"]
+    if c.level == "client":
+        K, m = c.total_clients, c.clients_per_round
         p = m / K
         comps = [(frozenset(), R, f"{R} rounds × {S}")]
         if R > 1:
             comps.append((frozenset({"no_composition_across_rounds"}), 1, f"one round ({S})"))
         for cc, rounds, chow in comps:
-            if c["sampling"] == "poisson" and p < 1:
+            if c.sampling == "poisson" and p < 1:
                 out.append(
                     (cc, _Mech(True, p, rounds * S), f"{chow} Gaussian release(s), "
                      f"Poisson-subsampled at q={p:.4g}")
                 )  # fmt: skip
             for mc, per_round, _, sens, what in _plain_models(c):
                 out.append((cc | mc, _Mech(False, 1.0, rounds * per_round, sens), f"{chow} {what}"))
-            if c["sampling"] != "poisson" and p < 1:
+            if c.sampling != "poisson" and p < 1:
                 out.append(
                     (
                         cc | {"client_sampling_ignored"},
@@ -443,14 +255,14 @@ def _mistakes(c: dict) -> list[tuple[frozenset, _Mech, str]]:
                 )
         return out
 
-    q0 = _record_rate(c)
-    K, m = c["total_clients"], c["clients_per_round"]
+    q0 = c.record_rate
+    K, m = c.total_clients, c.clients_per_round
     # (codes, rate, description) of the per-step record sampling rate the claimant may use
     rates = [(frozenset(), q0, f"q={q0:.4g}")]
-    if K and K > 1 and c["sampling"] != "all":
+    if K and K > 1 and c.sampling != "all":
         pop = (
-            f"{K}×{c['dataset_size']} = {K * c['dataset_size']} records"
-            if c["dataset_size"]
+            f"{K}×{c.dataset_size} = {K * c.dataset_size} records"
+            if c.dataset_size
             else f"{K} clients' records"
         )
         rates.append(
@@ -472,7 +284,7 @@ def _mistakes(c: dict) -> list[tuple[frozenset, _Mech, str]]:
         comps.append(
             (frozenset({"partial_composition"}), epoch_steps, f"one epoch ({epoch_steps} steps)")
         )
-    non_random = c["sampling"] in ("shuffle", "fixed_batch")
+    non_random = c.sampling in ("shuffle", "fixed_batch")
     for cc, count, chow in comps:
         for rc, q, rhow in rates:
             # The claimant's step: Poisson-subsampled at q. It is the reference step for
@@ -480,7 +292,7 @@ def _mistakes(c: dict) -> list[tuple[frozenset, _Mech, str]]:
             codes = cc | rc
             if non_random:
                 codes = codes | {"amplification_without_random_sampling"}
-            if c["sampling"] == "all" and not rc:
+            if c.sampling == "all" and not rc:
                 continue  # no subsampling and no rate mistake: the plain models below
             out.append((codes, _Mech(True, q, count), f"{chow}, Poisson-subsampled at {rhow}"))
     # the plain (unamplified) models: the reference, its sensitivity-C variants, and the
@@ -511,11 +323,11 @@ def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.4g}"
 
 
-def check_claim(claim: dict, tol: float = MATCH_TOLERANCE) -> dict:
+def check_claim(claim: Claim | dict, tol: float = MATCH_TOLERANCE) -> dict:
     """Recompute ε for a claimed mechanism and name the mistakes that explain a shortfall.
 
     Args:
-        claim: claim fields (validated here, see :func:`validate_claim`).
+        claim: a :class:`Claim`, or claim fields (validated here, see :func:`validate_claim`).
         tol: relative tolerance for "the claimed ε matches the ε of a mistaken accounting".
 
     Returns:
@@ -523,149 +335,32 @@ def check_claim(claim: dict, tol: float = MATCH_TOLERANCE) -> dict:
         "neighbouring", "noise_source", "findings": [{"code", "severity", "message"}],
         "mechanism"}``: ε in nats at the claimed δ, under the add/remove relation named by
         ``neighbouring``; ``understated`` is true when ``epsilon_pld`` exceeds the claim by
-        more than 1%; ``ratio`` = epsilon_pld / claimed_epsilon (inf when σ = 0).
+        more than 1%; ``ratio`` = epsilon_pld / claimed_epsilon (inf when σ = 0). Findings
+        are :class:`audit.findings.Finding` dicts (a code once, its first explanation).
     """
     c = validate_claim(claim)
-    sigma, delta, claimed = c["noise_multiplier"], c["delta"], c["claimed_epsilon"]
+    sigma, delta, claimed = c.noise_multiplier, c.delta, c.claimed_epsilon
     eps = _Eps(sigma, delta)
     ref = _reference(c)
     e_pld, e_rdp = eps(ref, "pld"), eps(ref, "rdp")
     understated = e_pld > claimed * (1.0 + UNDERSTATE_TOLERANCE)
-    findings: list[dict] = []
-
-    def add(code: str, severity: str, message: str) -> None:
-        if not any(f["code"] == code for f in findings):
-            findings.append({"code": code, "severity": severity, "message": message})
-
-    R = c["rounds"]
+    findings = Findings()
     if sigma == 0.0:
-        add(
-            "noise_not_applied",
-            "error",
+        findings.add_once(
+            Code.NOISE_NOT_APPLIED,
             f"The noise multiplier is 0, so the mechanism is not differentially private at all "
             f"(ε = inf), whatever the claimed ε = {claimed:g}.",
         )
-
-    # Explain a shortfall: the mistaken accountings whose ε reproduces the claimed figure.
-    matched: list[tuple[int, float, frozenset, str, str, float]] = []
-    if understated and sigma > 0:
-        ref_key = ref.key()
-        for codes, mech, how in _mistakes(c):
-            if mech.key() == ref_key or not codes:
-                continue
-            for acc, e in eps.matches(mech, claimed, tol):
-                matched.append((len(codes), abs(claimed - e) / e, codes, how, acc, e))
-    if matched:
-        best = min(matched, key=lambda t: (t[0], t[1]))
-        _, _, codes, how, acc, e = best
-        expl = (
-            f"The claimed ε = {claimed:g} matches the ε = {e:.4g} ({acc.upper()}) of {how}, "
-            f"while the mechanism as described gives ε = {e_pld:.4g} (PLD) at δ = {delta:g}"
-        )
-        text = {
-            "no_composition_across_rounds": f"{expl}: the {R} rounds were not composed.",
-            "partial_composition": f"{expl}: only one epoch was accounted.",
-            "wrong_sample_rate": (
-                f"{expl}: the sampling rate was taken over the whole federation, but a batch is "
-                f"drawn from one client's {c['dataset_size'] or 'records'} records "
-                f"(q = {_record_rate(c) if c['level'] == 'sample' else math.nan:.4g})."
-            ),
-            "amplification_without_random_sampling": (
-                f"{expl}: amplification by Poisson subsampling was claimed, but batches are "
-                f"drawn by {c['sampling']}, which gives no such amplification."
-            ),
-            "client_sampling_ignored": (
-                f"{expl}: amplification by client sampling "
-                f"({c['clients_per_round']}/{c['total_clients']} clients per round) was "
-                + (
-                    "claimed, but clients are not Poisson-sampled."
-                    if c["level"] == "client"
-                    else "claimed, but a sample-level guarantee must assume a client may take "
-                    "part in every round."
-                )
-            ),
-            "replacement_sensitivity_ignored": (
-                f"{expl}: fixed-size "
-                + (
-                    f"cohorts ({c['clients_per_round']} of {c['total_clients']} clients) were "
-                    "accounted with sensitivity C, but under add/remove of one client an added "
-                    "client can displace another from the fixed-size cohort, so the sum changes "
-                    "by up to 2C: a Gaussian of multiplier σ/2 per release."
-                    if c["level"] == "client"
-                    else "batches were accounted with sensitivity C, but under add/remove of one "
-                    "example an added record can displace another from its fixed-size batch"
-                    + (
-                        " and shift every later batch of the pass by one position"
-                        if c["sampling"] == "shuffle"
-                        else ""
-                    )
-                    + ", so a step's sum changes by a replacement (up to 2C): a Gaussian of "
-                    "multiplier σ/2 per step."
-                )
-            ),
-        }
-        for code in sorted(codes):
-            add(code, "error", text[code])
-
-    # Direct rules, from what the claimant says they did.
-    if c["accounting"] == "per_round" and R > 1:
-        e1 = eps(_Mech(ref.poisson, ref.q, ref.count // R, ref.sens), "pld")
-        add(
-            "no_composition_across_rounds",
-            "error" if understated else "warning",
-            f"The claim says each round was accounted separately (accounting = per_round): one "
-            f"round gives ε = {e1:.4g}, but the {R} rounds compose to ε = {e_pld:.4g} (PLD) "
-            f"at δ = {delta:g}.",
-        )
-    if c["accounting"] == "per_epoch" and c["level"] == "sample":
-        add(
-            "partial_composition",
-            "error" if understated else "warning",
-            f"The claim says ε was accounted per epoch (accounting = per_epoch), but the "
-            f"guarantee must compose all {R} × {c['steps_per_round']} steps: ε = {e_pld:.4g} "
-            f"(PLD) at δ = {delta:g}.",
-        )
-    if c["level"] == "sample":
-        n = c["dataset_size"] * (c["total_clients"] or 1) if c["dataset_size"] else None
-        unit = "records"
-    else:
-        n, unit = c["total_clients"], "clients"
-    if n is not None and delta >= 1.0 / n:
-        add(
-            "delta_too_large",
-            "error",
-            f"δ = {delta:g} is at least 1/n = {1.0 / n:.3g} (n = {n} {unit}): a mechanism that "
-            f"publishes one random {unit[:-1]} in the clear satisfies such a δ.",
-        )
+    matched = understated and sigma > 0 and _explain_shortfall(c, eps, ref, e_pld, tol, findings)
+    _direct_rules(c, eps, ref, e_pld, understated, findings)
     if understated and not matched and sigma > 0:
-        add(
-            "unexplained_understatement",
-            "error",
+        findings.add_once(
+            Code.UNEXPLAINED_UNDERSTATEMENT,
             f"The claimed ε = {claimed:g} is below the ε = {e_pld:.4g} (PLD; {e_rdp:.4g} by RDP) "
             f"of the mechanism as described, at δ = {delta:g}; no known accounting mistake "
             f"reproduces the claimed figure.",
         )
-    if c["noise_source"] in ("seeded", "unknown"):
-        add(
-            "noise_reproducible",
-            "error" if c["noise_source"] == "seeded" else "warning",
-            (
-                "The noise is drawn from a seeded generator (noise_source = seeded). "
-                if c["noise_source"] == "seeded"
-                else "The claim does not say where the noise comes from (noise_source = unknown). "
-            )
-            + "Noise drawn from a seeded generator can be regenerated from the seed and "
-            "subtracted from the release: the DP guarantee then does not hold against anyone "
-            "who knows or guesses the seed. Draw it from a CSPRNG (keyed with a secret key "
-            "when runs must be reproducible).",
-        )
-    if c["clipping_norm"] is None:
-        add(
-            "clipping_norm_missing",
-            "info",
-            "The claim does not state the clipping norm C; σ is read as noise std / C "
-            "(sensitivity 1 after clipping).",
-        )
+    _noise_and_clipping(c, findings)
     return {
         "claimed_epsilon": claimed,
         "delta": delta,
@@ -673,24 +368,155 @@ def check_claim(claim: dict, tol: float = MATCH_TOLERANCE) -> dict:
         "epsilon_rdp": e_rdp,
         "understated": bool(understated),
         "ratio": e_pld / claimed,
-        "neighbouring": NEIGHBOURING[c["level"]],
-        "noise_source": c["noise_source"],
-        "findings": findings,
+        "neighbouring": NEIGHBOURING[c.level],
+        "noise_source": c.noise_source,
+        "findings": findings.to_dicts(),
         "mechanism": _describe(c, ref),
     }
 
 
-def _describe(c: dict, ref: _Mech) -> str:
-    unit = "Gaussian step(s)" if c["level"] == "sample" else "Gaussian release(s)"
-    if ref.poisson and ref.q < 1:
+def _explain_shortfall(
+    c: Claim, eps: _Eps, ref: _Mech, e_pld: float, tol: float, findings: Findings
+) -> bool:
+    """Add the mistakes of the simplest mistaken accounting whose ε reproduces the claimed
+    figure (fewest codes, then closest); False when none does."""
+    claimed = c.claimed_epsilon
+    matched: list[tuple[int, float, frozenset, str, str, float]] = []
+    ref_key = ref.key()
+    for codes, mech, how in _mistakes(c):
+        if mech.key() == ref_key or not codes:
+            continue
+        for acc, e in eps.matches(mech, claimed, tol):
+            matched.append((len(codes), abs(claimed - e) / e, codes, how, acc, e))
+    if not matched:
+        return False
+    _, _, codes, how, acc, e = min(matched, key=lambda t: (t[0], t[1]))
+    expl = (
+        f"The claimed ε = {claimed:g} matches the ε = {e:.4g} ({acc.upper()}) of {how}, "
+        f"while the mechanism as described gives ε = {e_pld:.4g} (PLD) at δ = {c.delta:g}"
+    )
+    for code in sorted(codes):
+        findings.add_once(Code(code), _mistake_text(Code(code), c, expl))
+    return True
+
+
+def _mistake_text(code: Code, c: Claim, expl: str) -> str:
+    """Why the mistake ``code`` gives the claimed figure (``expl`` says which figure)."""
+    if code is Code.NO_COMPOSITION_ACROSS_ROUNDS:
+        return f"{expl}: the {c.rounds} rounds were not composed."
+    if code is Code.PARTIAL_COMPOSITION:
+        return f"{expl}: only one epoch was accounted."
+    if code is Code.WRONG_SAMPLE_RATE:
         return (
-            f"{ref.count} Poisson-subsampled {unit} at q={ref.q:.4g}, σ={c['noise_multiplier']:g}"
+            f"{expl}: the sampling rate was taken over the whole federation, but a batch is "
+            f"drawn from one client's {c.dataset_size or 'records'} records "
+            f"(q = {c.record_rate if c.level == 'sample' else math.nan:.4g})."
         )
+    if code is Code.AMPLIFICATION_WITHOUT_RANDOM_SAMPLING:
+        return (
+            f"{expl}: amplification by Poisson subsampling was claimed, but batches are "
+            f"drawn by {c.sampling}, which gives no such amplification."
+        )
+    if code is Code.CLIENT_SAMPLING_IGNORED:
+        return (
+            f"{expl}: amplification by client sampling "
+            f"({c.clients_per_round}/{c.total_clients} clients per round) was "
+            + (
+                "claimed, but clients are not Poisson-sampled."
+                if c.level == "client"
+                else "claimed, but a sample-level guarantee must assume a client may take "
+                "part in every round."
+            )
+        )
+    assert code is Code.REPLACEMENT_SENSITIVITY_IGNORED, code
+    if c.level == "client":
+        return (
+            f"{expl}: fixed-size cohorts ({c.clients_per_round} of {c.total_clients} clients) "
+            "were accounted with sensitivity C, but under add/remove of one client an added "
+            "client can displace another from the fixed-size cohort, so the sum changes "
+            "by up to 2C: a Gaussian of multiplier σ/2 per release."
+        )
+    return (
+        f"{expl}: fixed-size batches were accounted with sensitivity C, but under add/remove "
+        "of one example an added record can displace another from its fixed-size batch"
+        + (
+            " and shift every later batch of the pass by one position"
+            if c.sampling == "shuffle"
+            else ""
+        )
+        + ", so a step's sum changes by a replacement (up to 2C): a Gaussian of "
+        "multiplier σ/2 per step."
+    )
+
+
+def _direct_rules(
+    c: Claim, eps: _Eps, ref: _Mech, e_pld: float, understated: bool, findings: Findings
+) -> None:
+    """Mistakes read from what the claimant says they did (accounting, δ vs n)."""
+    R, delta = c.rounds, c.delta
+    weak = None if understated else Severity.WARNING
+    if c.accounting == "per_round" and R > 1:
+        e1 = eps(_Mech(ref.poisson, ref.q, ref.count // R, ref.sens), "pld")
+        findings.add_once(
+            Code.NO_COMPOSITION_ACROSS_ROUNDS,
+            f"The claim says each round was accounted separately (accounting = per_round): one "
+            f"round gives ε = {e1:.4g}, but the {R} rounds compose to ε = {e_pld:.4g} (PLD) "
+            f"at δ = {delta:g}.",
+            weak,
+        )
+    if c.accounting == "per_epoch" and c.level == "sample":
+        findings.add_once(
+            Code.PARTIAL_COMPOSITION,
+            f"The claim says ε was accounted per epoch (accounting = per_epoch), but the "
+            f"guarantee must compose all {R} × {c.steps_per_round} steps: ε = {e_pld:.4g} "
+            f"(PLD) at δ = {delta:g}.",
+            weak,
+        )
+    if c.level == "sample":
+        n = c.dataset_size * (c.total_clients or 1) if c.dataset_size else None
+        unit = "records"
+    else:
+        n, unit = c.total_clients, "clients"
+    if n is not None and delta >= 1.0 / n:
+        findings.add_once(
+            Code.DELTA_TOO_LARGE,
+            f"δ = {delta:g} is at least 1/n = {1.0 / n:.3g} (n = {n} {unit}): a mechanism that "
+            f"publishes one random {unit[:-1]} in the clear satisfies such a δ.",
+        )
+
+
+def _noise_and_clipping(c: Claim, findings: Findings) -> None:
+    if c.noise_source in ("seeded", "unknown"):
+        findings.add_once(
+            Code.NOISE_REPRODUCIBLE,
+            (
+                "The noise is drawn from a seeded generator (noise_source = seeded). "
+                if c.noise_source == "seeded"
+                else "The claim does not say where the noise comes from (noise_source = unknown). "
+            )
+            + "Noise drawn from a seeded generator can be regenerated from the seed and "
+            "subtracted from the release: the DP guarantee then does not hold against anyone "
+            "who knows or guesses the seed. Draw it from a CSPRNG (keyed with a secret key "
+            "when runs must be reproducible).",
+            None if c.noise_source == "seeded" else Severity.WARNING,
+        )
+    if c.clipping_norm is None:
+        findings.add_once(
+            Code.CLIPPING_NORM_MISSING,
+            "The claim does not state the clipping norm C; σ is read as noise std / C "
+            "(sensitivity 1 after clipping).",
+        )
+
+
+def _describe(c: Claim, ref: _Mech) -> str:
+    unit = "Gaussian step(s)" if c.level == "sample" else "Gaussian release(s)"
+    if ref.poisson and ref.q < 1:
+        return f"{ref.count} Poisson-subsampled {unit} at q={ref.q:.4g}, σ={c.noise_multiplier:g}"
     if ref.sens == 2:
-        what = "batches" if c["level"] == "sample" else "cohort"
+        what = "batches" if c.level == "sample" else "cohort"
         return (
             f"{ref.count} plain {unit} (no amplification) at multiplier σ/2 = "
-            f"{c['noise_multiplier'] / 2:g} (fixed-size {what}: sensitivity 2C under "
-            f"{NEIGHBOURING[c['level']]}), σ={c['noise_multiplier']:g}"
+            f"{c.noise_multiplier / 2:g} (fixed-size {what}: sensitivity 2C under "
+            f"{NEIGHBOURING[c.level]}), σ={c.noise_multiplier:g}"
         )
-    return f"{ref.count} plain {unit} (no amplification), σ={c['noise_multiplier']:g}"
+    return f"{ref.count} plain {unit} (no amplification), σ={c.noise_multiplier:g}"

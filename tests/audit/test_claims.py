@@ -407,8 +407,30 @@ def test_docs_example_claim(tmp_path):
     p.write_text(block)
     claim = load_claim(p)
     res = check_claim(claim)
-    assert claim["noise_source"] == "keyed_csprng" and claim["sampling"] == "fixed_batch"
+    assert claim.noise_source == "keyed_csprng" and claim.sampling == "fixed_batch"
     assert not res["understated"] and not codes(res, "error") and not codes(res, "warning")
     # the claim is the fixed-cohort reference, not the sensitivity-C figure
-    mu = math.sqrt(claim["rounds"]) / (claim["noise_multiplier"] / 2)
-    assert claim["claimed_epsilon"] == pytest.approx(gdp_epsilon(mu, claim["delta"]), rel=2e-3)
+    mu = math.sqrt(claim.rounds) / (claim.noise_multiplier / 2)
+    assert claim.claimed_epsilon == pytest.approx(gdp_epsilon(mu, claim.delta), rel=2e-3)
+
+
+def test_claim_is_a_frozen_record_validated_when_built():
+    import dataclasses
+
+    from audit.claims import Claim
+
+    doc = dict(BASE, claimed_epsilon=1.0, rounds=10.0, name="paper X")
+    c = Claim(**doc)  # built directly: checked and normalized like a file's table
+    assert c == validate_claim(doc) == Claim.from_dict(c.to_dict())
+    assert c.rounds == 10 and isinstance(c.rounds, int) and c.to_dict()["name"] == "paper X"
+    assert "notes" not in c.to_dict() and c.to_dict()["sample_rate"] is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.rounds = 1
+    with pytest.raises(UsageError, match="delta"):
+        Claim(**dict(doc, delta=1.0))
+    with pytest.raises(UsageError, match="steps_per_round"):
+        Claim(**{k: v for k, v in doc.items() if k != "steps_per_round"})
+    cl = Claim(**dict(CLIENT, claimed_epsilon=1.0))
+    assert cl.steps_per_round == 1 and cl.accounting == "unknown"  # the defaults
+    with pytest.raises(UsageError, match="accounting"):
+        Claim(**dict(CLIENT, claimed_epsilon=1.0, accounting=None))  # None: only in a file
