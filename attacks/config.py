@@ -63,9 +63,10 @@ class AttackConfig:
     progress: bool = _f(True, "show progress bars", runtime=True, cli=False)
 
     def __post_init__(self):
-        if self.attacks is not None:
-            # frozen: normalise the spelling once, here (a string or any iterable of names)
-            object.__setattr__(self, "attacks", parse_attacks(self.attacks))
+        # frozen: normalise the spelling once, here (a string or any iterable of names);
+        # an empty string means the target's default, as `--attacks ""` always has
+        attacks = None if self.attacks in (None, "") else parse_attacks(self.attacks)
+        object.__setattr__(self, "attacks", attacks)
         for f in fields(self):
             allowed = f.metadata.get("choices")
             value = getattr(self, f.name)

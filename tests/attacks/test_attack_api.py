@@ -27,6 +27,7 @@ def test_no_flags_give_the_dataclass_defaults():
     assert from_args(AttackConfig, args) == AttackConfig()
     assert from_args(TargetSpec, args) == TargetSpec()
     assert AttackConfig().attacks is None  # the target's default (all / loss)
+    assert AttackConfig(attacks="").attacks is None  # `--attacks ""`, as before
     assert (AttackConfig().shadows, AttackConfig().bootstrap, AttackConfig().rmia_a) == (
         8, 200, 0.3,
     )  # fmt: skip
@@ -61,7 +62,7 @@ def register_actions():
     "kw, msg",
     [
         (dict(attacks="loss,nope"), "unknown attack"),
-        (dict(attacks=""), "unknown attack"),
+        (dict(attacks=[]), "unknown attack"),
         (dict(global_variance="maybe"), "global_variance"),
         (dict(bootstrap=-1), "bootstrap"),
         (dict(rmia_a=1.5), "offline parameter a"),
