@@ -22,7 +22,6 @@ truncated SVD of G plus the head; ``release_rel_error`` = ‖G − G_R‖_F/‖G
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,7 @@ import torch
 from fl.linalg import factored_svd, flexlora_redistribute, flora_stack
 from fl.methods.base import Method, Options, RoundInfo
 from fl.methods.context import ClientView
-from fl.methods.flora import compress_exact, truncate_release
+from fl.methods.flora import compress_exact, release_truncation, wide_from_tensors, wide_tensors
 from fl.methods.plora import client_rank, head_average, mean, rank_mask
 from fl.methods.registry import register
 from fl.noise import agg_noise, state_distance
@@ -83,6 +82,9 @@ class FlexLoRAOptions(Options):
 
 @register
 class FlexLoRA(Method):
+    """Server state: the exact average update G = Σ p_k B_k A_k per module (``stack``,
+    float64, wide) and A_0 (``A_init``, for a client's dead ranks); released: G_R."""
+
     name = "flexlora"
     Options = FlexLoRAOptions
     dp_levels = ("none", "sample")
@@ -92,9 +94,9 @@ class FlexLoRA(Method):
     )
 
     def init_state(self, initial: dict) -> None:
+        """G_0 = B_0 A_0 of the initial adapter (0, since B_0 = 0)."""
         super().init_state(initial)
         self.A_init = {m: ab["A"].clone() for m, ab in initial["factors"].items()}
-        # G = B_0 A_0 of the initial adapter (0, since B_0 = 0).
         self.stack = {
             m: (ab["B"].double().clone(), ab["A"].double().clone())
             for m, ab in initial["factors"].items()
@@ -129,18 +131,14 @@ class FlexLoRA(Method):
             As = [replies.ok[c]["factors"][m]["A"] for c in cids]
             self.stack[m] = server_layer(Bs, As, ps)
         head = head_average([replies.ok[c]["head"] for c in cids], ns)
-        factors, tail, total = {}, 0.0, 0.0
-        for m, ab in self.global_state["factors"].items():
-            B, A, t, a = truncate_release(*self.stack[m], R, 1.0, ab["B"].dtype)
-            factors[m] = {"A": A, "B": B}
-            tail, total = tail + t, total + a
+        factors, release_err = release_truncation(self.stack, self.global_state["factors"], R, 1.0)
         self.global_state = {"factors": factors, "head": head}
         client_states = [{"factors": replies.ok[c]["factors"]} for c in cids]
         metrics = {
             "train_loss": mean(replies.ok[c]["loss"] for c in cids),
             "init_noise": mean(inits[c] for c in cids),
             "agg_noise": agg_noise(self.global_update_state(), client_states, ns, s),
-            "release_rel_error": math.sqrt(tail / total) if total > 0 else 0.0,
+            "release_rel_error": release_err,
         }
         if replies.failed:
             metrics["failed_clients"] = replies.failed
@@ -164,17 +162,8 @@ class FlexLoRA(Method):
 
     def state_dict(self):
         tensors, meta = super().state_dict()
-        for m, (B, A) in self.stack.items():
-            tensors[f"flexlora/{m}/B"] = B
-            tensors[f"flexlora/{m}/A"] = A
-        return tensors, meta
+        return {**tensors, **wide_tensors("flexlora", self.stack)}, meta
 
     def load_state_dict(self, tensors, meta) -> None:
         super().load_state_dict(tensors, meta)
-        pairs: dict = {}
-        for k, v in tensors.items():
-            if k.startswith("flexlora/"):
-                m, which = k[len("flexlora/") :].rsplit("/", 1)
-                pairs.setdefault(m, {})[which] = v.double()
-        if pairs:
-            self.stack = {m: (p["B"], p["A"]) for m, p in pairs.items()}
+        self.stack = wide_from_tensors("flexlora", tensors) or self.stack

@@ -102,6 +102,40 @@ def truncate_release(Bm: torch.Tensor, Am: torch.Tensor, R: int, s: float, dtype
     return (B * c).to(dtype), (A * c).to(dtype), float((sv[R:] ** 2).sum()), float((sv**2).sum())
 
 
+def release_truncation(
+    wide: dict[str, tuple[torch.Tensor, torch.Tensor]], like: dict, R: int, s: float
+) -> tuple[dict, float]:
+    """The rank-R release of an exact per-module update {mod: (B_m, A_m)} (FLoRA's merged
+    D, FlexLoRA's average G), for every module of ``like`` (factors {mod: {"A", "B"}},
+    whose dtypes the release takes): ({mod: {"A", "B"}}, release_rel_error), the error
+    being √(Σ_mod ‖D − D_R‖_F² / Σ_mod ‖D‖_F²) (0 when D = 0); see
+    :func:`truncate_release`."""
+    factors, tail, total = {}, 0.0, 0.0
+    for mod, ab in like.items():
+        B, A, t, a = truncate_release(*wide[mod], R, s, ab["B"].dtype)
+        factors[mod] = {"A": A, "B": B}
+        tail, total = tail + t, total + a
+    return factors, math.sqrt(tail / total) if total > 0 else 0.0
+
+
+def wide_tensors(prefix: str, wide: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """A per-module update {mod: (B_m, A_m)} as checkpoint tensors ``<prefix>/<mod>/B|A``."""
+    out = {}
+    for mod, (B, A) in wide.items():
+        out[f"{prefix}/{mod}/B"], out[f"{prefix}/{mod}/A"] = B, A
+    return out
+
+
+def wide_from_tensors(prefix: str, tensors: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Inverse of :func:`wide_tensors` (float64); {} when the checkpoint has none."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith(prefix + "/"):
+            mod, which = k[len(prefix) + 1 :].rsplit("/", 1)
+            pairs.setdefault(mod, {})[which] = v.double()
+    return {mod: (p["B"], p["A"]) for mod, p in pairs.items()}
+
+
 def compress_exact(Bm: torch.Tensor, Am: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Re-factor B_m A_m (m×w, w×n) at width min(m, n) when w exceeds it — exact, since
     the product's rank is at most min(m, n)."""
@@ -204,16 +238,10 @@ class FLoRA(Method):
         if not self.merged:
             self._release, self._release_err = None, 0.0
             return
-        R = self.server.cfg.rank
-        s = self.server.scaling
-        factors, tail, total = {}, 0.0, 0.0
-        for mod, ab in self.global_state["factors"].items():
-            Bm, Am = self.merged[mod]
-            B, A, t, a = truncate_release(Bm, Am, R, s, ab["B"].dtype)
-            factors[mod] = {"A": A, "B": B}
-            tail, total = tail + t, total + a
+        factors, self._release_err = release_truncation(
+            self.merged, self.global_state["factors"], self.server.cfg.rank, self.server.scaling
+        )
         self._release = {"factors": factors, "head": self.global_state["head"]}
-        self._release_err = math.sqrt(tail / total) if total > 0 else 0.0
 
     def released_state(self) -> dict:
         if self._release is None:
@@ -256,18 +284,9 @@ class FLoRA(Method):
     # ---- checkpointing: the merged update is server state beyond global_state --------
     def state_dict(self):
         tensors, meta = super().state_dict()
-        for mod, (Bm, Am) in self.merged.items():
-            tensors[f"flora/{mod}/B"] = Bm
-            tensors[f"flora/{mod}/A"] = Am
-        return tensors, meta
+        return {**tensors, **wide_tensors("flora", self.merged)}, meta
 
     def load_state_dict(self, tensors, meta) -> None:
         super().load_state_dict(tensors, meta)
-        self.merged = {}
-        for k, v in tensors.items():
-            if k.startswith("flora/"):
-                mod, which = k[len("flora/") :].rsplit("/", 1)
-                pair = self.merged.setdefault(mod, [None, None])
-                pair[0 if which == "B" else 1] = v.double()
-        self.merged = {m: (p[0], p[1]) for m, p in self.merged.items()}
+        self.merged = wide_from_tensors("flora", tensors)
         self._refresh_release()
