@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from fl import factors as F
-from fl.engine import Engine
 from fl.privacy.dpsgd import DpSgdParams
 from fl.privacy.wspace import WSpaceClipper, wspace_sq_norms, wspace_sq_norms_reference
-from fl.testing import tiny_config
 
 
 @pytest.mark.parametrize("shape", [(5, 7, 6, 9), (4, 1, 3, 11), (3, 13, 8, 2)])
@@ -31,23 +29,8 @@ def test_gram_norm_matches_materialized(shape):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, request):
-    cfg = tiny_config(
-        members=120,
-        nonmembers=20,
-        test=20,
-        max_length=16,
-        clients=2,
-        rounds=1,
-        local_steps=3,
-        lr=0.05,
-        optimizer="sgd",
-        method="ffa",
-    )
-    eng = Engine(cfg, tmp_path_factory.mktemp("ws") / "run", quiet=True)
-    eng.prepare_out()
-    eng.setup()
-    return eng
+def engine(small_engine):
+    return small_engine("ws", optimizer="sgd")
 
 
 def _random_start(tr, seed):
