@@ -18,6 +18,7 @@ import json
 import math
 import sys
 
+from audit.findings import Finding
 from fl.errors import UsageError
 
 
@@ -78,7 +79,7 @@ def _num(x) -> str:
 def exit_code(result: dict) -> int:
     """0 when nothing is understated and no error finding, else 1."""
     bad = result.get("understated") or result.get("tampered")
-    bad = bad or any(f["severity"] == "error" for f in result.get("findings", []))
+    bad = bad or any(Finding.from_dict(f).is_error for f in result.get("findings", []))
     return 1 if bad else 0
 
 
@@ -142,10 +143,10 @@ def _human(result: dict, title: str) -> str:
         lines.append(f"replay: not performed ({rep.get('reason')})")
     if result.get("trusted"):
         lines.append("taken on trust (no --key): " + ", ".join(result["trusted"]))
-    findings = result.get("findings", [])
+    findings = [Finding.from_dict(f) for f in result.get("findings", [])]
     if findings:
         lines.append("findings:")
-        lines += [f"  [{f['severity']}] {f['code']}: {f['message']}" for f in findings]
+        lines += [f"  [{f.severity}] {f.code}: {f.message}" for f in findings]
     else:
         lines.append("findings: none")
     return "\n".join(lines)

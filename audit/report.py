@@ -1,5 +1,8 @@
 """Reports: one self-contained HTML file (figures embedded) and a Markdown twin.
 
+The report is built once as a document model (:mod:`audit.report_doc`: sections of
+paragraphs, tables, figures) and rendered twice, to HTML and to Markdown.
+
 The report gathers what exists and says plainly what does not: a section whose inputs
 were not produced is marked *missing*, never filled with placeholders.
 
@@ -11,8 +14,6 @@ reproduce every run.
 
 from __future__ import annotations
 
-import base64
-import html
 import math
 import platform
 import shlex
@@ -23,6 +24,20 @@ from pathlib import Path
 
 import numpy as np
 
+from audit.findings import Finding
+from audit.report_doc import (
+    BulletList,
+    CodeBlock,
+    Figure,
+    Paragraph,
+    Report,
+    Section,
+    Strong,
+    Table,
+    render_html,
+    render_markdown,
+)
+from audit.report_doc import format_cell as _fmt
 from fl import rundir
 from fl.config import TrainConfig
 from fl.errors import UsageError
@@ -48,20 +63,6 @@ BUNDLE_NOT_SHOWN = (
     "attacks against the run's true members (a bundle is attacked with member / non-member "
     "files the attacker supplies: `fedlora attack BUNDLE --members F --nonmembers F`)",
 )
-
-
-def _fmt(x, nd=4) -> str:
-    if x is None:
-        return "—"
-    if isinstance(x, str):
-        return x
-    if isinstance(x, float):
-        if math.isinf(x):
-            return "∞"
-        if math.isnan(x):
-            return "nan"
-        return f"{x:.{nd}g}"
-    return str(x)
 
 
 def _eps(v):
@@ -205,25 +206,6 @@ def _plot_bounds(rows: list[dict], path_stem: Path) -> list[Path]:
     return paths
 
 
-def _img_tag(path: Path) -> str:
-    data = base64.b64encode(Path(path).read_bytes()).decode()
-    return f'<img alt="{html.escape(Path(path).name)}" src="data:image/png;base64,{data}" style="max-width:100%">'
-
-
-def _table_html(headers: list[str], rows: list[list]) -> str:
-    h = "".join(f"<th>{html.escape(x)}</th>" for x in headers)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows
-    )
-    return f"<table><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _table_md(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def build_report(
     run_dirs: list[str],
     out: str,
@@ -249,16 +231,33 @@ def build_report(
         r["bounds"] = empirical_bounds(r)
         rows.append(r)
 
-    H: list[str] = []  # html body parts
-    M: list[str] = [
-        f"# {title}",
-        "",
-        f"Generated {datetime.now(UTC).isoformat(timespec='seconds')}.",
-        "",
-    ]
+    report = Report(title, datetime.now(UTC).isoformat(timespec="seconds"))
     summary: dict = {"runs": [], "sections": list(SECTIONS), "missing": []}
+    report.sections.append(_runs_section(rows, figdir, summary))
+    report.sections.append(_analyses_section(analyses_dir, figdir))
+    report.sections.append(_attacks_section(rows, figdir))
+    report.sections.append(_empirical_section(rows, figdir, summary))
+    report.sections.append(_claims_section(claims))
+    report.sections.append(_environment_section(rows))
+    cmds = list(commands or []) + [train_command(r["config"], r["path"]) for r in rows]
+    report.section("Reproduce").add(CodeBlock("\n".join(cmds), "bash"))
+    assert [s.title for s in report.sections] == list(SECTIONS)
+    summary["missing"] = report.missing
 
-    # --- Runs
+    atomic_write_text(outp / "report.html", render_html(report, outp))
+    atomic_write_text(outp / "report.md", render_markdown(report))
+    summary["html"] = str(outp / "report.html")
+    summary["markdown"] = str(outp / "report.md")
+    return summary
+
+
+def _figure(fig: Path, caption: str) -> Figure:
+    """A figure written into the report's ``figures/`` folder."""
+    return Figure(f"figures/{fig.name}", caption)
+
+
+def _runs_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
+    sec = Section("Runs")
     headers = [
         "run",
         "method",
@@ -288,8 +287,7 @@ def build_report(
         ]
         for r in rows
     ]
-    H.append("<h2>Runs</h2>" + _table_html(headers, table))
-    M += ["## Runs", "", _table_md(headers, table), ""]
+    sec.add(Table.of(headers, table))
     chance = [
         r
         for r in rows
@@ -304,24 +302,11 @@ def build_report(
             "members per client and larger batches help (configs/minilm-tweets-dp.toml "
             "reaches 0.78 at ε = 8 on minilm/tweets)."
         )
-        H.append(f"<p><b>Chance-level runs.</b> {html.escape(text)}</p>")
-        M += [f"**Chance-level runs.** {text}", ""]
+        sec.add(Paragraph.of(Strong("Chance-level runs."), " " + text))
         summary["chance_level_runs"] = [r["run"] for r in chance]
     for r in rows:
-        summary["runs"].append(
-            {
-                k: r.get(k)
-                for k in (
-                    "run",
-                    "kind",
-                    "method",
-                    "level",
-                    "epsilon_claimed",
-                    "epsilon_recomputed",
-                    "accuracy",
-                )
-            }
-        )
+        keys = ("run", "kind", "method", "level", "epsilon_claimed", "epsilon_recomputed")
+        summary["runs"].append({k: r.get(k) for k in (*keys, "accuracy")})
         if r.get("kind") == "bundle":
             skipped = [
                 f"{sk['check']} ({sk['reason']})"
@@ -334,38 +319,28 @@ def build_report(
                 f"{r['run']} is a release bundle: without the operator's files this report "
                 "cannot show"
             )
-            H.append(
-                f"<p><b>{html.escape(intro)}:</b></p><ul>"
-                + "".join(f"<li>{html.escape(x)}</li>" for x in BUNDLE_NOT_SHOWN)
-                + "".join(f"<li>audit check skipped: {html.escape(x)}</li>" for x in skipped)
-                + "</ul>"
+            sec.add(
+                Paragraph.of(Strong(f"{intro}:")),
+                BulletList.of(
+                    list(BUNDLE_NOT_SHOWN) + [f"audit check skipped: {x}" for x in skipped]
+                ),
             )
-            M += (
-                [f"**{intro}:**", ""]
-                + [f"- {x}" for x in BUNDLE_NOT_SHOWN]
-                + [f"- audit check skipped: {x}" for x in skipped]
-                + [""]
-            )
-        findings = (r.get("audit") or {}).get("findings") or []
+        findings = [Finding.from_dict(f) for f in (r.get("audit") or {}).get("findings") or []]
         if findings:
-            items = "".join(
-                f"<li><b>{html.escape(f['code'])}</b> ({html.escape(f['severity'])}): {html.escape(f['message'])}</li>"
-                for f in findings
-            )
-            H.append(f"<p>Audit findings for {html.escape(r['run'])}:</p><ul>{items}</ul>")
-            M += (
-                [f"Audit findings for {r['run']}:", ""]
-                + [f"- **{f['code']}** ({f['severity']}): {f['message']}" for f in findings]
-                + [""]
+            sec.add(
+                Paragraph.of(f"Audit findings for {r['run']}:"),
+                BulletList.of(
+                    (Strong(str(f.code)), f" ({f.severity}): {f.message}") for f in findings
+                ),
             )
     acc_fig = _plot_accuracy(rows, figdir / "accuracy")
     if acc_fig:
-        H.append(_img_tag(acc_fig[0]))
-        M += [f"![accuracy per round](figures/{acc_fig[0].name})", ""]
+        sec.add(_figure(acc_fig[0], "accuracy per round"))
+    return sec
 
-    # --- Noise analyses
-    H.append("<h2>Noise analyses</h2>")
-    M += ["## Noise analyses", ""]
+
+def _analyses_section(analyses_dir: str | None, figdir: Path) -> Section:
+    sec = Section("Noise analyses")
     analyses = []
     if analyses_dir and Path(analyses_dir).is_dir():
         for js in sorted(Path(analyses_dir).glob("*/*.json")) + sorted(
@@ -379,49 +354,36 @@ def build_report(
                 continue
             analyses.append((js, doc))
     if not analyses:
-        H.append("<p><i>missing: no analysis results were given.</i></p>")
-        M += ["*missing: no analysis results were given.*", ""]
-        summary["missing"].append("Noise analyses")
+        sec.missing = "no analysis results were given."
     for js, doc in analyses:
         name = doc["analysis"]
-        H.append(f"<h3>{html.escape(name)}</h3>")
-        M += [f"### {name}", ""]
+        sub = Section(name)
+        sec.add(sub)
         for png in sorted(js.parent.glob("*.png")):
             dst = figdir / f"{name}-{png.name}"
             shutil.copyfile(png, dst)
-            H.append(_img_tag(dst))
-            M += [f"![{name}](figures/{dst.name})", ""]
+            sub.add(_figure(dst, name))
         rows_a = doc.get("rows") or []
         if rows_a:
             keys = list(rows_a[0].keys())[:6]
-            t = [[ra.get(k) for k in keys] for ra in rows_a[:12]]
-            H.append(
-                _table_html(keys, t)
-                + (
-                    f"<p>({len(rows_a)} rows in {html.escape(str(js))})</p>"
-                    if len(rows_a) > 12
-                    else ""
-                )
-            )
-            M += [_table_md(keys, t), ""]
+            sub.add(Table.of(keys, [[ra.get(k) for k in keys] for ra in rows_a[:12]]))
+            if len(rows_a) > 12:
+                sub.add(Paragraph.of(f"({len(rows_a)} rows in {js})"))
         fits = doc.get("fits")
         if fits:
             t = [[k, v.get("exponent_low"), v.get("exponent_high")] for k, v in fits.items()]
-            H.append(_table_html(["scheme", "slope (low σ)", "slope (high σ)"], t))
-            M += [_table_md(["scheme", "slope (low σ)", "slope (high σ)"], t), ""]
+            sub.add(Table.of(["scheme", "slope (low σ)", "slope (high σ)"], t))
+    return sec
 
-    # --- Attacks
-    H.append("<h2>Membership inference</h2>")
-    M += ["## Membership inference", ""]
-    any_att = False
+
+def _attacks_section(rows: list[dict], figdir: Path) -> Section:
+    sec = Section("Membership inference")
     for r in rows:
         att = r.get("attacks")
         if not att:
             continue
-        any_att = True
-        res = att.get("attacks") or {}
         t = []
-        for name, a in res.items():
+        for name, a in (att.get("attacks") or {}).items():
             if not isinstance(a, dict) or "auc" not in a:
                 continue
             ci = a.get("ci", {}).get("auc")
@@ -437,23 +399,19 @@ def build_report(
                 ]
             )
         hd = ["attack", "AUC", "AUC 95% CI", "TPR@1%FPR", "TPR@0.1%FPR", "threat model"]
-        H.append(f"<h3>{html.escape(r['run'])}</h3>" + _table_html(hd, t))
-        M += [f"### {r['run']}", "", _table_md(hd, t), ""]
+        sub = Section(r["run"], [Table.of(hd, t)])
+        sec.add(sub)
         for fig in r["roc_figures"]:
             dst = figdir / f"{r['run']}-{Path(fig).name}"
             shutil.copyfile(fig, dst)
-            H.append(_img_tag(dst))
-            M += [f"![ROC {r['run']}](figures/{dst.name})", ""]
-    if not any_att:
-        H.append(
-            "<p><i>missing: no attack results in the runs (run `fedlora attack RUN_DIR`).</i></p>"
-        )
-        M += ["*missing: no attack results in the runs (run `fedlora attack RUN_DIR`).*", ""]
-        summary["missing"].append("Membership inference")
+            sub.add(_figure(dst, f"ROC {r['run']}"))
+    if not sec.blocks:
+        sec.missing = "no attack results in the runs (run `fedlora attack RUN_DIR`)."
+    return sec
 
-    # --- Empirical privacy
-    H.append("<h2>Empirical privacy</h2>")
-    M += ["## Empirical privacy", ""]
+
+def _empirical_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
+    sec = Section("Empirical privacy")
     bt = [
         [r["run"], b["attack"], b["method"], b["epsilon_lb"], r["epsilon_claimed"]]
         for r in rows
@@ -465,76 +423,44 @@ def build_report(
         if (r.get("audit") or {}).get("one_run")
     ]
     if bt:
-        hd = ["run", "attack", "bound", "ε lower bound (95%)", "ε claimed"]
-        H.append(_table_html(hd, bt))
-        M += [_table_md(hd, bt), ""]
+        sec.add(Table.of(["run", "attack", "bound", "ε lower bound (95%)", "ε claimed"], bt))
         fig = _plot_bounds(rows, figdir / "epsilon_bounds")
         if fig:
-            H.append(_img_tag(fig[0]))
-            M += [f"![bounds](figures/{fig[0].name})", ""]
+            sec.add(_figure(fig[0], "bounds"))
         summary["bounds"] = [
             dict(zip(["run", "attack", "method", "epsilon_lb", "epsilon_claimed"], b)) for b in bt
         ]
     if one_run:
-        H.append(_table_html(["run", "one-run ε lower bound (canaries)"], one_run))
-        M += [_table_md(["run", "one-run ε lower bound (canaries)"], one_run), ""]
+        sec.add(Table.of(["run", "one-run ε lower bound (canaries)"], one_run))
     if not bt and not one_run:
-        H.append("<p><i>missing: no attack scores or canaries to bound ε from below.</i></p>")
-        M += ["*missing: no attack scores or canaries to bound ε from below.*", ""]
-        summary["missing"].append("Empirical privacy")
+        sec.missing = "no attack scores or canaries to bound ε from below."
+    return sec
 
-    # --- Claims check
-    H.append("<h2>Claims check</h2>")
-    M += ["## Claims check", ""]
-    if claims and claims.get("claims"):
-        t = [
-            [
-                c.get("paper"),
-                c.get("statement"),
-                "holds" if c.get("holds") else "does not hold",
-                c.get("measured"),
-                c.get("setting"),
-            ]
-            for c in claims["claims"]
+
+def _claims_section(claims: dict | None) -> Section:
+    sec = Section("Claims check")
+    if not (claims and claims.get("claims")):
+        sec.missing = "the claims analysis was not run."
+        return sec
+    t = [
+        [
+            c.get("paper"),
+            c.get("statement"),
+            "holds" if c.get("holds") else "does not hold",
+            c.get("measured"),
+            c.get("setting"),
         ]
-        hd = ["paper", "claim", "verdict", "measured", "setting"]
-        H.append(_table_html(hd, t))
-        M += [_table_md(hd, t), ""]
-    else:
-        H.append("<p><i>missing: the claims analysis was not run.</i></p>")
-        M += ["*missing: the claims analysis was not run.*", ""]
-        summary["missing"].append("Claims check")
+        for c in claims["claims"]
+    ]
+    return sec.add(Table.of(["paper", "claim", "verdict", "measured", "setting"], t))
 
-    # --- Environment
+
+def _environment_section(rows: list[dict]) -> Section:
     versions = rows[0]["versions"] if rows else {}
     env = [["python", platform.python_version()], ["platform", platform.platform()]] + [
         [k, v] for k, v in versions.items() if k != "python"
     ]
-    H.append("<h2>Environment</h2>" + _table_html(["component", "version"], env))
-    M += ["## Environment", "", _table_md(["component", "version"], env), ""]
-
-    # --- Reproduce
-    cmds = list(commands or []) + [train_command(r["config"], r["path"]) for r in rows]
-    H.append("<h2>Reproduce</h2><pre>" + html.escape("\n".join(cmds)) + "</pre>")
-    M += ["## Reproduce", "", "```bash", *cmds, "```", ""]
-
-    css = (
-        "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
-        "table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}"
-        "th{background:#f3f3f3}pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:12px}h2{border-bottom:2px solid #ddd}"
-    )
-    page = (
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        f"<style>{css}</style></head><body><h1>{html.escape(title)}</h1>"
-        f"<p>Generated {html.escape(datetime.now(UTC).isoformat(timespec='seconds'))} by fedlora-audit.</p>"
-        + "".join(H)
-        + "</body></html>"
-    )
-    atomic_write_text(outp / "report.html", page)
-    atomic_write_text(outp / "report.md", "\n".join(M))
-    summary["html"] = str(outp / "report.html")
-    summary["markdown"] = str(outp / "report.md")
-    return summary
+    return Section("Environment", [Table.of(["component", "version"], env)])
 
 
 def _plot_accuracy(rows: list[dict], stem: Path) -> list[Path]:

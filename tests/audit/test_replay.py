@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from audit.runaudit import CUDA_RTOL, TAMPER_CODES, _trained_device, audit_run, compare_adapters
+from audit.replay import _trained_device
+from audit.runaudit import CUDA_RTOL, TAMPER_CODES, audit_run, compare_adapters
 from fl.cli import main
 from fl.privacy.accounting import Ledger
 
