@@ -1,5 +1,5 @@
 """`fedlora audit`: check the privacy claim of a run directory, a release bundle or a
-claim file.
+claim file; `fedlora report`: write the report of run directories (:mod:`audit.report`).
 
     fedlora audit RUN_OR_BUNDLE [--json] [--one-run] [--alpha A] [--key FILE]
     fedlora audit --claim FILE [--json]
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 from audit.findings import Finding
 from fl.errors import UsageError
@@ -56,6 +57,14 @@ def register(sub) -> None:
         "and check that it reproduces the released adapter and privacy block",
     )
     p.set_defaults(func=cmd_audit)
+
+    r = sub.add_parser("report", help="write report.html and report.md for run directories")
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    r.add_argument("--out", required=True, metavar="DIR")
+    r.add_argument(
+        "--analyses", metavar="DIR", help="folder with analysis results (NAME/NAME.json + figures)"
+    )
+    r.set_defaults(func=cmd_report)
 
 
 def _jsonable(x):
@@ -188,3 +197,17 @@ def cmd_audit(args) -> int:
     else:
         sys.stdout.write(_human(result, title) + "\n")
     return exit_code(result)
+
+
+def cmd_report(args) -> int:
+    claims = None
+    if args.analyses:
+        cp = Path(args.analyses) / "claims" / "claims.json"
+        if cp.exists():
+            claims = json.loads(cp.read_text())
+    from audit.report import build_report
+
+    s = build_report(args.runs, args.out, analyses_dir=args.analyses, claims=claims)
+    print(f"report: {s['html']}")
+    print(f"markdown: {s['markdown']}")
+    return 0

@@ -104,21 +104,12 @@ def one_run(cfg, workdir: Path, tag: str) -> dict:
 
 def config(quick: bool, **kw):
     from fl.config import TrainConfig
+    from fl.testing import TINY
 
     if quick:
-        base = dict(
-            model="tiny-bert",
-            dataset="synthetic",
-            members=160,
-            nonmembers=20,
-            test=40,
-            max_length=16,
-            clients=3,
-            rounds=2,
-            local_steps=2,
-            batch_size=16,
-            rank=4,
-            alpha=8.0,
+        # the tests' tiny set-up (fl.testing.TINY), smaller still, at the default lr
+        base = {k: v for k, v in TINY.items() if k != "lr"} | dict(
+            members=160, nonmembers=20, test=40, max_length=16, local_steps=2
         )
     else:
         # The default set-up (TrainConfig defaults: minilm, tweets, 2000 members, 1000

@@ -20,7 +20,7 @@ _COMMAND_MODULES = (
     "analysis.cli",
     "attacks.cli",
     "audit.cli",
-    "audit.job",
+    "pipeline.job",
     "benchmarks.cli",
 )
 

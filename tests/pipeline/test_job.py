@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from audit.job import run_job
 from audit.report import CHANCE_BALANCED, SECTIONS
+from pipeline.job import PRESETS, run_job
 
 
 @pytest.mark.timeout(900)
@@ -63,3 +63,22 @@ def test_quick_preset_end_to_end(tmp_path):
         assert c["statement"] in md
     assert all(v == "ok" for v in st["analyses"].values())
     assert math.isfinite(st["seconds"])
+
+
+def test_presets_configurations():
+    """The presets' training set-ups (the default one is TrainConfig's defaults with fewer
+    examples, rounds and steps: the README's ~15 minutes on 2 CPU cores rests on these)."""
+    from fl.config import TrainConfig
+
+    d = TrainConfig(**PRESETS["default"].base)
+    assert (d.model, d.dataset, d.members, d.nonmembers, d.test, d.max_length) == (
+        "minilm", "tweets", 1000, 500, 500, 48
+    )  # fmt: skip
+    assert (d.clients, d.rounds, d.eval_every, d.local_steps, d.batch_size) == (5, 3, 3, 8, 32)
+    assert (d.lr, d.rank, d.alpha) == (5e-3, 8, 16.0)
+    q = TrainConfig(**PRESETS["quick"].base)
+    assert (q.model, q.dataset, q.members, q.rounds, q.local_steps, q.lr) == (
+        "tiny-bert", "synthetic", 300, 3, 20, 0.03
+    )  # fmt: skip
+    assert q.progress and q.device == TrainConfig().device  # the job's to set, not TINY's
+    assert PRESETS["quick"].canaries == 40 and PRESETS["default"].canaries == 100

@@ -1,4 +1,4 @@
-"""The main job (`fedlora run`) and `fedlora report`.
+"""The main job, `fedlora run`: the whole pipeline, from training to the report.
 
 `fedlora run` trains the default methods under the default budgets, runs the noise
 analyses, the membership-inference attacks and the audits, and writes the report.
@@ -21,55 +21,49 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from fl.config import TrainConfig
 from fl.errors import UsageError
+from fl.testing import TINY
 
-PRESETS: dict[str, dict] = {
-    "quick": {
-        "base": dict(
-            model="tiny-bert",
-            dataset="synthetic",
-            members=300,
-            nonmembers=120,
-            test=100,
-            max_length=24,
-            clients=3,
-            rounds=3,
-            local_steps=20,
-            batch_size=32,
-            lr=0.03,
-            rank=4,
-            alpha=8.0,
-        ),
-        "attacks": ("loss", "calibration", "lira", "rmia"),
-        "shadows": 4,
-        "attack_runs": ("fedavg-nodp",),
-        "canaries": 40,
-    },
-    "default": {
-        "base": dict(
+
+@dataclass(frozen=True)
+class Preset:
+    """What `fedlora run --preset NAME` trains and attacks."""
+
+    base: dict  # TrainConfig fields shared by every run (each run adds its overrides)
+    attacks: tuple = ("loss", "calibration", "lira", "rmia")  # on the attack_runs
+    shadows: int = 4
+    attack_runs: tuple = ("fedavg-nodp",)  # the other runs get the loss attack only
+    canaries: int = 100  # inserted in the run with canaries=-1 (RUNS)
+
+
+PRESETS: dict[str, Preset] = {
+    # the tests' tiny set-up (fl.testing.TINY) with more members and local steps, so
+    # that the non-private run learns the synthetic task; progress and device are the
+    # job's to set
+    "quick": Preset(
+        base={k: v for k, v in TINY.items() if k not in ("progress", "device")}
+        | dict(members=300, nonmembers=120, rounds=3, local_steps=20, batch_size=32, lr=0.03),
+        canaries=40,
+    ),
+    # the training defaults (TrainConfig: minilm on tweets, 5 clients, batch 32, rank 8)
+    # with fewer examples, rounds and steps, to fit about 15 minutes on 2 CPU cores
+    "default": Preset(
+        base=dict(
             model="minilm",
             dataset="tweets",
             members=1000,
             nonmembers=500,
             test=500,
             max_length=48,
-            clients=5,
             rounds=3,
             eval_every=3,
             local_steps=8,
-            batch_size=32,
-            lr=5e-3,
-            rank=8,
-            alpha=16.0,
         ),
-        "attacks": ("loss", "calibration", "lira", "rmia"),
-        "shadows": 4,
-        "attack_runs": ("fedavg-nodp",),
-        "canaries": 100,
-    },
+    ),
 }
 
 # (run name, method, overrides). Methods not registered are reported as missing.
@@ -110,13 +104,13 @@ def run_job(
         if method not in registry.names():
             status["runs"][name] = "missing: method not available"
     for i, (name, method, over) in enumerate(todo, 1):
-        base = dict(spec["base"])
+        base = dict(spec.base)
         if preset == "default" and method == "plora":
             over = dict(over, client_ranks="4,8")
         over = dict(over)
         if over.pop("canaries", 0) == -1:
-            over["canaries"] = spec["canaries"]
-            over["nonmembers"] = max(base["nonmembers"], spec["canaries"] + 50)
+            over["canaries"] = spec.canaries
+            over["nonmembers"] = max(base["nonmembers"], spec.canaries + 50)
         cfg = TrainConfig(**{**base, **over, "method": method, "seed": seed, "progress": progress})
         _log(
             f"[{i}/{len(todo)}] training {name} ({method}, {cfg.dp_level} DP, {cfg.model}/{cfg.dataset})"
@@ -140,13 +134,13 @@ def run_job(
         status["attacks"] = "missing: attacks package not available"
     if attacks_mod is not None:
         for rd in run_dirs:
-            names = spec["attacks"] if rd.name in spec["attack_runs"] else ("loss",)
+            names = spec.attacks if rd.name in spec.attack_runs else ("loss",)
             _log(f"attacking {rd.name}: {', '.join(names)}")
             try:
                 res = attacks_mod.run_attacks(
                     str(rd),
                     attacks=names,
-                    shadows=spec["shadows"],
+                    shadows=spec.shadows,
                     out=str(rd / "attacks"),
                     seed=seed,
                     progress=progress,
@@ -245,31 +239,9 @@ def register(sub) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_run)
 
-    r = sub.add_parser("report", help="write report.html and report.md for run directories")
-    r.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    r.add_argument("--out", required=True, metavar="DIR")
-    r.add_argument(
-        "--analyses", metavar="DIR", help="folder with analysis results (NAME/NAME.json + figures)"
-    )
-    r.set_defaults(func=cmd_report)
-
 
 def cmd_run(args) -> int:
     out = args.out or time.strftime(f"reports/{args.preset}-%Y%m%d-%H%M%S")
     st = run_job(args.preset, out, seed=args.seed, progress=args.progress)
     _print_summary(st)
     return 1 if st["errors"] else 0
-
-
-def cmd_report(args) -> int:
-    claims = None
-    if args.analyses:
-        cp = Path(args.analyses) / "claims" / "claims.json"
-        if cp.exists():
-            claims = json.loads(cp.read_text())
-    from audit.report import build_report
-
-    s = build_report(args.runs, args.out, analyses_dir=args.analyses, claims=claims)
-    print(f"report: {s['html']}")
-    print(f"markdown: {s['markdown']}")
-    return 0
