@@ -28,113 +28,114 @@ class Severity(StrEnum):
         return ("info", "warning", "error").index(self.value)
 
 
-_E, _W, _I = Severity.ERROR, Severity.WARNING, Severity.INFO
-
-
 class Code(StrEnum):
-    """A finding's code; the value is the string written into the documents."""
-
-    severity: Severity
-    tampering: bool
-    meaning: str
-
-    def __new__(cls, value: str, severity: Severity, tampering: bool, meaning: str):
-        obj = str.__new__(cls, value)
-        obj._value_ = value
-        obj.severity, obj.tampering, obj.meaning = severity, tampering, meaning
-        return obj
+    """A finding's code; the value is the string written into the documents. Its
+    :attr:`severity` and whether it means :attr:`tampering` are listed below the class."""
 
     # --- accounting mistakes (claims and runs)
-    NO_COMPOSITION_ACROSS_ROUNDS = (
-        "no_composition_across_rounds", _E, False,
-        "each round accounted afresh instead of composed",
-    )  # fmt: skip
-    PARTIAL_COMPOSITION = (
-        "partial_composition", _E, False, "only one epoch of steps accounted",
-    )  # fmt: skip
-    WRONG_SAMPLE_RATE = (
-        "wrong_sample_rate", _E, False, "sampling rate computed over the whole federation",
-    )  # fmt: skip
-    AMPLIFICATION_WITHOUT_RANDOM_SAMPLING = (
-        "amplification_without_random_sampling", _E, False,
-        "Poisson amplification claimed for non-Poisson batches",
-    )  # fmt: skip
-    CLIENT_SAMPLING_IGNORED = (
-        "client_sampling_ignored", _E, False,
-        "amplification by client sampling that the mechanism does not give",
-    )  # fmt: skip
-    REPLACEMENT_SENSITIVITY_IGNORED = (
-        "replacement_sensitivity_ignored", _E, False,
-        "fixed-size batches/cohorts accounted with sensitivity C under add/remove",
-    )  # fmt: skip
-    UNEXPLAINED_UNDERSTATEMENT = (
-        "unexplained_understatement", _E, False,
-        "claimed ε below the recomputed one, no known mistake matches",
-    )  # fmt: skip
-    NOISE_REPRODUCIBLE = (
-        "noise_reproducible", _E, False,
-        "noise from a seeded (or unstated) generator: can be regenerated",
-    )  # fmt: skip
-    DELTA_TOO_LARGE = ("delta_too_large", _E, False, "δ >= 1/n")
-    CLIPPING_NORM_MISSING = ("clipping_norm_missing", _I, False, "clipping norm not stated")
+    #: each round accounted afresh instead of composed
+    NO_COMPOSITION_ACROSS_ROUNDS = "no_composition_across_rounds"
+    #: only one epoch of steps accounted
+    PARTIAL_COMPOSITION = "partial_composition"
+    #: sampling rate computed over the whole federation
+    WRONG_SAMPLE_RATE = "wrong_sample_rate"
+    #: Poisson amplification claimed for non-Poisson batches
+    AMPLIFICATION_WITHOUT_RANDOM_SAMPLING = "amplification_without_random_sampling"
+    #: amplification by client sampling that the mechanism does not give
+    CLIENT_SAMPLING_IGNORED = "client_sampling_ignored"
+    #: fixed-size batches/cohorts accounted with sensitivity C under add/remove
+    REPLACEMENT_SENSITIVITY_IGNORED = "replacement_sensitivity_ignored"
+    #: claimed ε below the recomputed one, no known mistake matches
+    UNEXPLAINED_UNDERSTATEMENT = "unexplained_understatement"
+    #: noise from a seeded (or unstated) generator: can be regenerated
+    NOISE_REPRODUCIBLE = "noise_reproducible"
+    #: δ >= 1/n
+    DELTA_TOO_LARGE = "delta_too_large"
+    #: clipping norm not stated
+    CLIPPING_NORM_MISSING = "clipping_norm_missing"
     # --- a run's stated ε against its recomputation
-    EPSILON_UNDERSTATED = (
-        "epsilon_understated", _E, False, "the stated ε is below the recomputed one",
-    )  # fmt: skip
-    EPSILON_MISSING = ("epsilon_missing", _E, False, "a DP run states no ε")
-    LEDGER_BELOW_CONFIG = (
-        "ledger_below_config", _W, False, "the configuration implies more ε than the ledger",
-    )  # fmt: skip
-    LEDGER_EXTRA_EVENTS = (
-        "ledger_extra_events", _I, False, "the ledger records more DP steps than implied",
-    )  # fmt: skip
-    METRICS_MISSING = (
-        "metrics_missing", _W, False, "no metrics.jsonl: every client assumed every round",
-    )  # fmt: skip
-    RELEASES_FROM_LEDGER = (
-        "releases_from_ledger", _W, False,
-        "unknown method: releases per round read from the ledger",
-    )  # fmt: skip
-    NO_DP = ("no_dp", _I, False, "the run claims no differential privacy")
-    EMPIRICAL_EXCEEDS_CLAIM = (
-        "empirical_exceeds_claim", _E, False,
-        "the one-run lower bound exceeds the recomputed ε",
-    )  # fmt: skip
+    #: the stated ε is below the recomputed one
+    EPSILON_UNDERSTATED = "epsilon_understated"
+    #: a DP run states no ε
+    EPSILON_MISSING = "epsilon_missing"
+    #: the configuration implies more ε than the ledger
+    LEDGER_BELOW_CONFIG = "ledger_below_config"
+    #: the ledger records more DP steps than implied
+    LEDGER_EXTRA_EVENTS = "ledger_extra_events"
+    #: no metrics.jsonl: every client assumed every round
+    METRICS_MISSING = "metrics_missing"
+    #: unknown method: releases per round read from the ledger
+    RELEASES_FROM_LEDGER = "releases_from_ledger"
+    #: the run claims no differential privacy
+    NO_DP = "no_dp"
+    #: the one-run lower bound exceeds the recomputed ε
+    EMPIRICAL_EXCEEDS_CLAIM = "empirical_exceeds_claim"
     # --- tampering: the run's files contradict each other or the replay
-    NOISE_NOT_APPLIED = ("noise_not_applied", _E, True, "σ = 0: no privacy")
-    ADAPTER_HASH_MISMATCH = (
-        "adapter_hash_mismatch", _E, True, "the adapter is not the one the run wrote",
-    )  # fmt: skip
-    ADAPTER_MISSING = ("adapter_missing", _E, True, "the released adapter is missing")
-    SPLITS_HASH_MISMATCH = (
-        "splits_hash_mismatch", _E, True, "splits.json changed after the run",
-    )  # fmt: skip
-    SPLITS_MISSING = ("splits_missing", _E, True, "splits.json is missing")
-    LEDGER_FILE_MISMATCH = (
-        "ledger_file_mismatch", _E, True, "ledger.json differs from the manifest's ledger",
-    )  # fmt: skip
-    CONFIG_FILE_MISMATCH = (
-        "config_file_mismatch", _E, True, "config.json differs from the manifest's config",
-    )  # fmt: skip
-    LEDGER_INCOMPLETE = (
-        "ledger_incomplete", _E, True, "the ledger records fewer DP steps than implied",
-    )  # fmt: skip
-    SIGMA_MISMATCH = ("sigma_mismatch", _E, True, "σ differs between config, block and ledger")
-    SAMPLE_RATE_MISMATCH = (
-        "sample_rate_mismatch", _E, True, "a recorded sampling rate is not batch / n",
-    )  # fmt: skip
-    REPLAY_MISMATCH = (
-        "replay_mismatch", _E, True, "retrained from config and key, the run differs",
-    )  # fmt: skip
+    #: σ = 0: no privacy
+    NOISE_NOT_APPLIED = "noise_not_applied"
+    #: the adapter is not the one the run wrote
+    ADAPTER_HASH_MISMATCH = "adapter_hash_mismatch"
+    #: the released adapter is missing
+    ADAPTER_MISSING = "adapter_missing"
+    #: splits.json changed after the run
+    SPLITS_HASH_MISMATCH = "splits_hash_mismatch"
+    #: splits.json is missing
+    SPLITS_MISSING = "splits_missing"
+    #: ledger.json differs from the manifest's ledger
+    LEDGER_FILE_MISMATCH = "ledger_file_mismatch"
+    #: config.json differs from the manifest's config
+    CONFIG_FILE_MISMATCH = "config_file_mismatch"
+    #: the ledger records fewer DP steps than implied
+    LEDGER_INCOMPLETE = "ledger_incomplete"
+    #: σ differs between config, block and ledger
+    SIGMA_MISMATCH = "sigma_mismatch"
+    #: a recorded sampling rate is not batch / n
+    SAMPLE_RATE_MISMATCH = "sample_rate_mismatch"
+    #: retrained from config and key, the run differs
+    REPLAY_MISMATCH = "replay_mismatch"
     # --- replay
-    KEY_MISMATCH = ("key_mismatch", _E, False, "the key given is not the run's key")
-    REPLAY_INEXACT = (
-        "replay_inexact", _I, False, "the replay matches within tolerance, not bit for bit",
-    )  # fmt: skip
+    #: the key given is not the run's key
+    KEY_MISMATCH = "key_mismatch"
+    #: the replay matches within tolerance, not bit for bit
+    REPLAY_INEXACT = "replay_inexact"
+
+    @property
+    def severity(self) -> Severity:
+        """How bad a finding of this code is when established (error unless listed)."""
+        return _SEVERITY.get(self, Severity.ERROR)
+
+    @property
+    def tampering(self) -> bool:
+        """The run's files contradict each other or the replay (an error)."""
+        return self in TAMPER_CODES
 
 
-#: the codes that mean tampering, as strings (``"replay_mismatch" in TAMPER_CODES``)
-TAMPER_CODES = frozenset(c for c in Code if c.tampering)
+_SEVERITY = {
+    Code.LEDGER_BELOW_CONFIG: Severity.WARNING,
+    Code.METRICS_MISSING: Severity.WARNING,
+    Code.RELEASES_FROM_LEDGER: Severity.WARNING,
+    Code.CLIPPING_NORM_MISSING: Severity.INFO,
+    Code.LEDGER_EXTRA_EVENTS: Severity.INFO,
+    Code.NO_DP: Severity.INFO,
+    Code.REPLAY_INEXACT: Severity.INFO,
+}
+
+#: the codes that mean tampering, as strings too (``"replay_mismatch" in TAMPER_CODES``)
+TAMPER_CODES = frozenset(
+    {
+        Code.NOISE_NOT_APPLIED,
+        Code.ADAPTER_HASH_MISMATCH,
+        Code.ADAPTER_MISSING,
+        Code.SPLITS_HASH_MISMATCH,
+        Code.SPLITS_MISSING,
+        Code.LEDGER_FILE_MISMATCH,
+        Code.CONFIG_FILE_MISMATCH,
+        Code.LEDGER_INCOMPLETE,
+        Code.SIGMA_MISMATCH,
+        Code.SAMPLE_RATE_MISMATCH,
+        Code.REPLAY_MISMATCH,
+    }
+)
 
 
 @dataclass(frozen=True)
