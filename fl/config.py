@@ -142,6 +142,13 @@ class TrainConfig:
     canary_kind: str = _f("mislabel", "canary kind", choices=("mislabel", "random_text"))
     eval_every: int = _f(1, "evaluate the global model every N rounds (and always at the end)")
     eval_batch_size: int = _f(128, "batch size for evaluation")
+    eval_nonmembers: bool = _f(
+        False,
+        "after the last round also evaluate on the non-member pool (disjoint from members "
+        "and test): val_accuracy / val_balanced_accuracy, for choosing hyperparameters "
+        "without looking at the test set",
+        runtime="run",
+    )
     seed: int = _f(
         0,
         "public seed: data split, partition, initialization, FedASK's Ω, dropout (never "

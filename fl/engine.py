@@ -164,7 +164,12 @@ class Engine(PrivacyPlan):
         self.test_data = TokenizedData(
             [ds.texts[i] for i in split.test], ds.labels[split.test], tok, cfg.max_length
         )
-        self.trainer = LocalTrainer(cfg, ds.num_classes, self.device)
+        self.trainer = LocalTrainer(
+            cfg,
+            ds.num_classes,
+            self.device,
+            frozen_encoder=not getattr(self.method_cls, "trains_factors", True),
+        )
         self.server = ServerContext(self)
         self.method = self.method_cls(self.server, self.options)
         self._setup_privacy()
@@ -287,6 +292,12 @@ class Engine(PrivacyPlan):
                 for name, st in self.method.eval_states().items():
                     ev = self.trainer.evaluate(st, self.test_data, cfg.eval_batch_size)
                     row[f"{name}_accuracy"] = ev["accuracy"]
+            if cfg.eval_nonmembers and r + 1 == cfg.rounds and len(self.split.nonmembers):
+                ev = self.trainer.evaluate(
+                    self.method.released_state(), self._validation_data(), cfg.eval_batch_size
+                )
+                row["val_accuracy"] = ev["accuracy"]
+                row["val_balanced_accuracy"] = ev["balanced_accuracy"]
             row["epsilon"] = self.ledger.epsilon("pld") if cfg.dp_level != "none" else None
             row["bytes_up"] = sum(v["up"] for v in self.round_bytes.values())
             row["bytes_down"] = sum(v["down"] for v in self.round_bytes.values())
@@ -299,6 +310,18 @@ class Engine(PrivacyPlan):
             self._save_checkpoint(r + 1)
             self._clear_inflight()
         return self._finish(time.time() - t0)
+
+    def _validation_data(self) -> TokenizedData:
+        """The non-member pool, tokenized on first use (``--eval-nonmembers``)."""
+        if getattr(self, "_val_data", None) is None:
+            ds, idx = self.dataset, self.split.nonmembers
+            self._val_data = TokenizedData(
+                [ds.texts[i] for i in idx],
+                ds.labels[idx],
+                load_tokenizer(self.cfg.model),
+                self.cfg.max_length,
+            )
+        return self._val_data
 
     def noise_key_file(self) -> str | None:
         """Path of the run's key file (for Flower nodes on this machine), or None."""

@@ -212,19 +212,18 @@ class FrozenPrefix:
         was = net.training
         net.train(False)
         out = None
+        # Chunks of similar length (shortest first) pad less; rows go back in place.
+        order = torch.argsort(data.lengths, stable=True)
         try:
             for s in range(0, n, self.CHUNK):
-                idx = torch.arange(s, min(n, s + self.CHUNK))
+                idx = order[s : s + self.CHUNK]
                 L = int(data.lengths[idx].max())
                 ids = data.input_ids[idx, :L].to(device)
                 mask = data.attention_mask[idx, :L].to(device)
                 h = net.encode_prefix(ids, mask).to("cpu")
                 if out is None:
-                    shape = (
-                        (n, *h.shape[1:])
-                        if h.dim() == 2
-                        else (n, data.input_ids.shape[1], h.shape[-1])
-                    )
+                    width = data.input_ids.shape[1]
+                    shape = (n, *h.shape[1:]) if h.dim() == 2 else (n, width, h.shape[-1])
                     out = torch.zeros(shape, dtype=h.dtype)
                 if h.dim() == 2:
                     out[idx] = h

@@ -36,6 +36,9 @@ def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> d
             "level": cfg.dp_level,
             "mechanism": _mechanism_text(cfg),
             "noise_multiplier": eng.sigma,
+            # sample level: σ_k of each client (calibrated to its own q_k and steps);
+            # noise_multiplier is their maximum
+            "client_noise_multipliers": eng.client_sigmas() if cfg.dp_level == "sample" else {},
             "clipping_norm": cfg.clip if cfg.dp_level != "none" else None,
             "delta": eng.delta,
             "target_epsilon": cfg.epsilon if cfg.epsilon > 0 else None,
@@ -71,12 +74,21 @@ def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> d
             "splits_sha256": file_sha256(eng.out / SPLITS),
             "members_sha256": ids_hash([eng.dataset.ids[i] for i in eng.split.members]),
         },
+        "model": model_block(eng),
         "client_ranks": eng.client_ranks or None,
         "seeds": {"seed": cfg.seed},
         "versions": _versions(),
         "metrics": {
             "final": {
-                k: final.get(k) for k in ("accuracy", "balanced_accuracy", "loss") if k in final
+                k: final.get(k)
+                for k in (
+                    "accuracy",
+                    "balanced_accuracy",
+                    "loss",
+                    "val_accuracy",
+                    "val_balanced_accuracy",
+                )
+                if k in final
             }
         },
         "adapter_sha256": file_sha256(adapter / ADAPTER_WEIGHTS),
@@ -86,6 +98,25 @@ def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> d
     manifest["visibility"] = "operator"
     manifest["device"] = eng.device.type
     return manifest
+
+
+def model_block(eng) -> dict:
+    """How the model was built and trained: the resolved pooling (``auto`` read from the
+    model folder), head initialization, LoRA layers, the frozen prefix and whether it
+    was cached, and the two learning rates."""
+    cfg, prefix = eng.cfg, eng.trainer.prefix
+    from fl.models import resolve_pooling
+
+    return {
+        "name": cfg.model,
+        "pooling": resolve_pooling(cfg.model, cfg.pooling),
+        "head_init": cfg.head_init,
+        "lora_layers": cfg.lora_layers or "all",
+        "frozen_prefix_layers": prefix.depth,
+        "prefix_cache": prefix.enabled,
+        "lr": cfg.lr,
+        "head_lr": cfg.head_lr or cfg.lr,
+    }
 
 
 def _mechanism_text(cfg: TrainConfig) -> str:

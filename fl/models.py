@@ -237,3 +237,18 @@ def resolve_device(device: str) -> torch.device:
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"unknown device {device!r}; use auto, cpu or cuda")
     return torch.device(device)
+
+
+def recorded_pooling(manifest: dict) -> str:
+    """The pooling a recorded run was trained with (its manifest's ``model`` block, else
+    its config); runs written before pooling was an option used the CLS pooler."""
+    block = manifest.get("model")
+    if isinstance(block, dict) and block.get("pooling") in ("cls", "mean"):
+        return block["pooling"]
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    pooling = cfg.get("pooling")
+    if pooling in ("cls", "mean"):
+        return pooling
+    if pooling == "auto":
+        return resolve_pooling(str(cfg.get("model", "minilm")), "auto")
+    return "cls"

@@ -47,11 +47,27 @@ class PrivacyPlan:
             return max(1, math.ceil(cfg.local_epochs * n / cfg.batch_size))
         return cfg.local_steps
 
+    def mechanism_of(self, n: int) -> tuple[float, int]:
+        """(q, steps per round) of a client of public size n: q = min(1, B/n)."""
+        return min(1.0, self.cfg.batch_size / n), self.local_steps_for(n)
+
+    def sigma_for(self, n: int) -> float:
+        """σ of a client of public size n (sample level: calibrated to its own q and
+        steps, see :meth:`_setup_privacy`); the run's σ otherwise."""
+        table = getattr(self, "mechanism_sigmas", None)
+        if self.cfg.dp_level == "sample" and table:
+            return table[self.mechanism_of(n)]
+        return self.sigma
+
     def dp_params_for(self, n: int) -> DpSgdParams | None:
         if self.cfg.dp_level != "sample":
             return None
         q = min(1.0, self.cfg.batch_size / n)
-        return DpSgdParams(self.sigma, self.cfg.clip, q, q * n)
+        return DpSgdParams(self.sigma_for(n), self.cfg.clip, q, q * n)
+
+    def client_sigmas(self) -> dict[str, float]:
+        """σ_k of every client (sample level), by client id."""
+        return {c: self.sigma_for(n) for c, n in self.public_sizes.items()}
 
     def expected_clients_per_round(self) -> float:
         cfg, K = self.cfg, self.cfg.clients
@@ -84,27 +100,29 @@ class PrivacyPlan:
                 f"{'examples' if level == 'sample' else 'clients'}); such a δ allows releasing a record"
             )
         if level == "sample":
-            # Worst case: every client participates in every round (calibration);
-            # the reported ε composes only the rounds each client actually took part in.
-            mechs = sorted(
-                {
-                    (min(1.0, cfg.batch_size / n), self.local_steps_for(n))
-                    for n in self.public_sizes.values()
-                }
-            )
+            # Each client is calibrated to its own mechanism (its q_k = B/n_k and steps),
+            # for the worst case of taking part in every round; the reported ε composes
+            # only the rounds each client actually took part in.
+            mechs = sorted({self.mechanism_of(n) for n in self.public_sizes.values()})
             if cfg.epsilon > 0:
-                self.sigma = max(
-                    calibrate_noise(cfg.epsilon, q, s * cfg.rounds, self.delta, cfg.accountant)
+                self.mechanism_sigmas = {
+                    (q, s): calibrate_noise(
+                        cfg.epsilon, q, s * cfg.rounds, self.delta, cfg.accountant
+                    )
                     for q, s in mechs
-                )
+                }
             else:
-                self.sigma = cfg.noise_multiplier
+                self.mechanism_sigmas = {m: cfg.noise_multiplier for m in mechs}
+            self.sigma = max(self.mechanism_sigmas.values())
             self.participation_note = (
-                "sample-level: an example lives on one client; its guarantee composes the DP-SGD "
-                "steps of every round its client took part in (no amplification by client "
-                "sampling is claimed). σ was calibrated for the worst case (a client that takes "
-                "part in every round); the reported ε is the maximum over clients of the "
-                "composition over the rounds each actually took part in."
+                "sample-level: an example lives on one client, so its privacy loss composes "
+                "only that client's DP-SGD steps (the other clients' releases do not depend "
+                "on it). Each client k is calibrated to its own sampling rate q_k = B/n_k and "
+                "step count, so that every client meets the target ε (σ_k depends on n_k, "
+                "which the public q_k already discloses); no amplification by client sampling "
+                "is claimed. σ_k assumes the client takes part in every round; the reported ε "
+                "is the maximum over clients of the composition over the rounds each actually "
+                "took part in."
             )
         else:
             releases = self.method.client_dp_releases()
@@ -169,7 +187,7 @@ class PrivacyPlan:
         dp = self.dp_params_for(n)
         return Event(
             "poisson_gaussian" if dp.sample_rate < 1 else "gaussian",
-            self.sigma,
+            dp.noise_multiplier,
             dp.sample_rate,
             self.local_steps_for(n),
             unit=f"client:{cid}",

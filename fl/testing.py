@@ -26,6 +26,10 @@ TINY: dict = dict(
     lr=0.02,
     rank=4,
     alpha=8.0,
+    # A random head, so that the LoRA factors get gradients from the first step (the
+    # tests of the methods' math need them to move in a few steps); the zero head of
+    # the defaults is tested in tests/fl/test_heads.py and test_learning_setup.py.
+    head_init="random",
     progress=False,
     device="cpu",
 )

@@ -75,7 +75,7 @@ def node_noise_key(context: Context | None, meta: dict):
     return key
 
 
-def client_engine(cfg_dict: dict, sigma: float, noise_key=None):
+def client_engine(cfg_dict: dict, sigma: float, noise_key=None, mechanism_sigmas=None):
     """The cached client-side Engine for this configuration (built with setup() on
     first use: dataset, split, partition, tokenized data, model + LoRA init)."""
     from fl.config import TrainConfig
@@ -97,6 +97,8 @@ def client_engine(cfg_dict: dict, sigma: float, noise_key=None):
     # The server's σ is authoritative (e.g. a resumed run's checkpointed σ); the client
     # noises its DP-SGD with exactly it and records events with it.
     eng.sigma = float(sigma)
+    if mechanism_sigmas:
+        eng.mechanism_sigmas = {(float(q), int(s)): float(v) for q, s, v in mechanism_sigmas}
     return eng
 
 
@@ -117,7 +119,12 @@ def handle_stage(message: Message, context: Context) -> Message:
     pid = partition_id(context)
     if pid is not None and str(pid) != cid:
         raise RuntimeError(f"message for client {cid} reached the node holding partition {pid}")
-    eng = client_engine(meta["cfg"], meta["sigma"], node_noise_key(context, meta))
+    eng = client_engine(
+        meta["cfg"],
+        meta["sigma"],
+        node_noise_key(context, meta),
+        meta.get("mechanism_sigmas"),
+    )
     if cid not in eng.client_positions:
         raise RuntimeError(
             f"client {cid} is not in this run's partition {sorted(eng.client_positions)}"

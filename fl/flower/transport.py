@@ -148,6 +148,10 @@ class FlowerTransport:
             meta = {
                 "cfg": cfg_dict,
                 "sigma": float(eng.sigma),
+                # sample level: σ_k per client mechanism (q, steps), see PrivacyPlan
+                "mechanism_sigmas": [
+                    [q, s, float(v)] for (q, s), v in getattr(eng, "mechanism_sigmas", {}).items()
+                ],
                 "index": rnd.index,
                 "seed": rnd.seed,
                 "clients": list(rnd.clients),

@@ -18,6 +18,7 @@ _BUILTIN = (
     "flora",
     "flexlora",
     "hetlora",
+    "probe",
 )
 _loaded = False
 

@@ -204,6 +204,7 @@ METHODS = [
     ("fedsa", dict()),
     ("fedprox", dict()),
     ("ffa", dict(dp_level="sample", noise_multiplier=1.0)),
+    ("probe", dict(dp_level="sample", noise_multiplier=1.0)),
 ]
 
 
