@@ -200,19 +200,41 @@ def check_adapter_fits(adapter_dir: str | Path, base: torch.nn.Module) -> None:
                 )
 
 
+def adapter_pooling(adapter_dir: str | Path) -> str:
+    """The pooling the head of ``adapter_dir`` reads: recorded in the manifest beside it
+    (a run directory or a release bundle, :func:`fl.models.recorded_pooling`), else
+    ``cls``, Hugging Face's own sequence-classification head (a foreign adapter)."""
+    from fl.models import recorded_pooling
+
+    man = Path(adapter_dir).parent / "manifest.json"
+    try:
+        doc = json.loads(man.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "cls"
+    return recorded_pooling(doc) if isinstance(doc, dict) else "cls"
+
+
 def load_adapter_model(
-    adapter_dir: str | Path, base_model: str, num_labels: int, seed: int = 0, device="cpu"
+    adapter_dir: str | Path,
+    base_model: str,
+    num_labels: int,
+    seed: int = 0,
+    device="cpu",
+    pooling: str | None = None,
 ):
     """Base model (``fl.models.load_base_model``) + the PEFT LoRA adapter, in eval mode.
 
     ``seed`` must be the seed the base was created with for random-init models
-    (tiny-bert, tiny-gpt2); it is irrelevant for pretrained ones."""
+    (tiny-bert, tiny-gpt2); it is irrelevant for pretrained ones. ``pooling``: what the
+    head reads (None: :func:`adapter_pooling`)."""
     from peft import PeftModel
 
     from fl.models import load_base_model
 
     read_adapter_config(adapter_dir)
-    base = load_base_model(base_model, num_labels, seed=seed)
+    if pooling is None:
+        pooling = adapter_pooling(adapter_dir)
+    base = load_base_model(base_model, num_labels, seed=seed, pooling=pooling)
     check_adapter_fits(adapter_dir, base)
     try:
         with warnings.catch_warnings():

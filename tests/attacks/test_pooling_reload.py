@@ -1,0 +1,37 @@
+"""A released adapter is reloaded with the pooling it was trained with (the manifest's
+model block), so the attacks score the model that was trained."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from attacks.signals import adapter_pooling, load_adapter_model, model_logits
+from fl.data import load_dataset, split_dataset
+from fl.engine import train
+from fl.models import load_tokenizer
+from fl.testing import tiny_config
+
+
+def test_mean_pooled_run_reloads_with_mean_pooling(tmp_path):
+    cfg = tiny_config(pooling="mean", lora_layers=1, rounds=1)
+    out = tmp_path / "run"
+    man = train(cfg, out, quiet=True)
+    assert man["model"]["pooling"] == "mean"
+    assert adapter_pooling(out / "adapter") == "mean"
+    assert adapter_pooling(out / "release" / "adapter") == "mean"
+    assert adapter_pooling(tmp_path) == "cls"  # no manifest beside it: a foreign adapter
+    ds = load_dataset(cfg.dataset)
+    split = split_dataset(len(ds), cfg.members, cfg.nonmembers, cfg.test, cfg.seed)
+    texts = [ds.texts[i] for i in split.test]
+    labels = ds.labels[split.test]
+    model = load_adapter_model(out / "adapter", cfg.model, 2, seed=cfg.seed)
+    logits = model_logits(model, load_tokenizer(cfg.model), texts, cfg.max_length, "cpu")
+    acc = float(np.mean(logits.argmax(-1) == labels))
+    assert acc == man["metrics"]["final"]["accuracy"]
+    # the same adapter read through a CLS pooler is a different model
+    wrong = load_adapter_model(out / "adapter", cfg.model, 2, seed=cfg.seed, pooling="cls")
+    other = model_logits(wrong, load_tokenizer(cfg.model), texts, cfg.max_length, "cpu")
+    assert not np.allclose(logits, other, atol=1e-4)
+    assert json.loads((out / "manifest.json").read_text())["model"]["pooling"] == "mean"
