@@ -13,7 +13,11 @@ the ``attacks`` grid):
 - ``hetero``   Fed-PLoRA, FLoRA, FlexLoRA, HETLoRA (ranks from {4, 8, 16}, R = 16) and
   FedAvg-LoRA at rank 4, IID and Dirichlet(0.5), non-private and ε = 8;
 - ``attacks``  an overfit non-private run, a normal one, ε = 8 and ε = 1, each attacked by
-  every attack with shadow models.
+  every attack with shadow models;
+- ``dplearn``  the DP recipes of configs/ (issue 18): the DP linear probe and FedAvg-LoRA on
+  the top two layers (mean pooling, zero head, LoRA lr 1e-3, head lr 3e-2, frozen-prefix
+  cache) at ε ∈ {1, 3, 8}; every run also reports its accuracy on the non-member pool
+  (``val_*``), which chooses between candidates, never the test set.
 
 Each worker imports torch once and runs its jobs in-process; CUDA needs the ``spawn``
 start method, which is used everywhere. Every finished job appends one JSON line to
@@ -213,12 +217,73 @@ def jobs_attacks(base: dict, seeds, overrides: dict | None = None) -> list[dict]
     ]
 
 
+# Candidates of the DP recipes (issue 18), each at ε ∈ {1, 3, 8}. 10 000 members over 5
+# IID clients; the model defaults (pooling auto = mean for minilm, zero head) apply.
+DPLEARN_BASE = dict(
+    members=10000, nonmembers=1000, test=1000, clients=5, eval_nonmembers=True, head_lr=0.0
+)
+DPLEARN_CANDIDATES = {
+    "probe-b500-s20-r10-lr5e-2": dict(
+        method="probe", batch_size=500, local_steps=20, rounds=10, lr=0.05, eval_every=10
+    ),
+    "lora2-b256-s10-r5": dict(
+        method="fedavg",
+        lora_layers=2,
+        batch_size=256,
+        local_steps=10,
+        rounds=5,
+        lr=1e-3,
+        head_lr=3e-2,
+        eval_every=5,
+    ),
+    "lora2-b512-s10-r8": dict(
+        method="fedavg",
+        lora_layers=2,
+        batch_size=512,
+        local_steps=10,
+        rounds=8,
+        lr=1e-3,
+        head_lr=3e-2,
+        eval_every=8,
+    ),
+}
+
+
+def jobs_dplearn(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
+    out = []
+    for eps in (8.0, 3.0, 1.0):
+        for name, over in DPLEARN_CANDIDATES.items():
+            for seed in seeds:
+                cfg = {**DPLEARN_BASE, **over, **(overrides or {}), "seed": seed, **_privacy(eps)}
+                out.append({"grid": "dplearn", "group": f"{name}/eps{eps:g}", "cfg": cfg})
+    return out
+
+
+def best_dplearn(rows: list[dict]) -> dict[tuple[str, str], str]:
+    """Per (family, ε): the candidate with the highest mean balanced accuracy on the
+    non-member pool (``val_balanced_accuracy``), never on the test set."""
+    score: dict[tuple[str, str, str], list[float]] = {}
+    for r in rows:
+        if r.get("grid") == "dplearn" and r.get("val_balanced_accuracy") is not None:
+            name, eps = r["group"].split("/")
+            score.setdefault((name.split("-", 1)[0], eps, name), []).append(
+                r["val_balanced_accuracy"]
+            )
+    best: dict[tuple[str, str], tuple[float, str]] = {}
+    for (fam, eps, name), vals in score.items():
+        m = sum(vals) / len(vals)
+        if (fam, eps) not in best or m > best[(fam, eps)][0]:
+            best[(fam, eps)] = (m, name)
+    return {k: v[1] for k, v in best.items()}
+
+
 GRIDS = {
     "recipe": jobs_recipe,
     "fedask": jobs_fedask,
     "fedpower": jobs_fedpower,
     "hetero": jobs_hetero,
     "attacks": jobs_attacks,
+    "dplearn": jobs_dplearn,
 }
 
 
@@ -256,6 +321,8 @@ def run_job(job: dict, out: Path, device: str) -> dict:
         "seconds": time.perf_counter() - t0,
         "accuracy": man["metrics"]["final"].get("accuracy"),
         "balanced_accuracy": man["metrics"]["final"].get("balanced_accuracy"),
+        "val_accuracy": man["metrics"]["final"].get("val_accuracy"),
+        "val_balanced_accuracy": man["metrics"]["final"].get("val_balanced_accuracy"),
         "epsilon": man["privacy"]["epsilon"].get("pld"),
         "sigma": man["privacy"].get("noise_multiplier"),
     }
@@ -340,7 +407,7 @@ def summarize(rows: list[dict]) -> str:
             if g != grid:
                 continue
             extra = []
-            for key in ("init_noise", "agg_noise", "subspace_error"):
+            for key in ("val_balanced_accuracy", "init_noise", "agg_noise", "subspace_error"):
                 if any(key in r for r in rs):
                     extra.append(f"{key} {ms([r.get(key) for r in rs])}")
             if any("a_rowspace_angle" in r for r in rs):

@@ -30,7 +30,15 @@ def test_grid_sizes_and_unique_keys():
     sizes = {g: len(f(base, seeds)) for g, f in G.GRIDS.items()}
     # 4 privacy settings x 3 methods x 3 seeds; 3 ε x 3 methods x 3 seeds + 2 x 3 + 3;
     # 2 privacy x 2 partitions x 5 methods x 3 seeds; 4 attack targets; 8 recipes x 2.
-    assert sizes == {"fedask": 36, "fedpower": 36, "hetero": 60, "attacks": 4, "recipe": 16}
+    # dplearn: 3 ε x 3 candidates x 3 seeds.
+    assert sizes == {
+        "fedask": 36,
+        "fedpower": 36,
+        "hetero": 60,
+        "attacks": 4,
+        "recipe": 16,
+        "dplearn": 27,
+    }
     keys = [G.job_key(j) for f in G.GRIDS.values() for j in f(base, seeds)]
     assert len(keys) == len(set(keys))
 
@@ -70,6 +78,26 @@ def test_best_recipe_needs_both_methods_and_takes_the_best_mean():
     assert over == G.RECIPE_CANDIDATES[name]
     with pytest.raises(RuntimeError, match="no recipe candidate"):
         G.best_recipe(rows[:1])
+
+
+def test_best_dplearn_chooses_on_the_nonmember_pool_not_the_test_set():
+    rows = [
+        {"grid": "dplearn", "group": "lora2-b256-s10-r5/eps8", "val_balanced_accuracy": 0.80,
+         "balanced_accuracy": 0.70},
+        {"grid": "dplearn", "group": "lora2-b256-s10-r5/eps8", "val_balanced_accuracy": 0.78,
+         "balanced_accuracy": 0.70},
+        {"grid": "dplearn", "group": "lora2-b512-s10-r8/eps8", "val_balanced_accuracy": 0.77,
+         "balanced_accuracy": 0.95},
+        {"grid": "dplearn", "group": "probe-b500-s20-r10-lr5e-2/eps8",
+         "val_balanced_accuracy": 0.81},
+        {"grid": "dplearn", "group": "lora2-b512-s10-r8/eps1", "val_balanced_accuracy": 0.7},
+        {"grid": "fedask", "group": "lora2-b256-s10-r5/eps1", "val_balanced_accuracy": 0.99},
+    ]  # fmt: skip
+    assert G.best_dplearn(rows) == {
+        ("lora2", "eps8"): "lora2-b256-s10-r5",  # mean 0.79 > 0.77, whatever the test set says
+        ("probe", "eps8"): "probe-b500-s20-r10-lr5e-2",
+        ("lora2", "eps1"): "lora2-b512-s10-r8",
+    }
 
 
 def test_summary_mean_and_std():
