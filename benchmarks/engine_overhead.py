@@ -104,13 +104,11 @@ def one_run(cfg, workdir: Path, tag: str) -> dict:
 
 def config(quick: bool, **kw):
     from fl.config import TrainConfig
-    from fl.testing import TINY
 
     if quick:
-        # the tests' tiny set-up (fl.testing.TINY), smaller still, at the default lr
-        base = {k: v for k, v in TINY.items() if k != "lr"} | dict(
-            members=160, nonmembers=20, test=40, max_length=16, local_steps=2
-        )
+        base = dict(model="tiny-bert", dataset="synthetic", members=160, nonmembers=20, test=40)
+        base |= dict(max_length=16, clients=3, rounds=2, local_steps=2, batch_size=16)
+        base |= dict(rank=4, alpha=8.0)
     else:
         # The default set-up (TrainConfig defaults: minilm, tweets, 2000 members, 1000
         # test, 5 clients, 10 local steps of batch 32, evaluation every round) with 1
