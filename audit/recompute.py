@@ -71,6 +71,14 @@ class Stated:
     delta: float
     ledger: Ledger
     epsilon: dict  # accountant -> stated ε (None when absent)
+    # sample level: σ_k per client (each calibrated to its own rate); {} in runs written
+    # before per-client σ, where every client used ``sigma``
+    client_sigmas: dict = field(default_factory=dict)
+
+    def sigma_of(self, client: str) -> float:
+        """σ_k, never above the block's σ (their maximum): a tampered block cannot make
+        the recomputation use more noise than it states."""
+        return min(float(self.client_sigmas.get(str(client), self.sigma)), self.sigma)
 
     @classmethod
     def read(cls, p: dict) -> Stated:
@@ -82,7 +90,15 @@ class Stated:
         except PrivacyError as exc:
             raise UsageError(f"manifest.json: privacy.ledger: {exc}") from None
         eps = {a: p["epsilon"].get(a) for a in ACCOUNTANTS}
-        return cls(p["level"], float(p["noise_multiplier"]), delta, ledger, eps)
+        per = p.get("client_noise_multipliers") or {}
+        if not isinstance(per, dict) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in per.values()
+        ):
+            raise UsageError(
+                "manifest.json: privacy.client_noise_multipliers must map client ids to σ >= 0"
+            )
+        sigmas = {str(k): float(v) for k, v in per.items()}
+        return cls(p["level"], float(p["noise_multiplier"]), delta, ledger, eps, sigmas)
 
 
 @dataclass(frozen=True)
@@ -197,6 +213,8 @@ class ConfigEpsilon:
     event_sigma: float  # the multiplier the ledger's events must carry
     population: int  # n of δ < 1/n
     unit_name: str  # what n counts
+    # per accounting unit, where it differs by unit (sample level: σ_k of client k)
+    unit_sigmas: dict = field(default_factory=dict)
 
 
 def sample_level_epsilon(stated: Stated, cfg: dict, part: Participation) -> ConfigEpsilon:
@@ -209,13 +227,15 @@ def sample_level_epsilon(stated: Stated, cfg: dict, part: Participation) -> Conf
         implied[f"client:{c}"] = count
         if count:
             kind = "poisson_gaussian" if q < 1 else "gaussian"
-            ev = Event(kind, stated.sigma, q, count, unit=f"client:{c}")
-            key = (ev.kind, q, count)  # clients with equal mechanisms: one computation
+            ev = Event(kind, stated.sigma_of(c), q, count, unit=f"client:{c}")
+            # clients with equal mechanisms: one computation
+            key = (ev.kind, ev.noise_multiplier, q, count)
             if key not in memo:
                 memo[key] = _eps_pair([ev], stated.delta)
             per_unit_eps.append(memo[key])
     eps = {a: max((e[a] for e in per_unit_eps), default=0.0) for a in ACCOUNTANTS}
-    return ConfigEpsilon(eps, implied, stated.sigma, int(cfg["members"]), "records")
+    units = {f"client:{c}": stated.sigma_of(c) for c in part.units}
+    return ConfigEpsilon(eps, implied, stated.sigma, int(cfg["members"]), "records", units)
 
 
 def client_level_epsilon(
@@ -274,7 +294,35 @@ def consistency_findings(stated: Stated, cfg: dict, ce: ConfigEpsilon) -> list[F
             )
         )
     ev_sigmas = sorted({e.noise_multiplier for e in ledger.events})
-    if ev_sigmas and any(abs(s - ce.event_sigma) > 1e-12 for s in ev_sigmas):
+    if stated.client_sigmas and abs(max(stated.client_sigmas.values()) - sigma) > 1e-12:
+        found.append(
+            Finding(
+                Code.SIGMA_MISMATCH,
+                f"The privacy block records σ = {sigma:g}, but the largest per-client σ is "
+                f"{max(stated.client_sigmas.values()):g}.",
+            )
+        )
+    if ce.unit_sigmas:
+        wrong = sorted(
+            {
+                (e.unit, e.noise_multiplier)
+                for e in ledger.events
+                if abs(e.noise_multiplier - ce.unit_sigmas.get(e.unit, ce.event_sigma)) > 1e-12
+            }
+        )
+        if wrong:
+            found.append(
+                Finding(
+                    Code.SIGMA_MISMATCH,
+                    "The ledger's events use σ "
+                    + ", ".join(
+                        f"{s:g} for {u} (recorded σ {ce.unit_sigmas.get(u, ce.event_sigma):g})"
+                        for u, s in wrong[:5]
+                    )
+                    + ".",
+                )
+            )
+    elif ev_sigmas and any(abs(s - ce.event_sigma) > 1e-12 for s in ev_sigmas):
         expected = ce.event_sigma
         found.append(
             Finding(

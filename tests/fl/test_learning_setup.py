@@ -109,3 +109,26 @@ def test_top_layer_lora_with_and_without_cache_agree(tmp_path):
     assert not any(".layer.0." in k and "lora" in k for k in a)  # LoRA on the top layer only
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-4), k
+
+
+def test_audit_accepts_per_client_sigma_and_catches_a_changed_one(skewed_run, tmp_path):
+    import shutil
+
+    from audit.runaudit import audit_run
+
+    _, man, out = skewed_run
+    res = audit_run(out)
+    errors = [f for f in res["findings"] if f["severity"] == "error"]
+    # the fixture uses seeded noise (fast and reproducible), which the audit reports
+    assert [f["code"] for f in errors] == ["noise_reproducible"], errors
+    assert res["recomputed"]["config"]["pld"] == pytest.approx(man["privacy"]["epsilon"]["pld"])
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    doc = json.loads((copy / "manifest.json").read_text())
+    sig = doc["privacy"]["client_noise_multipliers"]
+    big = max(sig, key=sig.get)
+    sig[big] *= 2  # more noise stated for one client than its events carry
+    doc["privacy"]["noise_multiplier"] = max(sig.values())
+    (copy / "manifest.json").write_text(json.dumps(doc))
+    res = audit_run(copy)
+    assert "sigma_mismatch" in {f["code"] for f in res["findings"]}

@@ -72,13 +72,15 @@ def test_presets_configurations():
 
     d = TrainConfig(**PRESETS["default"].base)
     assert (d.model, d.dataset, d.members, d.nonmembers, d.test, d.max_length) == (
-        "minilm", "tweets", 1000, 500, 500, 48
+        "minilm", "tweets", 2000, 500, 500, 48
     )  # fmt: skip
-    assert (d.clients, d.rounds, d.eval_every, d.local_steps, d.batch_size) == (5, 3, 3, 8, 32)
-    assert (d.lr, d.rank, d.alpha) == (5e-3, 8, 16.0)
+    assert (d.clients, d.rounds, d.eval_every, d.local_steps, d.batch_size) == (5, 3, 3, 10, 128)
+    assert (d.lr, d.head_lr, d.lora_layers, d.rank, d.alpha) == (1e-3, 3e-2, 2, 8, 16.0)
+    assert (d.pooling, d.head_init) == ("auto", "zero")
     q = TrainConfig(**PRESETS["quick"].base)
     assert (q.model, q.dataset, q.members, q.rounds, q.local_steps, q.lr) == (
         "tiny-bert", "synthetic", 300, 3, 20, 0.03
     )  # fmt: skip
     assert (q.clients, q.batch_size, q.rank, q.alpha, q.max_length) == (3, 32, 4, 8.0, 24)
+    assert (q.head_init, q.head_lr, q.lora_layers) == ("random", 0.0, 0)
     assert PRESETS["quick"].canaries == 40 and PRESETS["default"].canaries == 100
