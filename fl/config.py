@@ -61,7 +61,7 @@ class TrainConfig:
     text_column: str = _f("text", "text column of a local dataset file")
     label_column: str = _f("label", "label column of a local dataset file")
     max_length: int = _f(64, "tokens per example (truncation length)")
-    members: int = _f(2000, "examples in the federated training pool (members)")
+    members: int = _f(10000, "examples in the federated training pool (members)")
     nonmembers: int = _f(1000, "held-out examples of the same distribution (for attacks)")
     test: int = _f(1000, "test examples for evaluation")
     clients: int = _f(5, "number of clients K")
@@ -76,10 +76,10 @@ class TrainConfig:
     rounds: int = _f(5, "federated rounds")
     local_steps: int = _f(10, "local optimizer steps per round (ignored if local_epochs > 0)")
     local_epochs: float = _f(0.0, "local epochs per round (0 = use local_steps)")
-    batch_size: int = _f(32, "(expected) batch size of a local step")
-    lr: float = _f(5e-3, "local learning rate of the LoRA factors")
+    batch_size: int = _f(256, "(expected) batch size of a local step")
+    lr: float = _f(1e-3, "local learning rate of the LoRA factors")
     head_lr: float = _f(
-        0.0, "local learning rate of the classification head (0 = the same as --lr)"
+        3e-2, "local learning rate of the classification head (0 = the same as --lr)"
     )
     optimizer: str = _f(
         "adamw", "local optimizer (each client has its own state)", choices=("sgd", "adamw")
@@ -93,7 +93,7 @@ class TrainConfig:
     lora_dropout: float = _f(0.0, "LoRA dropout")
     target_modules: str = _f("", "comma-separated LoRA target modules (empty = per-model default)")
     lora_layers: int = _f(
-        0,
+        2,
         "LoRA on the top N transformer layers only (0 = every layer); the frozen layers "
         "below are computed once per example (see --prefix-cache)",
     )

@@ -24,6 +24,8 @@ TINY: dict = dict(
     local_steps=4,
     batch_size=16,
     lr=0.02,
+    head_lr=0.0,  # the same as lr
+    lora_layers=0,  # LoRA on every layer
     rank=4,
     alpha=8.0,
     # A random head, so that the LoRA factors get gradients from the first step (the
