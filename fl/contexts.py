@@ -50,8 +50,13 @@ class ClientContext:
 
     @property
     def lr(self) -> float:
-        """The local learning rate (SCAFFOLD's control-variate update needs it)."""
+        """The local learning rate of the LoRA factors."""
         return self.engine.cfg.lr
+
+    def lr_of(self, key: str) -> float:
+        """The learning rate of a flat state key (SCAFFOLD's control-variate update
+        needs it): the head's for ``head/...``, else the factors'."""
+        return self.engine.trainer.lr_of(key)
 
     @property
     def model(self):

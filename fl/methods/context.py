@@ -78,6 +78,11 @@ class ClientView(Protocol):
         """η, the local learning rate."""
         ...
 
+    def lr_of(self, key: str) -> float:
+        """The learning rate of a flat state key (``head/...``: the head's, else the
+        factors')."""
+        ...
+
     @property
     def scaling(self) -> float:
         """s = alpha/r of the LoRA update ΔW = s·B A."""

@@ -51,8 +51,8 @@ class Scaffold(FedAvg):
         start = payload["state"]
         res = client.train(start, trainable=self.trainable, correction=correction)
         x, y = F.flatten_state(start), F.flatten_state(res.state)
-        scale = 1.0 / (res.steps * client.lr)
-        new_ck = {k: ck[k] - c[k] + (x[k] - y[k]) * scale for k in c}
+        # c_i+ = c_i − c + (x − y_i) / (K·η), with η the key's own learning rate
+        new_ck = {k: ck[k] - c[k] + (x[k] - y[k]) / (res.steps * client.lr_of(k)) for k in c}
         client.state["c"] = new_ck
         delta_c = {k: new_ck[k] - ck[k] for k in c}
         return {

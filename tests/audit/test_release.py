@@ -56,6 +56,20 @@ PUBLIC_MANIFEST = {
     "method_options": MapOf(SCALAR),
     "released": SCALAR,
     "client_ranks": SCALAR,  # null unless heterogeneous ranks
+    # how the model was built: public configuration, nothing computed from data
+    "model": {
+        k: SCALAR
+        for k in (
+            "name",
+            "pooling",
+            "head_init",
+            "lora_layers",
+            "frozen_prefix_layers",
+            "prefix_cache",
+            "lr",
+            "head_lr",
+        )
+    },
     "seeds": {"seed": SCALAR},
     "versions": MapOf(SCALAR),
     "adapter_sha256": SCALAR,
@@ -65,6 +79,8 @@ PUBLIC_MANIFEST = {
         "neighbouring": SCALAR,
         "mechanism": SCALAR,
         "noise_multiplier": SCALAR,
+        # σ_k per client (each calibrated to its public q_k: discloses nothing new)
+        "client_noise_multipliers": MapOf(SCALAR, r"\d+"),
         "clipping_norm": SCALAR,
         "delta": SCALAR,
         "target_epsilon": SCALAR,

@@ -56,6 +56,8 @@ def _edit_sigma(d, sigma, bundle):
     m = _read(d / "manifest.json")
     m["config"]["noise_multiplier"] = sigma
     m["privacy"]["noise_multiplier"] = sigma
+    per = m["privacy"].get("client_noise_multipliers") or {}
+    m["privacy"]["client_noise_multipliers"] = {c: sigma for c in per}
     for e in m["privacy"]["ledger"]["events"]:
         e["noise_multiplier"] = sigma
     led = Ledger.from_state_dict(m["privacy"]["ledger"])

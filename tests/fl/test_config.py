@@ -76,8 +76,8 @@ def test_cli_passes_static_choices_to_argparse():
 
 
 def test_runtime_fields():
-    assert set(RUNTIME_FIELDS) == {"device", "progress"}
-    assert set(runtime_fields("client")) == {"device", "progress", "transport"}
+    assert set(RUNTIME_FIELDS) == {"device", "progress", "eval_nonmembers"}
+    assert set(runtime_fields("client")) == {"device", "progress", "eval_nonmembers", "transport"}
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     assert sorted(result_fields() + RUNTIME_FIELDS) == sorted(names)
     with pytest.raises(ValueError):

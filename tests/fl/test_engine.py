@@ -83,7 +83,9 @@ def test_fedavg_one_client_equals_centralized_training(tmp_path, tiny_cfg):
 
     data = eng.members_data
     model = wrap_lora(
-        load_base_model("tiny-bert", 2, seed=cfg.seed), LoraSpec(cfg.rank, cfg.alpha), seed=cfg.seed
+        load_base_model("tiny-bert", 2, seed=cfg.seed, head_init=cfg.head_init),
+        LoraSpec(cfg.rank, cfg.alpha),
+        seed=cfg.seed,
     )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]

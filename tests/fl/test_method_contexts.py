@@ -259,6 +259,9 @@ class StrictClient:
     def lr(self):
         return 0.05
 
+    def lr_of(self, key):
+        return 0.1 if key.startswith("head/") else 0.05
+
     @property
     def scaling(self):
         return 2.0
