@@ -170,6 +170,7 @@ class Engine(PrivacyPlan):
             self.device,
             frozen_encoder=not getattr(self.method_cls, "trains_factors", True),
         )
+        self.trainer.prefix.notify = self.log
         self.server = ServerContext(self)
         self.method = self.method_cls(self.server, self.options)
         self._setup_privacy()

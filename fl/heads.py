@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -167,6 +168,8 @@ class FrozenPrefix:
     """
 
     CHUNK = 256
+    #: called with one line before a cache is built (the engine logs it)
+    notify = None
 
     def __init__(
         self, model: torch.nn.Module, net: torch.nn.Module, frozen_encoder: bool, use_cache: bool
@@ -202,7 +205,16 @@ class FrozenPrefix:
                         "was changed: this method must not train or aggregate the factors"
                     )
         if self.enabled and data.cache_key != self.key:
+            if self.notify is not None:
+                what = "pooled features" if self.kind == "features" else "hidden states"
+                self.notify(
+                    f"frozen prefix: computing the {what} of {len(data)} examples once "
+                    f"(layers below {self.depth}, cached for every step)"
+                )
+            t0 = time.perf_counter()
             data.attach_cache(self.kind, self.key, self.encode(data))
+            if self.notify is not None:
+                self.notify(f"frozen prefix: cached in {time.perf_counter() - t0:.1f}s")
 
     @torch.no_grad()
     def encode(self, data) -> torch.Tensor:
