@@ -143,3 +143,18 @@ def test_frozen_prefix_has_no_dropout_in_train_mode():
     net.train()
     assert not net.bert.embeddings.training and not net.bert.encoder.layer[0].training
     assert net.bert.encoder.layer[1].training and net.classifier.training
+
+
+def test_encoded_data_is_reused_only_for_the_same_prefix_and_ids():
+    net = load_base_model("tiny-bert", 2, seed=0)
+    model = wrap_lora(net, LoraSpec(4, 8.0, top_layers=1), seed=0)
+    prefix = FrozenPrefix(model, net, frozen_encoder=False, use_cache=True)
+    a = prefix.encode_cached(_data())
+    assert prefix.encode_cached(_data()) is a  # the same ids: reused
+    assert torch.equal(a, prefix.encode(_data()))  # and bit-identical to encoding again
+    assert prefix.encode_cached(_data(2)) is not a  # other ids
+    net2 = load_base_model("tiny-bert", 2, seed=1)  # other frozen weights
+    model2 = wrap_lora(net2, LoraSpec(4, 8.0, top_layers=1), seed=1)
+    other = FrozenPrefix(model2, net2, frozen_encoder=False, use_cache=True)
+    assert other.fingerprint() != prefix.fingerprint()
+    assert not torch.equal(other.encode_cached(_data()), a)
