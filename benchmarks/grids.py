@@ -222,30 +222,13 @@ def jobs_attacks(base: dict, seeds, overrides: dict | None = None) -> list[dict]
 DPLEARN_BASE = dict(
     members=10000, nonmembers=1000, test=1000, clients=5, eval_nonmembers=True, head_lr=0.0
 )
+_LORA2 = dict(method="fedavg", lora_layers=2, local_steps=10, lr=1e-3, head_lr=3e-2)
 DPLEARN_CANDIDATES = {
     "probe-b500-s20-r10-lr5e-2": dict(
         method="probe", batch_size=500, local_steps=20, rounds=10, lr=0.05, eval_every=10
     ),
-    "lora2-b256-s10-r5": dict(
-        method="fedavg",
-        lora_layers=2,
-        batch_size=256,
-        local_steps=10,
-        rounds=5,
-        lr=1e-3,
-        head_lr=3e-2,
-        eval_every=5,
-    ),
-    "lora2-b512-s10-r8": dict(
-        method="fedavg",
-        lora_layers=2,
-        batch_size=512,
-        local_steps=10,
-        rounds=8,
-        lr=1e-3,
-        head_lr=3e-2,
-        eval_every=8,
-    ),
+    "lora2-b256-s10-r5": dict(_LORA2, batch_size=256, rounds=5, eval_every=5),
+    "lora2-b512-s10-r8": dict(_LORA2, batch_size=512, rounds=8, eval_every=8),
 }
 
 
