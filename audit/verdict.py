@@ -1,0 +1,102 @@
+"""A run's one-line verdict: is it private as claimed, and is it useful?
+
+:func:`verdict` is a pure function of a run's :class:`Evidence` — what the audit found
+(ε recomputed from the ledger, findings), the best empirical ε lower bound, and the
+model's balanced accuracy — checked in order of severity, the first that applies wins:
+
+1. the audit could not run → ``not audited: …``;
+2. a tampering finding → ``tampered: adapter hash mismatch``;
+3. no DP claimed → ``no DP claimed`` (with the empirical bound when there is one);
+4. the stated ε is below the recomputation → ``ε understated (recomputed 9.1 > claimed 8)``;
+5. the empirical lower bound exceeds the recomputed ε → ``leaks more than claimed: …``;
+6. another error finding → ``claim not supported: noise reproducible``;
+7. otherwise ``private as claimed (ε = 8); empirical ε ≥ 0.41 at 95%``.
+
+A model at chance level (balanced accuracy at most :data:`CHANCE_BALANCED`) gets
+``; utility at chance (balanced acc. 0.5)`` appended: private, but not useful.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from audit.findings import Finding, Severity
+
+__all__ = ["CHANCE_BALANCED", "Evidence", "verdict", "findings_summary"]
+
+#: a run whose balanced accuracy is at most this learned (almost) only the label prior
+CHANCE_BALANCED = 0.52
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the verdict rests on; ε in nats, ``None`` where not known."""
+
+    dp_claimed: bool
+    epsilon_claimed: float | None = None
+    epsilon_recomputed: float | None = None
+    understated: bool = False
+    findings: tuple[Finding, ...] = ()
+    audit_error: str | None = None  # why the run audit could not run
+    empirical_lb: float | None = None  # the best empirical ε lower bound
+    alpha: float = 0.05  # the lower bound holds with probability 1 − alpha
+    balanced_accuracy: float | None = None
+
+
+def _eps(x: float | None) -> str:
+    if x is None:
+        return "unknown"
+    return "∞" if math.isinf(x) else f"{x:.3g}"
+
+
+def _names(findings) -> str:
+    return ", ".join(dict.fromkeys(str(f.code).replace("_", " ") for f in findings))
+
+
+def _privacy(e: Evidence) -> str:
+    conf = f"{1 - e.alpha:.0%}"
+    lb = f"empirical ε ≥ {_eps(e.empirical_lb)} at {conf}" if e.empirical_lb is not None else ""
+    if e.audit_error:
+        return f"not audited: {e.audit_error}"
+    tampered = [f for f in e.findings if f.tampering]
+    if tampered:
+        return f"tampered: {_names(tampered)}"
+    if not e.dp_claimed:
+        return "no DP claimed" + (f"; {lb}" if lb else "")
+    if e.understated:
+        return (
+            f"ε understated (recomputed {_eps(e.epsilon_recomputed)} > claimed "
+            f"{_eps(e.epsilon_claimed)})"
+        )
+    eps = e.epsilon_recomputed
+    if e.empirical_lb is not None and eps is not None and e.empirical_lb > eps:
+        return f"leaks more than claimed: {lb} > recomputed {_eps(eps)}"
+    errors = [f for f in e.findings if f.is_error]
+    if errors:
+        return f"claim not supported: {_names(errors)}"
+    return f"private as claimed (ε = {_eps(eps)}); " + (lb or "no empirical bound")
+
+
+def verdict(e: Evidence) -> str:
+    """The one-line verdict of a run (see the module docstring for the order)."""
+    out = _privacy(e)
+    b = e.balanced_accuracy
+    if b is not None and b <= CHANCE_BALANCED:
+        out += f"; utility at chance (balanced acc. {b:.3g})"
+    return out
+
+
+def findings_summary(findings) -> str:
+    """Counts by severity, the error codes named: ``1 error (epsilon understated); 2
+    warnings`` or ``none``."""
+    n = Counter(f.severity for f in findings)
+    parts = []
+    for sev in (Severity.ERROR, Severity.WARNING, Severity.INFO):
+        if n[sev]:
+            word = sev.value if sev is Severity.INFO or n[sev] == 1 else f"{sev.value}s"
+            parts.append(f"{n[sev]} {word}")
+    if n[Severity.ERROR]:
+        parts[0] += f" ({_names(f for f in findings if f.is_error)})"
+    return "; ".join(parts) or "none"
