@@ -23,6 +23,7 @@ multiplier σ/2 (see :func:`client_level_event`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import Counter
@@ -170,8 +171,23 @@ def epsilon_of_events(
         return 0.0
     if any(e.noise_multiplier == 0.0 for e, _ in merged):
         return math.inf
+    key = tuple((e.kind, e.noise_multiplier, e.sample_rate, c) for e, c in merged)
+    return _epsilon_of_mechanisms(key, float(delta), accountant, float(discretization))
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon_of_mechanisms(
+    mechs: tuple, delta: float, accountant: str, discretization: float
+) -> float:
+    """ε(δ) of merged mechanisms ((kind, σ, q, count), ...): a pure function, memoized
+    (the clients of a round usually share one mechanism, and every round's report and
+    budget check recompose the same history)."""
     acc = _make_accountant(accountant, discretization)
-    acc.compose(dp_accounting.ComposedDpEvent([e.to_dp_event() for e, _ in merged]))
+    acc.compose(
+        dp_accounting.ComposedDpEvent(
+            [Event(k, s, q, c, unit="_").to_dp_event() for k, s, q, c in mechs]
+        )
+    )
     eps = float(acc.get_epsilon(delta))
     return max(eps, 0.0)
 
