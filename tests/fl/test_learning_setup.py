@@ -132,3 +132,19 @@ def test_audit_accepts_per_client_sigma_and_catches_a_changed_one(skewed_run, tm
     (copy / "manifest.json").write_text(json.dumps(doc))
     res = audit_run(copy)
     assert "sigma_mismatch" in {f["code"] for f in res["findings"]}
+
+
+def test_a_cached_prefix_run_replays_bit_for_bit(tmp_path):
+    """The audit's replay (same key, same config) rebuilds the prefix cache the same way:
+    the released adapter is reproduced exactly."""
+    from audit.runaudit import audit_run
+
+    out = tmp_path / "run"
+    man = train(
+        tiny_config(lora_layers=1, noise_multiplier=1.0, pooling="mean", rounds=1),
+        out,
+        quiet=True,
+    )
+    assert man["model"]["prefix_cache"] is True and man["model"]["frozen_prefix_layers"] == 1
+    res = audit_run(out, key=out / "private" / "noise.key")
+    assert res["replay"]["verified"] is True and res["replay"]["exact"] is True
