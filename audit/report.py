@@ -6,10 +6,14 @@ paragraphs, tables, figures) and rendered twice, to HTML and to Markdown.
 The report gathers what exists and says plainly what does not: a section whose inputs
 were not produced is marked *missing*, never filled with placeholders.
 
-Sections: runs (method, level, ε claimed and recomputed, accuracy), noise analyses,
-membership-inference attacks (ROC figures and tables), empirical ε lower bounds vs
-the claimed ε, the papers' claims check, environment, and the exact commands to
-reproduce every run.
+Sections: the verdict (one table, one row per run: utility, ε claimed and recomputed,
+the best empirical ε lower bound, the strongest attack, the audit's findings and a
+one-line verdict from :func:`audit.verdict.verdict`), runs (method, level, σ, δ,
+findings, accuracy per round), noise analyses (each analysis's figure and a few key
+numbers; the full rows stay in its JSON), membership-inference attacks (ROC figures
+and tables), empirical ε lower bounds vs the claimed ε, the papers' claims check (claim,
+setting, measured value, verdict, the figure behind it), environment, and the exact
+commands to reproduce every run.
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ from audit.report_doc import (
     render_markdown,
 )
 from audit.report_doc import format_cell as _fmt
+from audit.verdict import CHANCE_BALANCED, Evidence, findings_summary, verdict
 from fl import rundir
 from fl.config import TrainConfig
 from fl.errors import UsageError
 from fl.io import atomic_write_text, read_json
 
 SECTIONS = (
+    "Verdict",
     "Runs",
     "Noise analyses",
     "Membership inference",
@@ -52,8 +58,6 @@ SECTIONS = (
     "Environment",
     "Reproduce",
 )
-# A run whose balanced accuracy is at most this learned (almost) only the label prior.
-CHANCE_BALANCED = 0.52
 #: what a report cannot show for a release bundle (the operator's files are absent)
 BUNDLE_NOT_SHOWN = (
     "the clients sampled in each round and their training losses (operator's metrics.jsonl)",
@@ -93,6 +97,7 @@ def _run_summary(run_dir: Path) -> dict:
     m = rundir.read_manifest(run_dir)
     priv = m.get("privacy", {})
     bundle = rundir.is_release(m)
+    final = m.get("metrics", {}).get("final") or {}
     row = {
         "run": run_dir.name,
         "path": str(run_dir),
@@ -103,8 +108,9 @@ def _run_summary(run_dir: Path) -> dict:
         "delta": priv.get("delta"),
         "epsilon_claimed": _eps((priv.get("epsilon") or {}).get("pld")),
         "target_epsilon": priv.get("target_epsilon"),
-        "accuracy": (m.get("metrics", {}).get("final") or {}).get("accuracy"),
-        "balanced_accuracy": (m.get("metrics", {}).get("final") or {}).get("balanced_accuracy"),
+        "accuracy": final.get("accuracy"),
+        "balanced_accuracy": final.get("balanced_accuracy"),
+        "perplexity": final.get("perplexity", final.get("test_perplexity")),
         "wall_seconds": m.get("wall_seconds"),
         "config": m.get("config", {}),
         "versions": m.get("versions", {}),
@@ -113,7 +119,10 @@ def _run_summary(run_dir: Path) -> dict:
     try:
         from audit.runaudit import audit_run
 
-        a = audit_run(str(run_dir))
+        # the run's canaries (fedlora train --canaries M) give the one-run lower bound
+        splits = run_dir / "splits.json"
+        canaries = not bundle and splits.is_file() and bool(read_json(splits).get("canaries"))
+        a = audit_run(str(run_dir), one_run=canaries)
         row["audit"] = a
         row["epsilon_recomputed"] = a.get("epsilon_pld")
         row["understated"] = a.get("understated")
@@ -132,7 +141,9 @@ def _run_summary(run_dir: Path) -> dict:
 
 
 def empirical_bounds(row: dict, alpha: float = 0.05) -> list[dict]:
-    """ε lower bounds (Clopper–Pearson and GDP) from every attack's saved scores."""
+    """ε lower bounds (Clopper–Pearson and GDP) from every attack's saved scores: one
+    :func:`audit.empirical.epsilon_lower_bound` result per (attack, method), with
+    ``"attack"`` added."""
     if not row.get("scores_path"):
         return []
     from audit.empirical import epsilon_lower_bound
@@ -155,11 +166,13 @@ def empirical_bounds(row: dict, alpha: float = 0.05) -> list[dict]:
         name = key.removeprefix("scores_").removeprefix("score_")
         for method in ("clopper_pearson", "gdp"):
             b = epsilon_lower_bound(s[is_member], s[~is_member], delta, alpha=alpha, method=method)
-            out.append({"attack": name, "method": method, "epsilon_lb": b["epsilon_lb"]})
+            out.append({"attack": name, **b})
     return out
 
 
 def _plot_bounds(rows: list[dict], path_stem: Path) -> list[Path]:
+    """The Clopper–Pearson bounds per run and attack against the claimed ε; none when
+    every bound is 0."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,8 +181,8 @@ def _plot_bounds(rows: list[dict], path_stem: Path) -> list[Path]:
     pts = [
         (r["run"], b) for r in rows for b in r.get("bounds", []) if b["method"] == "clopper_pearson"
     ]
-    if not pts:
-        return []
+    if not any(b["epsilon_lb"] > 0 for _, b in pts):
+        return []  # empty bars say nothing
     runs = [r["run"] for r in rows if r.get("bounds")]
     attacks = sorted({b["attack"] for _, b in pts})
     fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(runs) + 2), 3.6))
@@ -233,11 +246,12 @@ def build_report(
 
     report = Report(title, datetime.now(UTC).isoformat(timespec="seconds"))
     summary: dict = {"runs": [], "sections": list(SECTIONS), "missing": []}
+    report.sections.append(_verdict_section(rows))
     report.sections.append(_runs_section(rows, figdir, summary))
     report.sections.append(_analyses_section(analyses_dir, figdir))
     report.sections.append(_attacks_section(rows, figdir))
     report.sections.append(_empirical_section(rows, figdir, summary))
-    report.sections.append(_claims_section(claims))
+    report.sections.append(_claims_section(claims, analyses_dir, figdir))
     report.sections.append(_environment_section(rows))
     cmds = list(commands or []) + [train_command(r["config"], r["path"]) for r in rows]
     report.section("Reproduce").add(CodeBlock("\n".join(cmds), "bash"))
@@ -254,6 +268,113 @@ def build_report(
 def _figure(fig: Path, caption: str) -> Figure:
     """A figure written into the report's ``figures/`` folder."""
     return Figure(f"figures/{fig.name}", caption)
+
+
+def best_bound(row: dict) -> dict | None:
+    """The run's highest assumption-free empirical ε lower bound, ``{"epsilon_lb",
+    "alpha", "source"}``: Clopper–Pearson over each attack's scores, or the one-run
+    canary audit; None without scores or canaries. (GDP bounds assume a Gaussian
+    privacy profile and are shown in the Empirical privacy section only.)"""
+    found = [
+        {"epsilon_lb": b["epsilon_lb"], "alpha": b["alpha"], "source": f"{b['attack']}, CP"}
+        for b in row.get("bounds") or []
+        if b["method"] == "clopper_pearson"
+    ]
+    one = (row.get("audit") or {}).get("one_run")
+    if one:
+        src = f"{one['m']} canaries, one run"
+        found.append({"epsilon_lb": one["epsilon_lb"], "alpha": one["alpha"], "source": src})
+    return max(found, key=lambda b: b["epsilon_lb"], default=None)
+
+
+def strongest_attack(row: dict) -> tuple[str, dict] | None:
+    """The attack with the highest AUC in the run's attacks.json, ``(name, result)``."""
+    att = (row.get("attacks") or {}).get("attacks") or {}
+    done = [(n, a) for n, a in att.items() if isinstance(a, dict) and "auc" in a]
+    return max(done, key=lambda na: na[1]["auc"], default=None)
+
+
+def _with_ci(x, ci) -> str:
+    if x is None:
+        return "–"
+    return f"{_fmt(x, 3)} [{_fmt(ci[0], 3)}, {_fmt(ci[1], 3)}]" if ci else _fmt(x, 3)
+
+
+def _utility(r: dict) -> str:
+    parts = [
+        f"{label} {_fmt(r[k], 3)}"
+        for k, label in (("accuracy", "acc."), ("balanced_accuracy", "bal. acc."))
+        if r.get(k) is not None
+    ]
+    if r.get("perplexity") is not None:
+        parts.append(f"test ppl {_fmt(r['perplexity'], 4)}")
+    return " · ".join(parts) or "–"
+
+
+def run_verdict(r: dict) -> dict:
+    """The verdict row's cells for one run (strings), and the verdict itself."""
+    a = r.get("audit") or {}
+    findings = tuple(Finding.from_dict(f) for f in a.get("findings") or [])
+    bound = best_bound(r)
+    ev = Evidence(
+        dp_claimed=r.get("level") not in (None, "none"),
+        epsilon_claimed=r.get("epsilon_claimed"),
+        epsilon_recomputed=_eps(a.get("epsilon_pld")),
+        understated=bool(a.get("understated")),
+        findings=findings,
+        audit_error=a.get("error") if r.get("audit") is not None else "audit not available",
+        empirical_lb=bound["epsilon_lb"] if bound else None,
+        alpha=bound["alpha"] if bound else 0.05,
+        balanced_accuracy=r.get("balanced_accuracy"),
+    )
+    strongest = strongest_attack(r)
+    name, att = strongest if strongest else ("", {})
+    ci = att.get("ci") or {}
+    return {
+        "run": r["run"],
+        "utility": _utility(r),
+        "epsilon_claimed": r.get("epsilon_claimed") if ev.dp_claimed else "no DP",
+        "epsilon_recomputed": ev.epsilon_recomputed,
+        "empirical": f"[{_fmt(bound['epsilon_lb'], 3)}, ∞) · {bound['source']}" if bound else "–",
+        "auc": f"{_with_ci(att.get('auc'), ci.get('auc'))} · {name}" if att else "–",
+        "tpr": _with_ci(
+            (att.get("tpr_at_fpr") or {}).get("0.01"), (ci.get("tpr_at_fpr") or {}).get("0.01")
+        ),
+        "findings": findings_summary(findings),
+        "verdict": verdict(ev),
+    }
+
+
+VERDICT_COLUMNS = {
+    "run": "run",
+    "utility": "utility",
+    "epsilon_claimed": "ε claimed",
+    "epsilon_recomputed": "ε recomputed (ledger)",
+    "empirical": "empirical ε lower bound (95%)",
+    "auc": "strongest attack: AUC [95% CI]",
+    "tpr": "TPR at 1% FPR [95% CI]",
+    "findings": "audit findings",
+    "verdict": "verdict",
+}
+
+
+def _verdict_section(rows: list[dict]) -> Section:
+    sec = Section("Verdict")
+    cells = [run_verdict(r) for r in rows]
+    for r, c in zip(rows, cells):
+        r["verdict"] = c["verdict"]
+    sec.add(Table.of(VERDICT_COLUMNS.values(), [[c[k] for k in VERDICT_COLUMNS] for c in cells]))
+    return sec.add(
+        Paragraph.of(
+            "ε in nats at the run's δ; recomputed by the run audit from the composed DP "
+            "events (fedlora audit RUN). The empirical lower bound is a one-sided 95% "
+            "interval on the run's true ε: Clopper–Pearson (CP) over an attack's member / "
+            "non-member scores, or the one-run audit over the run's canaries; – where the "
+            "run has neither. The strongest attack is the one with the highest AUC; its "
+            "intervals are bootstrap 95% intervals. Findings are counted by severity, the "
+            "errors named; the Runs section lists them in full."
+        )
+    )
 
 
 def _runs_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
@@ -306,7 +427,7 @@ def _runs_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
         summary["chance_level_runs"] = [r["run"] for r in chance]
     for r in rows:
         keys = ("run", "kind", "method", "level", "epsilon_claimed", "epsilon_recomputed")
-        summary["runs"].append({k: r.get(k) for k in (*keys, "accuracy")})
+        summary["runs"].append({k: r.get(k) for k in (*keys, "accuracy", "verdict")})
         if r.get("kind") == "bundle":
             skipped = [
                 f"{sk['check']} ({sk['reason']})"
@@ -363,17 +484,94 @@ def _analyses_section(analyses_dir: str | None, figdir: Path) -> Section:
             dst = figdir / f"{name}-{png.name}"
             shutil.copyfile(png, dst)
             sub.add(_figure(dst, name))
-        rows_a = doc.get("rows") or []
-        if rows_a:
-            keys = list(rows_a[0].keys())[:6]
-            sub.add(Table.of(keys, [[ra.get(k) for k in keys] for ra in rows_a[:12]]))
-            if len(rows_a) > 12:
-                sub.add(Paragraph.of(f"({len(rows_a)} rows in {js})"))
-        fits = doc.get("fits")
-        if fits:
-            t = [[k, v.get("exponent_low"), v.get("exponent_high")] for k, v in fits.items()]
-            sub.add(Table.of(["scheme", "slope (low σ)", "slope (high σ)"], t))
+        rows_a = [ra for ra in doc.get("rows") or [] if isinstance(ra, dict)]
+        summarize = _SUMMARIES.get(name)
+        if summarize and rows_a:
+            sub.add(*summarize(doc, rows_a))
+        sub.add(Paragraph.of(f"Full rows ({len(rows_a)}) in {js}."))
     return sec
+
+
+def _grouped(rows: list[dict], key, cols: tuple[str, ...], agg=max) -> list[list]:
+    """One row per group: ``[group, count, agg(col) for col in cols]`` (numbers only)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    out = []
+    for g, rs in groups.items():
+        vals = [[r[c] for r in rs if isinstance(r.get(c), int | float)] for c in cols]
+        out.append([g, len(rs), *[agg(v) if v else None for v in vals]])
+    return out
+
+
+def _summary_amplification(doc: dict, rows: list[dict]) -> list:
+    fits = doc.get("fits") or {}
+    t = [[k, v.get("exponent_low"), v.get("exponent_high")] for k, v in fits.items()]
+    return [
+        Paragraph.of(
+            "Noise power in ΔW against σ on log–log axes: slope 2 is linear in σ², "
+            "slope 4 quadratic (the cross term of noise on both factors)."
+        ),
+        Table.of(["scheme", "slope (low σ)", "slope (high σ)"], t),
+    ]
+
+
+def _summary_exactness(doc: dict, rows: list[dict]) -> list:
+    def key(r):
+        a = {True: " (shared A)", False: " (independent A)"}.get(r.get("shared_a"), "")
+        return f"{r.get('method')}{a}"
+
+    t = _grouped(rows, key, ("relative_error",))
+    return [
+        Paragraph.of("Largest aggregation error ‖ΔW_global − Σ p_k B_kA_k‖_F / ‖Σ p_k B_kA_k‖_F."),
+        Table.of(["method", "configurations", "largest relative error"], t),
+    ]
+
+
+def _summary_hetero(doc: dict, rows: list[dict]) -> list:
+    t = _grouped(rows, lambda r: r.get("method"), ("init_noise", "agg_noise"))
+    return [
+        Paragraph.of("Largest initialization and aggregation noise (Frobenius norm) per method."),
+        Table.of(["method", "rounds", "largest init noise", "largest aggregation noise"], t),
+    ]
+
+
+def _summary_refactorization(doc: dict, rows: list[dict]) -> list:
+    t = []
+    for scheme in dict.fromkeys(r.get("scheme") for r in rows):
+        at = [
+            r
+            for r in rows
+            if r.get("scheme") == scheme and isinstance(r.get("epsilon"), float | int)
+        ]
+        if at:
+            lo, hi = min(at, key=lambda r: r["epsilon"]), max(at, key=lambda r: r["epsilon"])
+            t.append(
+                [scheme]
+                + [
+                    r.get(k)
+                    for r in (lo, hi)
+                    for k in ("epsilon", "subspace_error", "reconstruction_error")
+                ]
+            )
+    hd = ["scheme", "smallest ε", "subspace error", "reconstruction error",
+          "largest ε", "subspace error", "reconstruction error"]  # fmt: skip
+    return [
+        Paragraph.of(
+            "Error of the private factors against the non-private truncated SVD at the "
+            "smallest and the largest ε measured."
+        ),
+        Table.of(hd, t),
+    ]
+
+
+#: analysis name → the few key numbers the page shows (the rows stay in the JSON)
+_SUMMARIES = {
+    "amplification": _summary_amplification,
+    "exactness": _summary_exactness,
+    "hetero": _summary_hetero,
+    "refactorization": _summary_refactorization,
+}
 
 
 def _attacks_section(rows: list[dict], figdir: Path) -> Section:
@@ -426,7 +624,16 @@ def _empirical_section(rows: list[dict], figdir: Path, summary: dict) -> Section
         sec.add(Table.of(["run", "attack", "bound", "ε lower bound (95%)", "ε claimed"], bt))
         fig = _plot_bounds(rows, figdir / "epsilon_bounds")
         if fig:
-            sec.add(_figure(fig[0], "bounds"))
+            sec.add(_figure(fig[0], "empirical ε lower bounds vs claimed ε"))
+        else:
+            sec.add(
+                Paragraph.of(
+                    "Every Clopper–Pearson bound is 0: at 95% confidence no attack's scores "
+                    "separate members from non-members well enough to certify any ε > 0, so "
+                    "there is no figure (the GDP bounds, which assume a Gaussian privacy "
+                    "profile, are in the table)."
+                )
+            )
         summary["bounds"] = [
             dict(zip(["run", "attack", "method", "epsilon_lb", "epsilon_claimed"], b)) for b in bt
         ]
@@ -437,22 +644,86 @@ def _empirical_section(rows: list[dict], figdir: Path, summary: dict) -> Section
     return sec
 
 
-def _claims_section(claims: dict | None) -> Section:
+#: claim id (its prefix) → the analysis whose figure the claim rests on
+CLAIM_FIGURES = {
+    "fedask_exact": "exactness",
+    "fedask_linear_noise": "amplification",
+    "plora_zero_init_noise": "hetero",
+    "flora_zero_agg_noise": "hetero",
+    "hetlora_flexlora_both_noises": "hetero",
+    "fedpower_exact": "exactness",
+    "output_perturbation": "refactorization",
+}
+#: at most this many entries of a measured value or setting are shown (the rest: JSON)
+READABLE_ITEMS = 4
+
+
+def readable(x, depth: int = 0, items: int = READABLE_ITEMS) -> str:
+    """A measured value or a setting as text a reader can scan (never a dict's repr):
+    ``key value; key value`` (the first ``items`` keys, ``note`` left out), numbers to 3
+    digits, long lists and nested mappings as their range, short lists of numbers (an
+    interval ``[lo, hi]``) as they are."""
+    if isinstance(x, bool) or x is None:
+        return {True: "yes", False: "no", None: "–"}[x]
+    if isinstance(x, float | int):
+        return _fmt(float(x), 3) if isinstance(x, float) else str(x)
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list | tuple):
+        nums = [v for v in x if isinstance(v, int | float) and not isinstance(v, bool)]
+        if len(nums) == len(x) and len(x) > READABLE_ITEMS:
+            return f"{readable(min(nums))} to {readable(max(nums))} ({len(x)} values)"
+        if len(nums) == len(x):
+            return "[" + ", ".join(readable(v) for v in x) + "]"
+        return f"{len(x)} entries"
+    if isinstance(x, dict):
+        pairs = [(k, v) for k, v in x.items() if k != "note"]
+        if depth >= 1 and len(pairs) > READABLE_ITEMS:
+            return f"{len(pairs)} values, {readable(pairs[0][1])} to {readable(pairs[-1][1])}"
+        sep = "; " if depth == 0 else ", "
+        shown = [f"{str(k).replace('_', ' ')} {readable(v, depth + 1)}" for k, v in pairs]
+        more = len(shown) - items
+        return sep.join(shown[:items]) + (f"{sep}… {more} more" if more > 0 else "")
+    return str(x)
+
+
+def _claim_figure(c: dict, analyses_dir: str | None, claims_png: bool) -> str:
+    """Where the figure behind a claim is: its analysis's figure, else the claims figure."""
+    name = next((a for k, a in CLAIM_FIGURES.items() if str(c.get("id", "")).startswith(k)), None)
+    if name and analyses_dir and (Path(analyses_dir) / name).is_dir():
+        return f"{name} (Noise analyses)"
+    return "claims figure (below)" if claims_png else "–"
+
+
+def _claims_section(claims: dict | None, analyses_dir: str | None, figdir: Path) -> Section:
     sec = Section("Claims check")
     if not (claims and claims.get("claims")):
         sec.missing = "the claims analysis was not run."
         return sec
+    verdicts = {True: "holds", False: "does not hold", None: "inconclusive"}
+    png = Path(analyses_dir) / "claims" / "claims.png" if analyses_dir else None
+    has_png = bool(png and png.is_file())
     t = [
         [
-            c.get("paper"),
-            c.get("statement"),
-            "holds" if c.get("holds") else "does not hold",
-            c.get("measured"),
-            c.get("setting"),
+            f"{c.get('paper')}: {c.get('statement')}",
+            readable(c.get("setting") or {}, items=8),
+            readable(c.get("measured") or {}),
+            verdicts.get(c.get("holds"), "inconclusive"),
+            _claim_figure(c, analyses_dir, has_png),
         ]
         for c in claims["claims"]
     ]
-    return sec.add(Table.of(["paper", "claim", "verdict", "measured", "setting"], t))
+    sec.add(Table.of(["claim", "setting", "measured", "verdict", "figure"], t))
+    if has_png:
+        dst = figdir / "claims-claims.png"
+        shutil.copyfile(png, dst)
+        sec.add(_figure(dst, "claims and their verdicts"))
+    where = f" ({Path(analyses_dir) / 'claims' / 'claims.json'})" if analyses_dir else ""
+    return sec.add(
+        Paragraph.of(
+            f"Every measured value, with the setting's notes, is in the claims JSON{where}."
+        )
+    )
 
 
 def _environment_section(rows: list[dict]) -> Section:

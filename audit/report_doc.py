@@ -6,7 +6,8 @@ renderer), :class:`Figure` (an image file with its caption), :class:`CodeBlock` 
 may hold sections of its own (one heading level down). A section whose inputs were not
 produced says so (``missing``) instead of holding placeholders.
 
-:func:`render_html` gives one self-contained page (figures embedded as data URIs),
+:func:`render_html` gives one self-contained page (figures embedded as data URIs, each
+section one ``<section>`` element),
 :func:`render_markdown` a twin that links the figure files.
 """
 
@@ -189,7 +190,8 @@ def _html_block(b, base: Path, level: int) -> str:
 def _html_section(s: Section, base: Path, level: int) -> str:
     blocks = [_missing_block(s)] if s.missing else s.blocks
     head = f"<h{level}>{html.escape(s.title)}</h{level}>"
-    return head + "".join(_html_block(b, base, level + 1) for b in blocks)
+    body = "".join(_html_block(b, base, level + 1) for b in blocks)
+    return f"<section>{head}{body}</section>"
 
 
 def render_html(report: Report, base: Path) -> str:

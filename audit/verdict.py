@@ -10,7 +10,8 @@ model's balanced accuracy — checked in order of severity, the first that appli
 4. the stated ε is below the recomputation → ``ε understated (recomputed 9.1 > claimed 8)``;
 5. the empirical lower bound exceeds the recomputed ε → ``leaks more than claimed: …``;
 6. another error finding → ``claim not supported: noise reproducible``;
-7. otherwise ``private as claimed (ε = 8); empirical ε ≥ 0.41 at 95%``.
+7. otherwise ``private as claimed (ε = 8); empirical ε ≥ 0.41 at 95%`` (``no attack
+   certifies ε > 0 at 95%`` when the bound is 0, ``no empirical bound`` without one).
 
 A model at chance level (balanced accuracy at most :data:`CHANCE_BALANCED`) gets
 ``; utility at chance (balanced acc. 0.5)`` appended: private, but not useful.
@@ -57,7 +58,11 @@ def _names(findings) -> str:
 
 def _privacy(e: Evidence) -> str:
     conf = f"{1 - e.alpha:.0%}"
-    lb = f"empirical ε ≥ {_eps(e.empirical_lb)} at {conf}" if e.empirical_lb is not None else ""
+    lb = ""
+    if e.empirical_lb is not None:
+        lb = f"empirical ε ≥ {_eps(e.empirical_lb)} at {conf}"
+        if e.empirical_lb == 0:
+            lb = f"no attack certifies ε > 0 at {conf}"
     if e.audit_error:
         return f"not audited: {e.audit_error}"
     tampered = [f for f in e.findings if f.tampering]

@@ -23,7 +23,7 @@ def dp(**kw) -> Evidence:
     "evidence, expected",
     [
         (dp(empirical_lb=0.41), "private as claimed (ε = 7.99); empirical ε ≥ 0.41 at 95%"),
-        (dp(empirical_lb=0.0, alpha=0.1), "private as claimed (ε = 7.99); empirical ε ≥ 0 at 90%"),
+        (dp(empirical_lb=0.0, alpha=0.1), "private as claimed (ε = 7.99); no attack certifies ε > 0 at 90%"),
         (dp(), "private as claimed (ε = 7.99); no empirical bound"),
         (dp(findings=(WARN,)), "private as claimed (ε = 7.99); no empirical bound"),
         (
@@ -63,7 +63,10 @@ def test_the_worse_finding_wins():
 
 def test_utility_at_chance_is_appended():
     at = dp(empirical_lb=0.0, balanced_accuracy=CHANCE_BALANCED)
-    assert verdict(at).endswith("; utility at chance (balanced acc. 0.52)")
+    assert verdict(at) == (
+        "private as claimed (ε = 7.99); no attack certifies ε > 0 at 95%; "
+        "utility at chance (balanced acc. 0.52)"
+    )
     assert "chance" not in verdict(dp(balanced_accuracy=CHANCE_BALANCED + 0.01))
     assert verdict(Evidence(False, balanced_accuracy=0.5)) == (
         "no DP claimed; utility at chance (balanced acc. 0.5)"

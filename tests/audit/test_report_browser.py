@@ -1,0 +1,160 @@
+"""The report of a real (tiny) run, attacked and audited, opens with the verdict table,
+holds no raw dicts, and renders in a real browser: headless Chromium (the Debian
+``chromium`` package, installed here when missing) loads every figure and finds no empty
+section."""
+
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from audit.report import SECTIONS, build_report
+from fl.cli import main
+
+
+def _install_chromium() -> str | None:
+    """Install the Debian package; the reason it could not, or None."""
+    if shutil.which("apt-get") is None:
+        return "no apt-get on this machine"
+    if os.geteuid() != 0:
+        return "not root: cannot apt-get install chromium"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "install", "-y", "chromium"], ["apt-get", "update"]):
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        if p.returncode == 0 and cmd[1] == "install":
+            return None
+    p = subprocess.run(
+        ["apt-get", "install", "-y", "chromium"], capture_output=True, text=True, env=env
+    )
+    return None if p.returncode == 0 else f"apt-get install chromium failed: {p.stderr[-300:]}"
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        why = _install_chromium()
+        found = shutil.which("chromium")
+        if found is None:
+            print(f"headless Chromium unavailable: {why}")
+            pytest.skip(f"headless Chromium unavailable: {why}")
+    return found
+
+
+def _headless(chromium: str, profile, *args) -> subprocess.CompletedProcess:
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", *args]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def _analyses(root):
+    """A noise-analysis folder (rows, fits, a figure) and a claims document whose
+    measured values and settings are nested mappings, as analysis/ writes them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = root / "amplification"
+    d.mkdir(parents=True)
+    sig = np.logspace(-2, 1, 20)
+    rows = [{"scheme": "both", "sigma": s, "noise_power": s**4, "closed_form": s**4} for s in sig]
+    fits = {"both": {"exponent_low": 2.0, "exponent_high": 4.0, "sigma_low": [0.01, 0.03]}}
+    doc = {"analysis": "amplification", "rows": rows, "fits": fits}
+    (d / "amplification.json").write_text(json.dumps(doc))
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.loglog(sig, sig**4)
+    fig.savefig(d / "amplification.png")
+    plt.close(fig)
+    claims = {
+        "analysis": "claims",
+        "claims": [
+            {"id": "fedask_linear_noise", "paper": "FedASK", "statement": "noise ∝ σ²",
+             "holds": True, "measured": {"both": {"exponent_low": 2.02, "exponent_high": 3.99},
+                                         "by_sigma": {str(i): 0.1 * i for i in range(9)}},
+             "setting": {"m": 64, "sigma_range": [0.01, 10.0], "note": "a long note"}},
+            {"id": "x", "paper": "P", "statement": "undecided", "holds": None,
+             "measured": {"auc": 0.51, "auc_ci": [0.48, 0.54], "angles": list(range(9))},
+             "setting": {}},
+        ],
+    }  # fmt: skip
+    return claims
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    from fl.engine import train
+    from fl.testing import tiny_config
+
+    tmp = tmp_path_factory.mktemp("browser")
+    run = tmp / "dp-run"
+    train(tiny_config(rounds=1, dp_level="sample", noise_multiplier=2.0), run, quiet=True)
+    rc = main(["attack", str(run), "--attacks", "loss", "--device", "cpu", "--bootstrap", "20"])
+    assert rc == 0
+    claims = _analyses(tmp / "analysis")
+    out = tmp / "report"
+    s = build_report([str(run)], str(out), analyses_dir=str(tmp / "analysis"), claims=claims)
+    return s, out
+
+
+def test_verdict_first_and_no_raw_dicts(report):
+    s, out = report
+    page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
+    assert s["missing"] == []
+    for text in (page, md):
+        assert "{'" not in text and '{"' not in text
+    # the first section is the verdict table: one row per run, its verdict in the last cell
+    assert re.findall(r"<h2>(.*?)</h2>", page) == list(SECTIONS)
+    head = md.split("\n## ")[1]
+    assert head.startswith("Verdict\n")
+    (row,) = [x for x in head.splitlines() if x.startswith("| dp-run |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    eps = s["runs"][0]["epsilon_recomputed"]
+    assert cells[3] == f"{eps:.4g}"
+    assert cells[-1] == s["runs"][0]["verdict"]
+    assert cells[-1].startswith("private as claimed (ε = ")
+    assert cells[4].startswith("[") and cells[4].endswith("· loss, CP")  # the bound's interval
+    assert re.fullmatch(r"[\d.]+ \[[\d.]+, [\d.]+\] · loss", cells[5])  # AUC with its interval
+    # analyses: a summary, not the rows; claims: readable, with a verdict each
+    assert "| both | 2 | 4 |" in md and "Full rows (20) in " in md and "| 0.01 |" not in md
+    assert "| FedASK: noise ∝ σ² | m 64; sigma range [0.01, 10] |" in md
+    assert "both exponent low 2.02, exponent high 3.99; by sigma 9 values, 0 to 0.8" in md
+    assert "auc 0.51; auc ci [0.48, 0.54]; angles 0 to 8 (9 values) | inconclusive | – |" in md
+    assert "amplification (Noise analyses)" in md and "a long note" not in md
+
+
+def test_renders_in_headless_chromium(report, chromium, tmp_path):
+    _, out = report
+    page = (out / "report.html").read_text()
+    # a copy of the page with a script that writes what the browser saw into the DOM
+    check = """<script>window.addEventListener('load', () => {
+      const imgs = [...document.images].map(i => ({alt: i.alt, width: i.naturalWidth}));
+      const empty = [...document.querySelectorAll('section')].filter(s => ![...s.children]
+          .slice(1).some(c => c.textContent.trim() || c.tagName === 'IMG' || c.querySelector('img')))
+        .map(s => s.firstElementChild.textContent);
+      const pre = document.createElement('pre'); pre.id = 'browser-check';
+      pre.textContent = JSON.stringify({imgs, empty, sections: document.querySelectorAll('section').length});
+      document.body.appendChild(pre);
+    });</script></body>"""
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", check))
+    p = _headless(chromium, tmp_path / "p1", "--virtual-time-budget=10000", "--dump-dom",
+                  f"file://{probe}")  # fmt: skip
+    m = re.search(r'<pre id="browser-check">(.*?)</pre>', p.stdout, re.S)
+    assert m, f"no check in Chromium's DOM (rc {p.returncode}): {p.stderr[-500:]}"
+    seen = json.loads(html.unescape(m.group(1)))
+    assert len(seen["imgs"]) == page.count("<img") >= 3  # accuracy, analysis, ROC, claims
+    assert [i for i in seen["imgs"] if i["width"] <= 0] == []
+    assert seen["empty"] == []
+    assert seen["sections"] >= len(SECTIONS)
+    # the first screen, as a PNG
+    shot = tmp_path / "first-screen.png"
+    p = _headless(chromium, tmp_path / "p2", "--window-size=1280,900", f"--screenshot={shot}",
+                  f"file://{out / 'report.html'}")  # fmt: skip
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p.stderr[-500:]
