@@ -9,3 +9,13 @@ fi
 # torch first, pinned, so nothing pulls a CUDA build.
 .venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
+# Headless Chromium for the report's browser test (tests/audit/test_report_browser.py):
+# the Debian package, where apt-get and root are available; the test skips otherwise.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+      || echo "setup: could not install chromium (the report's browser test will be skipped)"
+  else
+    echo "setup: chromium missing and not installable here (needs root and apt-get)"
+  fi
+fi

@@ -24,13 +24,11 @@ def _install_chromium() -> str | None:
     if os.geteuid() != 0:
         return "not root: cannot apt-get install chromium"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "install", "-y", "chromium"], ["apt-get", "update"]):
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        if p.returncode == 0 and cmd[1] == "install":
-            return None
-    p = subprocess.run(
-        ["apt-get", "install", "-y", "chromium"], capture_output=True, text=True, env=env
-    )
+    install = ["apt-get", "install", "-y", "-q", "chromium"]
+    p = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
+    if p.returncode != 0:  # a stale package list: update it once and retry
+        subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=900)
+        p = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
     return None if p.returncode == 0 else f"apt-get install chromium failed: {p.stderr[-300:]}"
 
 

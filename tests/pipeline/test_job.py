@@ -30,8 +30,19 @@ def test_quick_preset_end_to_end(tmp_path):
         m = json.loads((r / "manifest.json").read_text())
         acc = m["metrics"]["final"]["accuracy"]
         eps = m["privacy"]["epsilon"]["pld"]
+        # the report opens with the verdict table: ε claimed and recomputed, a verdict
+        verdict_md = md.split("\n## Verdict\n")[1].split("\n## ")[0]
+        vrow = next(x for x in verdict_md.splitlines() if x.startswith(f"| {r.name} |"))
+        vcells = [c.strip() for c in vrow.strip("|").split("|")]
+        if eps is None:
+            assert vcells[2] == "no DP" and vcells[-1].startswith("no DP claimed")
+        else:
+            assert float(vcells[2]) == pytest.approx(eps, rel=1e-3)
+            assert float(vcells[3]) == pytest.approx(eps, rel=1e-3)
+            assert vcells[-1].startswith("private as claimed (ε = ")
         # the Runs table row of this run shows the manifest's numbers
-        row = next(line for line in md.splitlines() if line.startswith(f"| {r.name} |"))
+        runs_md = md.split("\n## Runs\n")[1]
+        row = next(line for line in runs_md.splitlines() if line.startswith(f"| {r.name} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[8]) == pytest.approx(acc, abs=5e-4)
         if eps is None:
