@@ -11,6 +11,9 @@ with independent random factors (float32, CPU), weights 1/K:
   matrix; in full mode at <= 1024 also the full SVD truncated, in ``details``).
 - One projection W̄X: powerdp's per-client loop (``linalg.apply_sum``) vs the factors
   stacked once (:func:`stacked_projection`), a candidate speed-up, in ``details``.
+- Peak memory of one PowerDP call on each path (:func:`peak_memory`): the resident set
+  size (RSS) a fresh subprocess adds above what it held with the inputs built, read from
+  Linux's ``VmHWM`` after resetting it (``/proc/self/clear_refs``), in ``details``.
 
 Ratios are speed-ups: dense time / factored time (higher is better), paired over
 interleaved repetitions. Target: PowerDP factored >= 20x dense at 4096×4096, r = 16,
@@ -18,6 +21,10 @@ K = 10.
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import torch
 
@@ -69,8 +76,68 @@ def stacked_projection(Bs, As, weights, X):
     return Bc @ (Ac @ X)
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _peak_child(size: int, K: int, dense: bool) -> dict:
+    """In a fresh process: build the inputs, reset the RSS high-water mark, run one
+    PowerDP call and return the peak RSS it added (MiB)."""
+    from fl.privacy.powerdp import powerdp
+
+    Bs, As = _factors(size, size, K, RANK, seed=size + K)
+    w = [1.0 / K] * K
+    gen = torch.Generator().manual_seed(1)
+    before = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    powerdp(Bs, As, w, RANK, 2, 1.0, 1.0, generator=gen, dense=dense, seed=3)
+    return {
+        "peak_added_mib": (_status_kib("VmHWM") - before) / 1024,
+        "rss_before_mib": before / 1024,
+    }
+
+
+def peak_memory(size: int, K: int) -> dict:
+    """Peak RSS added by one PowerDP call, dense and factored, each in its own fresh
+    subprocess (Linux only; {"measured": False, "reason"} elsewhere or on failure).
+    Also the bytes the inputs and one m×n float32 matrix take, for scale."""
+    out: dict = {
+        "method": "RSS high-water mark (VmHWM) of a fresh subprocess, reset after the "
+        "inputs are built, minus the RSS then; includes one-off allocator and BLAS buffers",
+        "inputs_mib": 2 * K * size * RANK * 4 / 2**20,
+        "one_dense_mxn_mib": size * size * 4 / 2**20,
+    }
+    for side, dense in (("dense", True), ("factored", False)):
+        code = (
+            "import json, sys; from benchmarks.aggregation import _peak_child; "
+            f"print(json.dumps(_peak_child({size}, {K}, {dense})))"
+        )
+        try:
+            p = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
+            )
+            if p.returncode != 0:
+                raise RuntimeError(p.stderr.strip().splitlines()[-1] if p.stderr else "failed")
+            out[side] = json.loads(p.stdout.strip().splitlines()[-1])
+        except (OSError, RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+            return {"measured": False, "reason": f"{side}: {e}"}
+    out["measured"] = True
+    return out
+
+
 def case(
-    size: int, K: int, reps: int, svd_reps: int, device: str = "cpu", full_svd: bool = False
+    size: int,
+    K: int,
+    reps: int,
+    svd_reps: int,
+    device: str = "cpu",
+    full_svd: bool = False,
+    memory: bool = False,
 ) -> dict:
     """One (layer size, K) case: both comparisons, interleaved."""
     from fl import linalg
@@ -138,6 +205,12 @@ def case(
         "projection_stacked": harness.summarize(t3["stacked"]),
         "projection_stacked_speedup": harness.paired_ratio(t3["stacked"], t3["loop"]),
     }
+    if memory:
+        out["peak_memory"] = (
+            peak_memory(size, K)
+            if device == "cpu"
+            else {"measured": False, "reason": f"RSS says nothing about {device} memory"}
+        )
     if full_svd:
         out["naive_full_svd"] = harness.summarize(t2["naive_full"])
         out["fedask_speedup_vs_full_svd"] = harness.paired_ratio(t2["sketch"], t2["naive_full"])
@@ -151,9 +224,13 @@ def run(quick: bool, device: str = "cpu") -> dict:
     for size in sizes:
         for K in Ks:
             big = size >= 4096
-            reps = 2 if (quick or big) else 4
+            # PowerDP at 4096 is ~0.01 s factored and ~0.1-0.4 s dense: 6 pairs are cheap.
+            reps = 2 if quick else (6 if big else 4)
             svd_reps = 2 if (quick or big) else 3
-            cases.append(case(size, K, reps, svd_reps, device, full_svd=not (quick or big)))
+            memory = size == max(sizes) and sys.platform.startswith("linux")
+            cases.append(
+                case(size, K, reps, svd_reps, device, full_svd=not (quick or big), memory=memory)
+            )
     key = max(sizes)
     main = next(c for c in cases if c["size"] == key and c["K"] == 10)
     ratio = main["powerdp_speedup"]["median"]

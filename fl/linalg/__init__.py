@@ -59,6 +59,7 @@ from fl.linalg.core import (  # noqa: F401
     factored_sum_norm,
     orth,
     stack_factors,
+    stacked_fro_norms,
     weighted_sum,
 )
 from fl.linalg.measure import (

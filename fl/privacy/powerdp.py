@@ -185,7 +185,7 @@ def gaussian_noise(shape: tuple[int, ...], std: float, generator, like: Tensor) 
         return draw_normal(generator, shape, std, like.dtype, like.device)
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     g = torch.randn(shape, generator=generator, dtype=dtype, device=generator.device)
-    return (std * g).to(dtype=like.dtype, device=like.device)
+    return g.mul_(std).to(dtype=like.dtype, device=like.device)
 
 
 def noisy_projection(
@@ -214,7 +214,7 @@ def noisy_projection(
     if noise_std > 0:
         if generator is None:
             raise ValueError("a generator is required when noise_std > 0")
-        Y = Y + gaussian_noise(tuple(Y.shape), noise_std, generator, Y)
+        Y.add_(gaussian_noise(tuple(Y.shape), noise_std, generator, Y))  # Y is fresh
     return Y
 
 
@@ -278,27 +278,45 @@ def powerdp(
         raise ValueError(
             f"need rank > 0, iters >= 0, oversample >= 0; got {rank}, {iters}, {oversample}"
         )
-    scales = clip_scales(Bs, As, clip).to(dtype=Bs[0].dtype, device=Bs[0].device)
+    linalg._check_pairs(Bs, As)
+    clipping.check_bound(clip)
+    ref = Bs[0]
     w = linalg._weights(weights, len(Bs))
     sens = projection_sensitivity(clip, _weight_bound(w, weight_bound))
     std = noise_multiplier * sens if noise_multiplier > 0 else 0.0
+    # The factors are concatenated once (m×Σr_k and Σr_k×n); the clip norms come from
+    # batched float64 Gram products of their blocks and the projections are two GEMMs.
+    ranks = [B.shape[1] for B in Bs]
+    Bcat, Acat = torch.cat(list(Bs), dim=1), torch.cat(list(As), dim=0)
+    norms = linalg.stacked_fro_norms(Bcat, Acat, ranks)
+    scales = clipping.clip_factors(norms, clip).to(dtype=ref.dtype, device=ref.device)
     # A non-finite client contributes zero (fl.privacy.clipping): its factors become
     # zeros, since a zero weight alone would still spread 0·NaN = NaN.
-    dead = [float(f) == 0.0 for f in scales.unbind()]
-    Bs = [torch.zeros_like(B) if d else B for B, d in zip(Bs, dead)]
-    As = [torch.zeros_like(A) if d else A for A, d in zip(As, dead)]
-    Bc, Ac = list(Bs), list(As)
-    W = linalg.dense_sum([B * f for B, f in zip(Bs, scales.unbind())], Ac, w) if dense else None
-    n = Ac[0].shape[1]
-    stacked = None
-    if not dense:
-        # One pair of tall factors instead of K: W̄ = B_cat diag(d) A_cat with
-        # d = (p_k·clip factor_k, repeated r_k times), so each projection is two GEMMs
-        # (m×Σr_k and Σr_k×n) and a row scaling of the small Σr_k×k middle.
+    dead = [f == 0.0 for f in scales.tolist()]
+    n = As[0].shape[1]
+    W, stacked = None, None
+    if dense:
+        Bs = [torch.zeros_like(B) if d else B for B, d in zip(Bs, dead)]
+        As = [torch.zeros_like(A) if d else A for A, d in zip(As, dead)]
+        W = linalg.dense_sum([B * f for B, f in zip(Bs, scales.unbind())], As, w)
+    else:
+        if any(dead):
+            offs = [0]
+            for r in ranks:
+                offs.append(offs[-1] + r)
+            for k, d in enumerate(dead):
+                if d:
+                    Bcat[:, offs[k] : offs[k + 1]] = 0
+                    Acat[offs[k] : offs[k + 1]] = 0
+        # W̄ = B_cat diag(d) A_cat with d = (p_k·clip factor_k, repeated r_k times), so
+        # each projection is two GEMMs (m×Σr_k and Σr_k×n) and a row scaling of the
+        # small Σr_k×k middle.
         pw = torch.as_tensor(w, dtype=scales.dtype, device=scales.device) * scales
-        stacked = linalg.stack_factors(list(Bs), list(As), pw)
+        d = torch.repeat_interleave(pw, torch.tensor(ranks, device=pw.device))
+        stacked = (Bcat, Acat, d)
+    Bc, Ac = list(Bs), list(As)
     k = rank + oversample
-    X = initial_basis(n, k, seed, dtype=Bc[0].dtype, device=Bc[0].device)
+    X = initial_basis(n, k, seed, dtype=ref.dtype, device=ref.device)
     records: list[dict] = []
 
     def release(M: Tensor, transpose: bool, i: int, final: bool = False) -> Tensor:
