@@ -122,7 +122,12 @@ def _run_summary(run_dir: Path) -> dict:
         # the run's canaries (fedlora train --canaries M) give the one-run lower bound
         splits = run_dir / "splits.json"
         canaries = not bundle and splits.is_file() and bool(read_json(splits).get("canaries"))
-        a = audit_run(str(run_dir), one_run=canaries)
+        try:
+            a = audit_run(str(run_dir), one_run=canaries)
+        except UsageError:
+            if not canaries:
+                raise
+            a = audit_run(str(run_dir))  # canaries that cannot be scored: the rest stands
         row["audit"] = a
         row["epsilon_recomputed"] = a.get("epsilon_pld")
         row["understated"] = a.get("understated")
