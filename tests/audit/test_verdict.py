@@ -23,7 +23,10 @@ def dp(**kw) -> Evidence:
     "evidence, expected",
     [
         (dp(empirical_lb=0.41), "private as claimed (ε = 7.99); empirical ε ≥ 0.41 at 95%"),
-        (dp(empirical_lb=0.0, alpha=0.1), "private as claimed (ε = 7.99); no attack certifies ε > 0 at 90%"),
+        (
+            dp(empirical_lb=0.0, alpha=0.1),
+            "private as claimed (ε = 7.99); no attack certifies ε > 0 at 90%",
+        ),
         (dp(), "private as claimed (ε = 7.99); no empirical bound"),
         (dp(findings=(WARN,)), "private as claimed (ε = 7.99); no empirical bound"),
         (
