@@ -16,7 +16,7 @@ with independent random factors (float32, CPU), weights 1/K:
   Linux's ``VmHWM`` after resetting it (``/proc/self/clear_refs``), in ``details``.
 
 Ratios are speed-ups: dense time / factored time (higher is better), paired over
-interleaved repetitions. Target: PowerDP factored >= 20x dense at 4096×4096, r = 16,
+interleaved repetitions. Target: PowerDP factored >= 30x dense at 4096×4096, r = 16,
 K = 10.
 """
 
@@ -32,7 +32,7 @@ from benchmarks import harness
 
 NAME = "aggregation"
 RANK = 16
-TARGET = 20.0
+TARGET = 30.0  # issue 20
 
 
 def _factors(m: int, n: int, K: int, r: int, seed: int):

@@ -1,8 +1,10 @@
-"""`fedlora bench [NAME...] [--quick] [--json] [--out DIR] [--device D]`.
+"""`fedlora bench [NAME...] [--quick] [--json] [--out DIR] [--device D] [--note TEXT]`.
 
 Runs the benchmarks (all when no NAME is given), each in this one process, and prints
-a Markdown table (or, with ``--json``, the JSON document). ``--out DIR`` also writes
-``DIR/bench.json`` and ``DIR/bench.md``. Every row states its workload, its baseline,
+a Markdown table (or, with ``--json``, the JSON document: ``meta`` — machine, torch,
+device, date, load, ``--note`` conditions —, ``ratios`` — every ratio measured, flat,
+with its spread, and the issue's unmeasured ones with the reason — and ``results``, the
+benchmarks' records). ``--out DIR`` also writes ``DIR/bench.json`` and ``DIR/bench.md``. Every row states its workload, its baseline,
 its candidate and the ratio (``time``: candidate/baseline, lower is better;
 ``speedup``: baseline/candidate, higher is better).
 """
@@ -47,6 +49,11 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.md")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument(
+        "--note",
+        default=None,
+        help="conditions to record in the document's meta (e.g. 'machine shared with ...')",
+    )
     p.set_defaults(func=main)
 
 
@@ -71,8 +78,15 @@ def _device(dev: str) -> str:
     raise UsageError(f"unknown device {dev!r}; use cpu or cuda")
 
 
-def run_benchmarks(names: list[str], quick: bool, device: str = "cpu", log=None) -> dict:
-    """Run ``names`` in order; returns the JSON document {"meta", "results"}."""
+def run_benchmarks(
+    names: list[str], quick: bool, device: str = "cpu", log=None, note: str | None = None
+) -> dict:
+    """Run ``names`` in order; returns the JSON document {"meta", "ratios", "results"}:
+    ``ratios`` is every ratio measured, flat (:func:`benchmarks.ratios.ratio_list`)."""
+    from benchmarks.ratios import ratio_list
+
+    meta = _meta(quick, device, note)
+    t0 = time.perf_counter()
     results = []
     for name in resolve_names(names):
         mod = importlib.import_module(f"benchmarks.{name}")
@@ -84,23 +98,51 @@ def run_benchmarks(names: list[str], quick: bool, device: str = "cpu", log=None)
         if log:
             log(f"bench: {name}: {_ratio_text(res)} in {res['seconds']:.1f}s")
         results.append(res)
-    return clean({"meta": _meta(quick, device), "results": results})
+    meta["finished"] = datetime.now(UTC).isoformat()
+    meta["seconds"] = time.perf_counter() - t0
+    meta["load_average_end"] = _load()
+    doc = {"meta": meta, "results": results}
+    return clean({"meta": meta, "ratios": ratio_list(doc), "results": results})
 
 
-def _meta(quick: bool, device: str) -> dict:
+def _load():
+    import os
+
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _meta(quick: bool, device: str, note: str | None = None) -> dict:
     import os
 
     import torch
 
+    dev_name = torch.cuda.get_device_name(0) if device.startswith("cuda") else _cpu_model()
     return {
         "created": datetime.now(UTC).isoformat(),
+        "date": datetime.now(UTC).date().isoformat(),
         "quick": quick,
         "device": device,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": _cpu_model(),
+        "device_name": dev_name,
+        "platform": platform.platform(),
+        "load_average": _load(),
+        "conditions": note,
         "note": "ratios come from interleaved repetitions in one process; absolute seconds "
         "depend on machine load",
     }
@@ -133,6 +175,17 @@ def _cell(s) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
+def _spread_text(sp: dict | None) -> str:
+    if not sp:
+        return "point estimate"
+    s = f"{sp['median']:.3g}"
+    if "boot_lo" in sp:
+        s += f" ({sp['boot_lo']:.3g}–{sp['boot_hi']:.3g}"
+    else:
+        s += " ("
+    return s + f"; {sp['min']:.3g}–{sp['max']:.3g}, n={sp['n']})"
+
+
 def markdown(doc: dict) -> str:
     """The Markdown table of a bench JSON document."""
     m = doc["meta"]
@@ -140,7 +193,8 @@ def markdown(doc: dict) -> str:
         f"# fedlora bench ({'quick' if m['quick'] else 'full'}, device {m['device']})",
         "",
         f"{m['created']} · torch {m['torch']} · {m['torch_threads']} threads · "
-        f"load average {m.get('load_average')}. {m['note']}.",
+        f"load average {m.get('load_average')}. {m['note']}."
+        + (f" Conditions: {m['conditions']}." if m.get("conditions") else ""),
         "",
         "| benchmark | workload | baseline | candidate | ratio | spread (min–max) | target | met |",
         "|---|---|---|---|---|---|---|---|",
@@ -159,6 +213,27 @@ def markdown(doc: dict) -> str:
             f"| {r['name']} | {_cell(r['workload'])} | {_cell(r['baseline'])} | "
             f"{_cell(r['candidate'])} | {ratio} | {spread} | {_cell(r['target'] or '–')} | {met} |"
         )
+    if doc.get("ratios"):
+        lines += [
+            "",
+            "## Every ratio",
+            "",
+            "| id | what | ratio | median (90% bootstrap; min–max, n) | target | met |",
+            "|---|---|---|---|---|---|",
+        ]
+        for e in doc["ratios"]:
+            if not e["measured"]:
+                lines.append(
+                    f"| {e['id']} | {_cell(e['what'])} | not measured: {_cell(e['reason'])} "
+                    f"| | {_cell(e['target'] or '–')} | – |"
+                )
+                continue
+            kind = "time" if e["kind"] == "time" else "speed-up"
+            lines.append(
+                f"| {e['id']} | {_cell(e['what'])} | {e['value']:.3g} ({kind}) | "
+                f"{_spread_text(e['spread'])} | {_cell(e['target'] or '–')} | "
+                f"{ {True: 'yes', False: '**no**', None: '–'}[e['met']] } |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -170,7 +245,9 @@ def main(args) -> int:
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out {out} exists and is not a folder")
         out.mkdir(parents=True, exist_ok=True)
-    doc = run_benchmarks(names, args.quick, device, log=lambda s: print(s, file=sys.stderr))
+    doc = run_benchmarks(
+        names, args.quick, device, log=lambda s: print(s, file=sys.stderr), note=args.note
+    )
     md = markdown(doc)
     text = json.dumps(doc, indent=2, allow_nan=False)
     if out is not None:

@@ -66,6 +66,64 @@ def _check_record(r: dict) -> None:
     assert sp["min"] <= r["ratio"] <= sp["max"]
 
 
+def _check_ratio(e: dict) -> None:
+    assert {"id", "benchmark", "what", "kind", "value", "spread", "target", "met"} <= set(e)
+    assert e["kind"] in ("time", "speedup")
+    if not e["measured"]:
+        assert e["value"] is None and e["met"] is None and e["reason"]
+        return
+    assert isinstance(e["value"], float) and e["value"] > 0
+    sp = e["spread"]
+    if sp is not None:
+        assert sp["min"] <= e["value"] <= sp["max"] and sp["n"] >= 1
+
+
+def _rec(name, ratio, spread, details, available=True):
+    from benchmarks import harness
+
+    r = harness.result(name, "w", "b", "c", ratio, "time", details=details, spread=spread)
+    r["available"] = available
+    return r
+
+
+def test_ratio_list_from_hand_records():
+    """ratio_list lifts the sub-ratios out of the details, applies the issue's targets
+    (not in --quick mode), and lists the unmeasured ones with a reason."""
+    from benchmarks import dp_overhead
+    from benchmarks.ratios import ratio_list
+
+    sp = {"median": 1.02, "min": 0.9, "max": 1.3, "boot_lo": 1.0, "boot_hi": 1.1, "n": 5}
+    step = {"median_s": 0.5, "min_s": 0.4, "max_s": 0.6, "reps": 5}
+    per = {
+        "minilm": {"ratio": 1.02, "spread": sp, "batch_size": 32, "seq_len": 64,
+                   "nodp_step": step, "dp_step": step},
+    }  # fmt: skip
+    fed = {"model": "minilm", "wspace_over_bspace": sp, "bspace_over_none": sp}
+    doc = {
+        "meta": {"quick": False, "device": "cpu"},
+        "results": [
+            _rec("dp_overhead", 1.02, sp, {"per_model": per}),
+            _rec("fedask_clip", 1.02, sp, fed),
+            _rec("attacks", None, None, {"reason": "no attacks"}, available=False),
+        ],
+    }
+    out = {e["id"]: e for e in ratio_list(doc)}
+    e = out["dp_step_over_nodp_step/cpu/minilm"]
+    assert e["measured"] and e["value"] == 1.02 and e["spread"] == sp
+    assert e["target"] == f"<= {dp_overhead.TARGET:g}" and e["met"] is True
+    assert out["wspace_over_bspace_clip"]["value"] == 1.02
+    assert out["bspace_over_none_clip"]["met"] is None  # no target
+    assert "wspace_over_none_clip" not in out  # not in the details: not invented
+    assert out["shadow_over_plain_run"]["reason"] == "not available: no attacks"
+    assert "not run" in out["powerdp_factored_speedup/4096/K10"]["reason"]
+    assert "CUDA" in out["dp_step_over_nodp_step/cuda/bert-base/bf16"]["reason"]
+    for v in out.values():
+        _check_ratio(v)
+    doc["meta"]["quick"] = True  # quick workloads are not the stated ones
+    quick = {e["id"]: e for e in ratio_list(doc)}
+    assert quick["dp_step_over_nodp_step/cpu/minilm"]["met"] is None
+
+
 @pytest.mark.parametrize("name", cli.BENCHMARKS)
 def test_each_benchmark_quick(name, tmp_path):
     """Each benchmark runs in --quick mode through the CLI and writes strict JSON with a
@@ -81,6 +139,18 @@ def test_each_benchmark_quick(name, tmp_path):
     _check_record(r)
     md = (tmp_path / "bench.md").read_text()
     assert f"| {name} |" in md
+    # The flat ratio list: this benchmark's ratios measured (each inside its spread), the
+    # others listed as not run, never with a number.
+    mine = [e for e in doc["ratios"] if e["benchmark"] == name and e["measured"]]
+    assert mine, doc["ratios"]
+    for e in doc["ratios"]:
+        _check_ratio(e)
+    assert all(not e["measured"] for e in doc["ratios"] if e["benchmark"] != name)
+    assert "## Every ratio" in md
+    if name == "aggregation":
+        mem = next(e for e in mine if "peak_memory" in e)["peak_memory"]
+        assert mem["measured"], mem
+        assert mem["dense"]["peak_added_mib"] > 0 and mem["factored"]["peak_added_mib"] >= 0
 
 
 def test_noise_source_quick_details():

@@ -1,0 +1,363 @@
+"""Every ratio a `fedlora bench` document measured, as one flat list (the `ratios` key).
+
+Each benchmark record (``benchmarks/<name>.py``) carries one headline ratio and more in
+its ``details``; :func:`ratio_list` lifts all of them into entries of one shape:
+
+    {"id", "benchmark", "what", "kind": "time" | "speedup", "value", "spread",
+     "target", "met", "measured": true, ...}
+
+``spread`` is the harness's paired-ratio summary (``median``, ``min``, ``max``,
+``boot_lo``/``boot_hi`` of a bootstrap 90% interval of the median, ``n`` pairs) or, for
+a ratio with one measurement per run, ``min``/``max`` over the runs; ``null`` for a
+derived point estimate. ``target``/``met`` are issue 20's where it states one (``met``
+is null in ``--quick`` mode, whose workloads are not the stated ones).
+
+The ratios issue 20 asks for that this run did not measure are listed too, with
+``"measured": false`` and the ``reason`` (a benchmark not selected, no CUDA device) —
+never a number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from benchmarks import aggregation, dp_overhead, engine_overhead, noise_source
+
+# The issues' targets (the benchmarks' own constants): id -> (text, test on the value).
+TARGETS: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "dp_step_over_nodp_step/cpu/minilm": (
+        f"<= {dp_overhead.TARGET:g}",
+        lambda v: v <= dp_overhead.TARGET,
+    ),
+    "engine_wall_over_local_compute": (
+        f"<= {engine_overhead.TARGET:g}",
+        lambda v: v <= engine_overhead.TARGET,
+    ),
+    "powerdp_factored_speedup/4096/K10": (
+        f">= {aggregation.TARGET:g}",
+        lambda v: v >= aggregation.TARGET,
+    ),
+    "keyed_over_seeded_step/cpu/minilm": (
+        f"<= {noise_source.TARGET:g}",
+        lambda v: v <= noise_source.TARGET,
+    ),
+    "dp_step_over_nodp_step/cuda/bert-base/bf16": ("<= 1.15", lambda v: v <= 1.15),
+}
+
+# The ratios the issue names, by the benchmark that measures them (for "not run" rows).
+REQUIRED: dict[str, list[tuple[str, str, str]]] = {
+    "dp_overhead": [
+        ("dp_step_over_nodp_step/cpu/minilm", "time", "DP-SGD step / non-DP step, minilm"),
+    ],
+    "engine_overhead": [
+        (
+            "engine_wall_over_local_compute",
+            "time",
+            "engine wall (minus set-up) / Σ clients' local training",
+        ),
+    ],
+    "aggregation": [
+        (
+            "powerdp_factored_speedup/4096/K10",
+            "speedup",
+            "PowerDP dense / factored time, 4096², r=16, K=10",
+        ),
+    ],
+    "noise_source": [
+        ("keyed_over_seeded_step/cpu/minilm", "time", "keyed CSPRNG DP step / seeded DP step"),
+    ],
+    "attacks": [("shadow_over_plain_run", "time", "one shadow model / one plain run")],
+    "fedask_clip": [("wspace_over_bspace_clip", "time", "W-space / B-space clipping step")],
+    "accounting": [("pld_over_rdp_calibration", "time", "PLD / RDP noise calibration")],
+}
+
+GPU_REQUIRED = [
+    (f"dp_step_over_nodp_step/cuda/{m}/{p}", "time", f"DP-SGD step / non-DP step on CUDA, {m} {p}")
+    for m in ("minilm", "bert-base")
+    for p in ("fp32", "bf16")
+]
+
+
+def entry(
+    id_: str,
+    benchmark: str,
+    what: str,
+    kind: str,
+    value: float | None,
+    spread: dict | None,
+    quick: bool,
+    **extra,
+) -> dict:
+    """One measured ratio; target/met from :data:`TARGETS` (met null in quick mode)."""
+    tgt = TARGETS.get(id_)
+    met = None if (tgt is None or quick or value is None) else bool(tgt[1](value))
+    return {
+        "id": id_,
+        "benchmark": benchmark,
+        "what": what,
+        "kind": kind,
+        "value": value,
+        "spread": spread,
+        "target": tgt[0] if tgt else None,
+        "met": met,
+        "measured": value is not None,
+        **extra,
+    }
+
+
+def unmeasured(id_: str, benchmark: str, what: str, kind: str, reason: str) -> dict:
+    tgt = TARGETS.get(id_)
+    return {
+        "id": id_,
+        "benchmark": benchmark,
+        "what": what,
+        "kind": kind,
+        "value": None,
+        "spread": None,
+        "target": tgt[0] if tgt else None,
+        "met": None,
+        "measured": False,
+        "reason": reason,
+    }
+
+
+def _dp_overhead(r: dict, q: bool, dev: str) -> list[dict]:
+    out = []
+    for model, m in r["details"].get("per_model", {}).items():
+        name = model.rstrip("/").rsplit("/", 1)[-1]
+        name = "bert-base" if name.startswith("bert-base") else name  # gpu_check.sh's folder
+        prec = m.get("precision", "fp32")
+        id_ = f"dp_step_over_nodp_step/{dev}/{name}" + (f"/{prec}" if dev == "cuda" else "")
+        out.append(
+            entry(
+                id_,
+                r["name"],
+                f"DP-SGD step / non-DP step, {name} (batch {m['batch_size']}, seq {m['seq_len']})",
+                "time",
+                m["ratio"],
+                m["spread"],
+                q,
+                seconds={"baseline": m["nodp_step"], "candidate": m["dp_step"]},
+            )
+        )
+    return out
+
+
+def _noise_source(r: dict, q: bool, dev: str) -> list[dict]:
+    out = []
+    for model, m in r["details"].get("per_model", {}).items():
+        out.append(
+            entry(
+                f"keyed_over_seeded_step/{dev}/{model}",
+                r["name"],
+                f"keyed CSPRNG DP step / seeded DP step, {model}",
+                "time",
+                m["ratio"],
+                m["spread"],
+                q,
+                seconds={"baseline": m["seeded_step"], "candidate": m["keyed_step"]},
+            )
+        )
+        out.append(
+            entry(
+                f"keyed_over_seeded_step_from_draws/{dev}/{model}",
+                r["name"],
+                f"1 + (keyed - seeded draw time) / seeded step, {model} (point estimate)",
+                "time",
+                m["ratio_from_draws"],
+                None,
+                q,
+            )
+        )
+    return out
+
+
+def _fedask_clip(r: dict, q: bool, dev: str) -> list[dict]:
+    d = r["details"]
+    return [
+        entry(
+            f"{key}_clip",
+            r["name"],
+            f"{what} per local step, {d.get('model')}",
+            "time",
+            d[key]["median"],
+            d[key],
+            q,
+        )
+        for key, what in (
+            ("wspace_over_bspace", "W-space / B-space clipping"),
+            ("bspace_over_none", "B-space DP / no DP"),
+            ("wspace_over_none", "W-space DP / no DP"),
+        )
+        if key in d
+    ]
+
+
+def _engine_overhead(r: dict, q: bool, dev: str) -> list[dict]:
+    out = [
+        entry(
+            "engine_wall_over_local_compute",
+            r["name"],
+            "engine wall (minus set-up) / Σ clients' local training, one run each",
+            "time",
+            r["ratio"],
+            r["spread"],
+            q,
+        )
+    ]
+    fl = r["details"].get("flower") or {}
+    if "wall_over_inprocess" in fl:
+        out.append(
+            entry(
+                "flower_wall_over_inprocess",
+                r["name"],
+                "the same run on Flower's simulation engine / in process (one run)",
+                "time",
+                fl["wall_over_inprocess"],
+                None,
+                q,
+            )
+        )
+    return out
+
+
+def _aggregation(r: dict, q: bool, dev: str) -> list[dict]:
+    out = []
+    for c in r["details"].get("cases", []):
+        tag = f"{c['size']}/K{c['K']}"
+        sq = f"{c['size']}², r={c['rank']}, K={c['K']}"
+        extra = {"seconds": {"baseline": c["powerdp_dense"], "candidate": c["powerdp_factored"]}}
+        if "peak_memory" in c:
+            extra["peak_memory"] = c["peak_memory"]
+        out.append(
+            entry(
+                f"powerdp_factored_speedup/{tag}",
+                r["name"],
+                f"PowerDP dense / factored time, {sq}",
+                "speedup",
+                c["powerdp_speedup"]["median"],
+                c["powerdp_speedup"],
+                q,
+                **extra,
+            )
+        )
+        out.append(
+            entry(
+                f"fedask_sketch_speedup/{tag}",
+                r["name"],
+                f"dense average + randomized SVD / FedASK sketch time, {sq}",
+                "speedup",
+                c["fedask_speedup"]["median"],
+                c["fedask_speedup"],
+                q,
+            )
+        )
+        if "fedask_speedup_vs_full_svd" in c:
+            s = c["fedask_speedup_vs_full_svd"]
+            out.append(
+                entry(
+                    f"fedask_sketch_speedup_vs_full_svd/{tag}",
+                    r["name"],
+                    f"dense average + full SVD / FedASK sketch time, {sq}",
+                    "speedup",
+                    s["median"],
+                    s,
+                    q,
+                )
+            )
+        s = c["projection_stacked_speedup"]
+        out.append(
+            entry(
+                f"projection_stacked_speedup/{tag}",
+                r["name"],
+                f"one projection W̄X: per-client loop / stacked factors, {sq}",
+                "speedup",
+                s["median"],
+                s,
+                q,
+            )
+        )
+    return out
+
+
+def _attacks(r: dict, q: bool, dev: str) -> list[dict]:
+    return [
+        entry(
+            "shadow_over_plain_run",
+            r["name"],
+            "one shadow model (attacks.reference.train_shadows) / one plain fl.engine run",
+            "time",
+            r["ratio"],
+            r["spread"],
+            q,
+        )
+    ]
+
+
+def _accounting(r: dict, q: bool, dev: str) -> list[dict]:
+    return [
+        entry(
+            "pld_over_rdp_calibration",
+            r["name"],
+            f"PLD / RDP calibrate_noise time, {r['details'].get('steps')} steps",
+            "time",
+            r["ratio"],
+            r["spread"],
+            q,
+        )
+    ]
+
+
+EXTRACT: dict[str, Callable[[dict, bool, str], list[dict]]] = {
+    "dp_overhead": _dp_overhead,
+    "noise_source": _noise_source,
+    "fedask_clip": _fedask_clip,
+    "engine_overhead": _engine_overhead,
+    "aggregation": _aggregation,
+    "attacks": _attacks,
+    "accounting": _accounting,
+}
+
+
+def ratio_list(doc: dict) -> list[dict]:
+    """The flat list of every ratio in a bench document ({"meta", "results"}), then the
+    issue's ratios this run did not measure (``measured: false`` with the reason)."""
+    quick = bool(doc["meta"].get("quick"))
+    dev = "cuda" if str(doc["meta"].get("device", "cpu")).startswith("cuda") else "cpu"
+    out: list[dict] = []
+    ran = set()
+    for r in doc["results"]:
+        ran.add(r["name"])
+        if not r.get("available", True):
+            why = r.get("details", {}).get("reason", "not available")
+            out += [
+                unmeasured(i, r["name"], w, k, f"not available: {why}")
+                for i, k, w in REQUIRED.get(r["name"], [])
+            ]
+            continue
+        out += EXTRACT[r["name"]](r, quick, dev)
+    have = {e["id"] for e in out}
+    for bench, rows in REQUIRED.items():
+        for id_, kind, what in rows:
+            if id_ not in have and bench not in ran:
+                out.append(
+                    unmeasured(id_, bench, what, kind, f"benchmark {bench} not run in this call")
+                )
+            elif id_ not in have and bench in ran and dev == "cpu":
+                out.append(
+                    unmeasured(id_, bench, what, kind, "not in this mode's workload (--quick)")
+                )
+    why = (
+        "needs a CUDA device; this run was on the CPU (benchmarks/gpu_check.sh measures it; "
+        "an H200 run: benchmarks/results/h200-2026-11-30/)"
+        if dev != "cuda"
+        else "not in this call (gpu_check.sh runs dp_overhead with FEDLORA_BENCH_DP_MODELS "
+        "and FEDLORA_BENCH_BF16=1)"
+    )
+    have = {e["id"] for e in out}
+    out += [
+        unmeasured(id_, "dp_overhead", what, kind, why)
+        for id_, kind, what in GPU_REQUIRED
+        if id_ not in have
+    ]
+    return out
