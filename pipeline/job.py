@@ -50,12 +50,14 @@ PRESETS: dict[str, Preset] = {
     # all-MiniLM-L6-v2 on the tweets corpus, within about 15 minutes on 2 CPU cores
     # (presets are stated in full: they do not follow TrainConfig's defaults; the fields
     # they do not name do). The DP set-up of issue 18: mean pooling (minilm's own), zero
-    # head, LoRA on the top two layers over a cached frozen prefix, LoRA lr 1e-3 and head
-    # lr 3e-2, Poisson batches of 128 of 400 examples per client.
+    # head, LoRA on the top layer over a cached frozen prefix, LoRA lr 1e-3 and head lr
+    # 3e-2, 3 rounds x 20 Poisson batches of 128 of 400 examples per client. FedAvg-LoRA at
+    # ε = 8, one seed: 0.848 / 0.765 balanced on test (0.769 on the non-member pool),
+    # against 0.836 / 0.739 for top-two-layer LoRA x 10 steps at about the same cost.
     "default": Preset(
         base=dict(model="minilm", dataset="tweets", members=2000, nonmembers=500, test=500)
-        | dict(max_length=48, clients=5, rounds=3, eval_every=3, local_steps=10, batch_size=128)
-        | dict(lr=1e-3, head_lr=3e-2, lora_layers=2, pooling="auto", head_init="zero")
+        | dict(max_length=48, clients=5, rounds=3, eval_every=3, local_steps=20, batch_size=128)
+        | dict(lr=1e-3, head_lr=3e-2, lora_layers=1, pooling="auto", head_init="zero")
         | dict(rank=8, alpha=16.0),
     ),
 }
