@@ -159,6 +159,19 @@ def case(
 
     t = harness.interleaved({"dense": pdp(True), "factored": pdp(False)}, reps=reps, warmup=1)
     power = harness.paired_ratio(t["factored"], t["dense"])  # dense/factored = speed-up
+    # The same pair with one intra-op thread on both sides: on a shared machine two
+    # threads wait at every parallel region's barrier for a core another process holds,
+    # which costs the many small operations of the factored path far more than the
+    # dense product (docs/benchmarks.md); this pair shows the ratio without that effect.
+    t1, threads = None, torch.get_num_threads()
+    if device == "cpu" and threads > 1:
+        torch.set_num_threads(1)
+        try:
+            t1 = harness.interleaved(
+                {"dense": pdp(True), "factored": pdp(False)}, reps=reps, warmup=1
+            )
+        finally:
+            torch.set_num_threads(threads)
 
     def fedask():
         fedask_layer(Bs, As, w, RANK, oversketch=2, seed=5)
@@ -198,6 +211,7 @@ def case(
         "powerdp_dense": harness.summarize(t["dense"]),
         "powerdp_factored": harness.summarize(t["factored"]),
         "powerdp_speedup": power,
+        "torch_threads": threads,
         "naive_svd": harness.summarize(t2["naive"]),
         "fedask_sketch": harness.summarize(t2["sketch"]),
         "fedask_speedup": sk,
@@ -205,6 +219,10 @@ def case(
         "projection_stacked": harness.summarize(t3["stacked"]),
         "projection_stacked_speedup": harness.paired_ratio(t3["stacked"], t3["loop"]),
     }
+    if t1 is not None:
+        out["powerdp_dense_1thread"] = harness.summarize(t1["dense"])
+        out["powerdp_factored_1thread"] = harness.summarize(t1["factored"])
+        out["powerdp_speedup_1thread"] = harness.paired_ratio(t1["factored"], t1["dense"])
     if memory:
         out["peak_memory"] = (
             peak_memory(size, K)

@@ -265,6 +265,23 @@ def _aggregation(r: dict, q: bool, dev: str) -> list[dict]:
                     q,
                 )
             )
+        if "powerdp_speedup_1thread" in c:
+            s = c["powerdp_speedup_1thread"]
+            out.append(
+                entry(
+                    f"powerdp_factored_speedup_1thread/{tag}",
+                    r["name"],
+                    f"PowerDP dense / factored time, {sq}, one intra-op thread on both sides",
+                    "speedup",
+                    s["median"],
+                    s,
+                    q,
+                    seconds={
+                        "baseline": c["powerdp_dense_1thread"],
+                        "candidate": c["powerdp_factored_1thread"],
+                    },
+                )
+            )
         s = c["projection_stacked_speedup"]
         out.append(
             entry(

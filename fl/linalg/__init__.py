@@ -53,13 +53,13 @@ from fl.linalg.core import (  # noqa: F401
     apply_stacked,
     apply_sum,
     apply_sum_t,
+    client_fro_norms,
     dense_sum,
     factored_fro_inner,
     factored_fro_norm,
     factored_sum_norm,
     orth,
     stack_factors,
-    stacked_fro_norms,
     weighted_sum,
 )
 from fl.linalg.measure import (

@@ -169,30 +169,18 @@ def stack_factors(
     return torch.cat(list(Bs), dim=1), torch.cat(list(As), dim=0), d
 
 
-def stacked_fro_norms(Bcat: Tensor, Acat: Tensor, ranks: Sequence[int]) -> Tensor:
-    """‖B_k A_k‖_F of every client from the concatenated factors of :func:`stack_factors`
-    (B_cat = [B_1 .. B_K] m×Σr_k, A_cat = [A_1; ..; A_K] Σr_k×n, r_k = ``ranks[k]``),
-    a (K,) float64 tensor: ‖B A‖_F² = Σ (BᵀB)∘(AAᵀ) with the Gram products in float64
-    (no overflow for float32 input; NaN/Inf entries give a NaN/Inf norm), batched over
-    the clients when the ranks are equal (one float64 copy of each stacked factor)."""
-    ranks = [int(r) for r in ranks]
-    if Bcat.shape[1] != sum(ranks) or Acat.shape[0] != sum(ranks):
-        raise ValueError(f"ranks {ranks} do not match {tuple(Bcat.shape)}, {tuple(Acat.shape)}")
-    Bd, Ad = Bcat.to(torch.float64), Acat.to(torch.float64)
-    K, m, n = len(ranks), Bcat.shape[0], Acat.shape[1]
-    if len(set(ranks)) == 1:
-        r = ranks[0]
-        Bk = Bd.view(m, K, r).transpose(0, 1)  # K×m×r view of the blocks
-        Ak = Ad.view(K, r, n)
-        sq = torch.sum((Bk.mT @ Bk) * (Ak @ Ak.mT), dim=(1, 2))
-    else:
-        sq = torch.stack(
-            [
-                torch.sum((b.mT @ b) * (a @ a.mT))
-                for b, a in zip(Bd.split(ranks, dim=1), Ad.split(ranks, dim=0))
-            ]
-        )
-    return torch.sqrt(torch.clamp(sq, min=0.0))  # clamp keeps NaN
+def client_fro_norms(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> Tensor:
+    """‖B_k A_k‖_F of every client, a (K,) float64 tensor: ‖B A‖_F² = Σ (BᵀB)∘(AAᵀ) with
+    the r_k×r_k Gram products in float64 (no overflow for float32 input; NaN/Inf entries
+    give a NaN/Inf norm; a rounding-negative sum is clamped to 0). One client at a time:
+    a float64 copy of all K factors at once (a stacked batch) costs more than the Gram
+    products themselves at m = n = 4096 (fresh pages), see docs/benchmarks.md."""
+    _check_pairs(Bs, As)
+    sq = []
+    for B, A in zip(Bs, As):
+        Bd, Ad = B.to(torch.float64), A.to(torch.float64)
+        sq.append(torch.sum((Bd.mT @ Bd) * (Ad @ Ad.mT)))
+    return torch.sqrt(torch.clamp(torch.stack(sq), min=0.0))  # clamp keeps NaN
 
 
 def apply_stacked(

@@ -284,11 +284,10 @@ def powerdp(
     w = linalg._weights(weights, len(Bs))
     sens = projection_sensitivity(clip, _weight_bound(w, weight_bound))
     std = noise_multiplier * sens if noise_multiplier > 0 else 0.0
-    # The factors are concatenated once (m×Σr_k and Σr_k×n); the clip norms come from
-    # batched float64 Gram products of their blocks and the projections are two GEMMs.
+    # Clip norms from per-client float64 Gram products; the factors are concatenated
+    # once (m×Σr_k and Σr_k×n) so that every projection is two GEMMs.
     ranks = [B.shape[1] for B in Bs]
-    Bcat, Acat = torch.cat(list(Bs), dim=1), torch.cat(list(As), dim=0)
-    norms = linalg.stacked_fro_norms(Bcat, Acat, ranks)
+    norms = linalg.client_fro_norms(Bs, As)
     scales = clipping.clip_factors(norms, clip).to(dtype=ref.dtype, device=ref.device)
     # A non-finite client contributes zero (fl.privacy.clipping): its factors become
     # zeros, since a zero weight alone would still spread 0·NaN = NaN.
@@ -300,6 +299,7 @@ def powerdp(
         As = [torch.zeros_like(A) if d else A for A, d in zip(As, dead)]
         W = linalg.dense_sum([B * f for B, f in zip(Bs, scales.unbind())], As, w)
     else:
+        Bcat, Acat = torch.cat(list(Bs), dim=1), torch.cat(list(As), dim=0)
         if any(dead):
             offs = [0]
             for r in ranks:

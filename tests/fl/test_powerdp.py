@@ -390,3 +390,23 @@ def test_powerdp_matches_the_literal_reference(dtype, ranks, dense, bad):
     M, Mr = (B @ A).double(), Br @ Ar
     tol = 1e-9 if dtype == torch.float64 else 2e-4
     assert float(torch.linalg.matrix_norm(M - Mr)) <= tol * float(torch.linalg.matrix_norm(Mr))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_client_fro_norms_equal_the_dense_norms(dtype):
+    """linalg.client_fro_norms (float64 Grams, no m×n matrix) against ‖B_k A_k‖_F formed
+    densely in float64, for mixed ranks, a zero client, a huge float32 one (its Gram
+    would overflow in float32) and a NaN one."""
+    g = torch.Generator().manual_seed(4)
+    ranks = (2, 5, 1, 3, 2)
+    Bs = [torch.randn(12, r, generator=g, dtype=DT) for r in ranks]
+    As = [torch.randn(r, 7, generator=g, dtype=DT) for r in ranks]
+    Bs[1] = torch.zeros_like(Bs[1])
+    Bs[3] = Bs[3] * 1e30
+    Bs[4][0, 0] = math.nan
+    Bs, As = [B.to(dtype) for B in Bs], [A.to(dtype) for A in As]
+    got = L.client_fro_norms(Bs, As)
+    ref = torch.stack([torch.linalg.matrix_norm(B.double() @ A.double()) for B, A in zip(Bs, As)])
+    assert got.dtype == torch.float64 and math.isnan(float(got[4]))
+    assert torch.allclose(got[:4], ref[:4], rtol=1e-12, atol=0) and float(got[1]) == 0.0
+    assert math.isfinite(float(got[3]))
