@@ -221,79 +221,63 @@ def _engine_overhead(r: dict, q: bool, dev: str) -> list[dict]:
     return out
 
 
+# aggregation's paired speed-ups per case: (details key, id prefix, what, seconds keys).
+_AGG = (
+    (
+        "powerdp_speedup",
+        "powerdp_factored_speedup",
+        "PowerDP dense / factored time",
+        ("powerdp_dense", "powerdp_factored"),
+    ),
+    (
+        "powerdp_speedup_1thread",
+        "powerdp_factored_speedup_1thread",
+        "PowerDP dense / factored time, one intra-op thread on both sides",
+        ("powerdp_dense_1thread", "powerdp_factored_1thread"),
+    ),
+    (
+        "fedask_speedup",
+        "fedask_sketch_speedup",
+        "dense average + randomized SVD / FedASK sketch time",
+        ("naive_svd", "fedask_sketch"),
+    ),
+    (
+        "fedask_speedup_vs_full_svd",
+        "fedask_sketch_speedup_vs_full_svd",
+        "dense average + full SVD / FedASK sketch time",
+        ("naive_full_svd", "fedask_sketch"),
+    ),
+    (
+        "projection_stacked_speedup",
+        "projection_stacked_speedup",
+        "one projection W̄X: per-client loop / stacked factors",
+        ("projection_loop", "projection_stacked"),
+    ),
+)
+
+
 def _aggregation(r: dict, q: bool, dev: str) -> list[dict]:
     out = []
     for c in r["details"].get("cases", []):
         tag = f"{c['size']}/K{c['K']}"
-        sq = f"{c['size']}², r={c['rank']}, K={c['K']}"
-        extra = {"seconds": {"baseline": c["powerdp_dense"], "candidate": c["powerdp_factored"]}}
-        if "peak_memory" in c:
-            extra["peak_memory"] = c["peak_memory"]
-        out.append(
-            entry(
-                f"powerdp_factored_speedup/{tag}",
-                r["name"],
-                f"PowerDP dense / factored time, {sq}",
-                "speedup",
-                c["powerdp_speedup"]["median"],
-                c["powerdp_speedup"],
-                q,
-                **extra,
-            )
-        )
-        out.append(
-            entry(
-                f"fedask_sketch_speedup/{tag}",
-                r["name"],
-                f"dense average + randomized SVD / FedASK sketch time, {sq}",
-                "speedup",
-                c["fedask_speedup"]["median"],
-                c["fedask_speedup"],
-                q,
-            )
-        )
-        if "fedask_speedup_vs_full_svd" in c:
-            s = c["fedask_speedup_vs_full_svd"]
+        for key, prefix, what, (base, cand) in _AGG:
+            if key not in c:
+                continue
+            extra = {"seconds": {"baseline": c.get(base), "candidate": c.get(cand)}}
+            if key == "powerdp_speedup" and "peak_memory" in c:
+                extra["peak_memory"] = c["peak_memory"]
             out.append(
                 entry(
-                    f"fedask_sketch_speedup_vs_full_svd/{tag}",
+                    f"{prefix}/{tag}",
                     r["name"],
-                    f"dense average + full SVD / FedASK sketch time, {sq}",
+                    f"{what}, {c['size']}², r={c['rank']}, K={c['K']}",
                     "speedup",
-                    s["median"],
-                    s,
+                    c[key]["median"],
+                    c[key],
                     q,
+                    **extra,
                 )
             )
-        if "powerdp_speedup_1thread" in c:
-            s = c["powerdp_speedup_1thread"]
-            out.append(
-                entry(
-                    f"powerdp_factored_speedup_1thread/{tag}",
-                    r["name"],
-                    f"PowerDP dense / factored time, {sq}, one intra-op thread on both sides",
-                    "speedup",
-                    s["median"],
-                    s,
-                    q,
-                    seconds={
-                        "baseline": c["powerdp_dense_1thread"],
-                        "candidate": c["powerdp_factored_1thread"],
-                    },
-                )
-            )
-        s = c["projection_stacked_speedup"]
-        out.append(
-            entry(
-                f"projection_stacked_speedup/{tag}",
-                r["name"],
-                f"one projection W̄X: per-client loop / stacked factors, {sq}",
-                "speedup",
-                s["median"],
-                s,
-                q,
-            )
-        )
     return out
 
 
