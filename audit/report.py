@@ -32,7 +32,6 @@ from audit.findings import Finding
 from audit.report_doc import (
     BulletList,
     CodeBlock,
-    Figure,
     Paragraph,
     Report,
     Section,
@@ -42,6 +41,13 @@ from audit.report_doc import (
     render_markdown,
 )
 from audit.report_doc import format_cell as _fmt
+from audit.report_sections import (  # noqa: F401 (readable, CLAIM_FIGURES re-exported)
+    CLAIM_FIGURES,
+    _analyses_section,
+    _claims_section,
+    _figure,
+    readable,
+)
 from audit.verdict import CHANCE_BALANCED, Evidence, findings_summary, verdict
 from fl import rundir
 from fl.config import TrainConfig
@@ -270,11 +276,6 @@ def build_report(
     return summary
 
 
-def _figure(fig: Path, caption: str) -> Figure:
-    """A figure written into the report's ``figures/`` folder."""
-    return Figure(f"figures/{fig.name}", caption)
-
-
 def best_bound(row: dict) -> dict | None:
     """The run's highest assumption-free empirical ε lower bound, ``{"epsilon_lb",
     "alpha", "source"}``: Clopper–Pearson over each attack's scores, or the one-run
@@ -465,120 +466,6 @@ def _runs_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
     return sec
 
 
-def _analyses_section(analyses_dir: str | None, figdir: Path) -> Section:
-    sec = Section("Noise analyses")
-    analyses = []
-    if analyses_dir and Path(analyses_dir).is_dir():
-        for js in sorted(Path(analyses_dir).glob("*/*.json")) + sorted(
-            Path(analyses_dir).glob("*.json")
-        ):
-            try:
-                doc = read_json(js)
-            except UsageError:
-                continue
-            if not isinstance(doc, dict) or "analysis" not in doc or doc["analysis"] == "claims":
-                continue
-            analyses.append((js, doc))
-    if not analyses:
-        sec.missing = "no analysis results were given."
-    for js, doc in analyses:
-        name = doc["analysis"]
-        sub = Section(name)
-        sec.add(sub)
-        for png in sorted(js.parent.glob("*.png")):
-            dst = figdir / f"{name}-{png.name}"
-            shutil.copyfile(png, dst)
-            sub.add(_figure(dst, name))
-        rows_a = [ra for ra in doc.get("rows") or [] if isinstance(ra, dict)]
-        summarize = _SUMMARIES.get(name)
-        if summarize and rows_a:
-            sub.add(*summarize(doc, rows_a))
-        sub.add(Paragraph.of(f"Full rows ({len(rows_a)}) in {js}."))
-    return sec
-
-
-def _grouped(rows: list[dict], key, cols: tuple[str, ...], agg=max) -> list[list]:
-    """One row per group: ``[group, count, agg(col) for col in cols]`` (numbers only)."""
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault(key(r), []).append(r)
-    out = []
-    for g, rs in groups.items():
-        vals = [[r[c] for r in rs if isinstance(r.get(c), int | float)] for c in cols]
-        out.append([g, len(rs), *[agg(v) if v else None for v in vals]])
-    return out
-
-
-def _summary_amplification(doc: dict, rows: list[dict]) -> list:
-    fits = doc.get("fits") or {}
-    t = [[k, v.get("exponent_low"), v.get("exponent_high")] for k, v in fits.items()]
-    return [
-        Paragraph.of(
-            "Noise power in ΔW against σ on log–log axes: slope 2 is linear in σ², "
-            "slope 4 quadratic (the cross term of noise on both factors)."
-        ),
-        Table.of(["scheme", "slope (low σ)", "slope (high σ)"], t),
-    ]
-
-
-def _summary_exactness(doc: dict, rows: list[dict]) -> list:
-    def key(r):
-        a = {True: " (shared A)", False: " (independent A)"}.get(r.get("shared_a"), "")
-        return f"{r.get('method')}{a}"
-
-    t = _grouped(rows, key, ("relative_error",))
-    return [
-        Paragraph.of("Largest aggregation error ‖ΔW_global − Σ p_k B_kA_k‖_F / ‖Σ p_k B_kA_k‖_F."),
-        Table.of(["method", "configurations", "largest relative error"], t),
-    ]
-
-
-def _summary_hetero(doc: dict, rows: list[dict]) -> list:
-    t = _grouped(rows, lambda r: r.get("method"), ("init_noise", "agg_noise"))
-    return [
-        Paragraph.of("Largest initialization and aggregation noise (Frobenius norm) per method."),
-        Table.of(["method", "rounds", "largest init noise", "largest aggregation noise"], t),
-    ]
-
-
-def _summary_refactorization(doc: dict, rows: list[dict]) -> list:
-    t = []
-    for scheme in dict.fromkeys(r.get("scheme") for r in rows):
-        at = [
-            r
-            for r in rows
-            if r.get("scheme") == scheme and isinstance(r.get("epsilon"), float | int)
-        ]
-        if at:
-            lo, hi = min(at, key=lambda r: r["epsilon"]), max(at, key=lambda r: r["epsilon"])
-            t.append(
-                [scheme]
-                + [
-                    r.get(k)
-                    for r in (lo, hi)
-                    for k in ("epsilon", "subspace_error", "reconstruction_error")
-                ]
-            )
-    hd = ["scheme", "smallest ε", "subspace error", "reconstruction error",
-          "largest ε", "subspace error", "reconstruction error"]  # fmt: skip
-    return [
-        Paragraph.of(
-            "Error of the private factors against the non-private truncated SVD at the "
-            "smallest and the largest ε measured."
-        ),
-        Table.of(hd, t),
-    ]
-
-
-#: analysis name → the few key numbers the page shows (the rows stay in the JSON)
-_SUMMARIES = {
-    "amplification": _summary_amplification,
-    "exactness": _summary_exactness,
-    "hetero": _summary_hetero,
-    "refactorization": _summary_refactorization,
-}
-
-
 def _attacks_section(rows: list[dict], figdir: Path) -> Section:
     sec = Section("Membership inference")
     for r in rows:
@@ -650,87 +537,6 @@ def _empirical_section(rows: list[dict], figdir: Path, summary: dict) -> Section
 
 
 #: claim id (its prefix) → the analysis whose figure the claim rests on
-CLAIM_FIGURES = {
-    "fedask_exact": "exactness",
-    "fedask_linear_noise": "amplification",
-    "plora_zero_init_noise": "hetero",
-    "flora_zero_agg_noise": "hetero",
-    "hetlora_flexlora_both_noises": "hetero",
-    "fedpower_exact": "exactness",
-    "output_perturbation": "refactorization",
-}
-#: at most this many entries of a measured value or setting are shown (the rest: JSON)
-READABLE_ITEMS = 4
-
-
-def readable(x, depth: int = 0, items: int = READABLE_ITEMS) -> str:
-    """A measured value or a setting as text a reader can scan (never a dict's repr):
-    ``key value; key value`` (the first ``items`` keys, ``note`` left out), numbers to 3
-    digits, long lists and nested mappings as their range, short lists of numbers (an
-    interval ``[lo, hi]``) as they are."""
-    if isinstance(x, bool) or x is None:
-        return {True: "yes", False: "no", None: "–"}[x]
-    if isinstance(x, float | int):
-        return _fmt(float(x), 3) if isinstance(x, float) else str(x)
-    if isinstance(x, str):
-        return x
-    if isinstance(x, list | tuple):
-        nums = [v for v in x if isinstance(v, int | float) and not isinstance(v, bool)]
-        if len(nums) == len(x) and len(x) > READABLE_ITEMS:
-            return f"{readable(min(nums))} to {readable(max(nums))} ({len(x)} values)"
-        if len(nums) == len(x):
-            return "[" + ", ".join(readable(v) for v in x) + "]"
-        return f"{len(x)} entries"
-    if isinstance(x, dict):
-        pairs = [(k, v) for k, v in x.items() if k != "note"]
-        if depth >= 1 and len(pairs) > READABLE_ITEMS:
-            return f"{len(pairs)} values, {readable(pairs[0][1])} to {readable(pairs[-1][1])}"
-        sep = "; " if depth == 0 else ", "
-        shown = [f"{str(k).replace('_', ' ')} {readable(v, depth + 1)}" for k, v in pairs]
-        more = len(shown) - items
-        return sep.join(shown[:items]) + (f"{sep}… {more} more" if more > 0 else "")
-    return str(x)
-
-
-def _claim_figure(c: dict, analyses_dir: str | None, claims_png: bool) -> str:
-    """Where the figure behind a claim is: its analysis's figure, else the claims figure."""
-    name = next((a for k, a in CLAIM_FIGURES.items() if str(c.get("id", "")).startswith(k)), None)
-    if name and analyses_dir and (Path(analyses_dir) / name).is_dir():
-        return f"{name} (Noise analyses)"
-    return "claims figure (below)" if claims_png else "–"
-
-
-def _claims_section(claims: dict | None, analyses_dir: str | None, figdir: Path) -> Section:
-    sec = Section("Claims check")
-    if not (claims and claims.get("claims")):
-        sec.missing = "the claims analysis was not run."
-        return sec
-    verdicts = {True: "holds", False: "does not hold", None: "inconclusive"}
-    png = Path(analyses_dir) / "claims" / "claims.png" if analyses_dir else None
-    has_png = bool(png and png.is_file())
-    t = [
-        [
-            f"{c.get('paper')}: {c.get('statement')}",
-            readable(c.get("setting") or {}, items=8),
-            readable(c.get("measured") or {}),
-            verdicts.get(c.get("holds"), "inconclusive"),
-            _claim_figure(c, analyses_dir, has_png),
-        ]
-        for c in claims["claims"]
-    ]
-    sec.add(Table.of(["claim", "setting", "measured", "verdict", "figure"], t))
-    if has_png:
-        dst = figdir / "claims-claims.png"
-        shutil.copyfile(png, dst)
-        sec.add(_figure(dst, "claims and their verdicts"))
-    where = f" ({Path(analyses_dir) / 'claims' / 'claims.json'})" if analyses_dir else ""
-    return sec.add(
-        Paragraph.of(
-            f"Every measured value, with the setting's notes, is in the claims JSON{where}."
-        )
-    )
-
-
 def _environment_section(rows: list[dict]) -> Section:
     versions = rows[0]["versions"] if rows else {}
     env = [["python", platform.python_version()], ["platform", platform.platform()]] + [
