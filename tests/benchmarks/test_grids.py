@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from benchmarks import grid_jobs as J
 from benchmarks import grids as G
 
 # The fields passed as --base to the real call (values from the shared tiny_cfg fixture).
@@ -25,9 +26,9 @@ BASE_FIELDS = (
 
 
 def test_grid_sizes_and_unique_keys():
-    base = dict(G.RECIPE)
+    base = dict(J.RECIPE)
     seeds = [0, 1, 2]
-    sizes = {g: len(f(base, seeds)) for g, f in G.GRIDS.items()}
+    sizes = {g: len(f(base, seeds)) for g, f in J.GRIDS.items()}
     # 4 privacy settings x 3 methods x 3 seeds; 3 ε x 3 methods x 3 seeds + 2 x 3 + 3;
     # 2 privacy x 2 partitions x 5 methods x 3 seeds; 4 attack targets; 8 recipes x 2.
     # dplearn: 3 ε x 3 candidates x 3 seeds.
@@ -39,7 +40,7 @@ def test_grid_sizes_and_unique_keys():
         "recipe": 16,
         "dplearn": 27,
     }
-    keys = [G.job_key(j) for f in G.GRIDS.values() for j in f(base, seeds)]
+    keys = [G.job_key(j) for f in J.GRIDS.values() for j in f(base, seeds)]
     assert len(keys) == len(set(keys))
 
 
@@ -48,8 +49,8 @@ def test_grid_configs_are_valid_train_configs():
     from fl.methods import registry
 
     methods = set()
-    for f in G.GRIDS.values():
-        for job in f(dict(G.RECIPE), [0]):
+    for f in J.GRIDS.values():
+        for job in f(dict(J.RECIPE), [0]):
             cfg = TrainConfig(**job["cfg"]).validate()  # raises on an unknown or bad field
             assert cfg.method in registry.names()
             assert (cfg.dp_level == "none") == (cfg.epsilon == 0)  # DP jobs name their ε
@@ -58,7 +59,7 @@ def test_grid_configs_are_valid_train_configs():
 
 
 def test_hetero_uses_the_smallest_rank_for_fedavg():
-    jobs = G.jobs_hetero(dict(G.RECIPE), [0])
+    jobs = J.jobs_hetero(dict(J.RECIPE), [0])
     fedavg = [j["cfg"] for j in jobs if j["cfg"]["method"] == "fedavg"]
     others = [j["cfg"] for j in jobs if j["cfg"]["method"] != "fedavg"]
     assert {c["rank"] for c in fedavg} == {4}
@@ -73,11 +74,11 @@ def test_best_recipe_needs_both_methods_and_takes_the_best_mean():
         {"grid": "recipe", "group": "m10k-b64-s10-sgd2/fedavg", "accuracy": 0.7},
         {"grid": "recipe", "group": "m10k-b64-s10-sgd2/ffa", "accuracy": 0.75},
     ]
-    name, over = G.best_recipe(rows)
+    name, over = J.best_recipe(rows)
     assert name == "m10k-b64-s10-adamw2e-2"  # mean 0.79 > 0.725; 0.9 has no ffa run
-    assert over == G.RECIPE_CANDIDATES[name]
+    assert over == J.RECIPE_CANDIDATES[name]
     with pytest.raises(RuntimeError, match="no recipe candidate"):
-        G.best_recipe(rows[:1])
+        J.best_recipe(rows[:1])
 
 
 def test_best_dplearn_chooses_on_the_nonmember_pool_not_the_test_set():
@@ -93,7 +94,7 @@ def test_best_dplearn_chooses_on_the_nonmember_pool_not_the_test_set():
         {"grid": "dplearn", "group": "lora2-b512-s10-r8/eps1", "val_balanced_accuracy": 0.7},
         {"grid": "fedask", "group": "lora2-b256-s10-r5/eps1", "val_balanced_accuracy": 0.99},
     ]  # fmt: skip
-    assert G.best_dplearn(rows) == {
+    assert J.best_dplearn(rows) == {
         ("lora2", "eps8"): "lora2-b256-s10-r5",  # mean 0.79 > 0.77, whatever the test set says
         ("probe", "eps8"): "probe-b500-s20-r10-lr5e-2",
         ("lora2", "eps1"): "lora2-b512-s10-r8",
@@ -118,7 +119,7 @@ def test_real_call_then_resume_skips_finished_jobs(tmp_path, monkeypatch, tiny_c
             for s in seeds
         ]
 
-    monkeypatch.setitem(G.GRIDS, "recipe", two_jobs)  # the parent builds the job list
+    monkeypatch.setitem(J.GRIDS, "recipe", two_jobs)  # the parent builds the job list
     tiny = tiny_cfg(members=120, nonmembers=30, test=40, clients=2, rounds=1, local_steps=1)
     base = [f"{k}={getattr(tiny, k)}" for k in BASE_FIELDS]
     argv = ["recipe", "--out", str(tmp_path), "--workers", "1", "--seeds", "0,1", "--base", *base]
@@ -137,10 +138,10 @@ def test_real_call_then_resume_skips_finished_jobs(tmp_path, monkeypatch, tiny_c
 
 
 def test_fedpower_grid_takes_base_overrides_over_its_client_level_setup():
-    jobs = G.jobs_fedpower(dict(G.RECIPE), [0])
-    assert {j["cfg"]["clients"] for j in jobs} == {G.CLIENT_LEVEL["clients"]}
-    assert {j["cfg"]["members"] for j in jobs} == {G.CLIENT_LEVEL["members"]}
+    jobs = J.jobs_fedpower(dict(J.RECIPE), [0])
+    assert {j["cfg"]["clients"] for j in jobs} == {J.CLIENT_LEVEL["clients"]}
+    assert {j["cfg"]["members"] for j in jobs} == {J.CLIENT_LEVEL["members"]}
     over = {"clients": 5000, "members": 80000}
-    jobs = G.jobs_fedpower({**G.RECIPE, **over}, [0], overrides=over)
+    jobs = J.jobs_fedpower({**J.RECIPE, **over}, [0], overrides=over)
     assert {(j["cfg"]["clients"], j["cfg"]["members"]) for j in jobs} == {(5000, 80000)}
-    assert {j["cfg"]["rounds"] for j in jobs} == {G.CLIENT_LEVEL["rounds"]}
+    assert {j["cfg"]["rounds"] for j in jobs} == {J.CLIENT_LEVEL["rounds"]}
