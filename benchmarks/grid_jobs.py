@@ -8,6 +8,8 @@ averaged in (``method/condition``), ``attack`` the attack options of the ``attac
 
 from __future__ import annotations
 
+from benchmarks.claims_jobs import GRIDS as CLAIM_GRIDS
+
 # The recipe chosen for minilm/tweets (issue 2): 10 000 members over 5 clients, batch 64,
 # 5 rounds × 20 local steps.
 RECIPE = dict(members=10000, nonmembers=1000, test=1000, batch_size=64, rounds=5, local_steps=20)
@@ -236,4 +238,5 @@ GRIDS = {
     "hetero": jobs_hetero,
     "attacks": jobs_attacks,
     "dplearn": jobs_dplearn,
+    **CLAIM_GRIDS,
 }
