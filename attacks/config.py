@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field, fields
 
 from fl.errors import UsageError
@@ -51,6 +52,16 @@ class AttackConfig:
     )
     shadows: int = _f(8, "shadow / reference models (>= 2)")
     device: str = _f("auto", "auto | cpu | cuda", runtime=True)
+    workers: int = _f(
+        0, "shadow models trained at once (0: one per usable CPU; 1: here, in order)", runtime=True
+    )
+    ray_address: str = _f(
+        os.environ.get("FEDLORA_RAY_ADDRESS", "local"),
+        "where shadows train as Ray tasks: local (Ray on this machine), a cluster address "
+        "(ray://HOST:10001, HOST:6379, auto) or none (in this process); default: "
+        "$FEDLORA_RAY_ADDRESS, else local",
+        runtime=True,
+    )
     seed: int = _f(0, "seed of shadow splits and bootstrap")
     rmia_a: float = _f(0.3, "RMIA offline parameter a")
     global_variance: str = _f(
@@ -72,6 +83,8 @@ class AttackConfig:
             value = getattr(self, f.name)
             if allowed is not None and value not in allowed:
                 raise UsageError(f"unknown {f.name} {value!r}; choose one of {list(allowed)}")
+        if self.workers < 0:
+            raise UsageError(f"workers must be >= 0 (0: one per CPU), got {self.workers}")
         if self.bootstrap < 0:
             raise UsageError(f"bootstrap must be >= 0, got {self.bootstrap}")
         if not 0.0 <= self.rmia_a <= 1.0:

@@ -15,6 +15,12 @@ the data differs. The pool is written to a JSONL file whose row order makes
 ``fl.data.split_dataset`` pick exactly the chosen half as members (verified after
 training against the shadow's splits.json). Finished shadows are reused on later calls
 when their configuration and data are unchanged.
+
+Shadows are independent tasks (:mod:`fl.distributed`: on Ray, or in this process one
+after another, with the same results). With LoRA on the top layers, the frozen prefix is
+the same model for every shadow and every shadow's data is a subset of the pool: each
+process encodes the whole pool once (:func:`fl.heads.shared_rows`) and every shadow's
+halves take their rows from it, so a shadow costs its top-layer training only.
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ def train_shadows(
     device: str = "auto",
     progress: bool = True,
     num_labels: int | None = None,
+    workers: int = 1,
+    ray_address: str | None = "none",
+    share_prefix: bool = True,
 ) -> ShadowSet:
     """Train (or reuse) k shadow models on random halves of the pool.
 
@@ -85,10 +94,18 @@ def train_shadows(
         out_dir: folder for shadow_<j>.jsonl and shadow_<j>/ run directories.
         seed: seed of the IN/OUT assignment.
         num_labels: classes of the target head; every class must occur in the pool.
+        workers, ray_address: the shadows still to train run as independent tasks
+            (:func:`fl.distributed.run_tasks`: ``workers`` at once, 0 = one per CPU, on
+            Ray at ``ray_address``; ``workers=1`` or ``ray_address="none"``: here, in
+            order). A failed shadow is retried once; if it fails again the call raises
+            after the others have finished (they are kept and reused by the next call).
+        share_prefix: the shadows take their frozen-prefix cache rows from the whole
+            pool's, encoded once per process (:func:`fl.heads.shared_rows`) instead of
+            each encoding its own halves.
     """
     from fl.config import TrainConfig
     from fl.data import split_dataset
-    from fl.engine import train
+    from fl.distributed import run_tasks
     from fl.io import atomic_write_json
 
     labels = np.asarray(labels, dtype=np.int64)
@@ -100,14 +117,11 @@ def train_shadows(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     masks = shadow_halves(n, k, seed)
-    dirs, secs, reused = [], [], []
-    it = range(k)
-    if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(it, desc="shadow models", unit="model")
+    secs: list[float] = [float("nan")] * k
+    reused = [False] * k
     first_cfg = None
-    for j in it:
+    tasks = []
+    for j in range(k):
         in_idx = np.flatnonzero(masks[j])
         out_idx = np.flatnonzero(~masks[j])
         a = len(in_idx)
@@ -131,32 +145,87 @@ def train_shadows(
             device=device,
             eval_every=int(cfg.rounds),
         )
-        scfg = TrainConfig.from_dict(d)
-        first_cfg = first_cfg or scfg.to_dict()
+        first_cfg = first_cfg or TrainConfig.from_dict(d).to_dict()
         spec = _spec_hash(d, rows)
         spec_path = out_dir / f"shadow_{j}.spec.json"
         if (run_dir / "manifest.json").is_file() and spec_path.is_file():
             old = json.loads(spec_path.read_text(encoding="utf-8"))
             if old.get("spec") == spec:
-                dirs.append(run_dir / "adapter")
-                secs.append(float(old.get("seconds", float("nan"))))
-                reused.append(True)
+                secs[j] = float(old.get("seconds", float("nan")))
+                reused[j] = True
                 continue
-        if run_dir.exists():  # stale or unfinished shadow of ours: retrain from scratch
-            shutil.rmtree(run_dir)
-        with open(data_path, "w", encoding="utf-8") as fh:
-            for r in rows:
-                # ASCII escapes: load_local splits lines with str.splitlines, which also breaks
-                # at U+2028, U+0085 and other characters that occur in real text.
-                fh.write(json.dumps(r, ensure_ascii=True) + "\n")
-        t0 = time.perf_counter()
-        train(scfg, run_dir, quiet=True)
-        dt = time.perf_counter() - t0
-        got = set(json.loads((run_dir / "splits.json").read_text(encoding="utf-8"))["members"])
-        if got != {ids[i] for i in in_idx}:
+        pool = (texts, labels.tolist(), d["model"], int(d["max_length"])) if share_prefix else None
+        tasks.append(dict(j=j, cfg=d, rows=rows, spec=spec, run_dir=str(run_dir), pool=pool))
+    bar = None
+    if progress and tasks:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(tasks), desc="shadow models", unit="model")
+    failed = []
+    for o in run_tasks(train_shadow, tasks, workers=workers, address=ray_address, report=_warn):
+        t = tasks[o.index]
+        j = t["j"]
+        if bar is not None:
+            bar.update(1)
+        if not o.ok:
+            failed.append(f"shadow {j}: {o.error or o.skipped}")
+            continue
+        got = set(
+            json.loads(Path(t["run_dir"], "splits.json").read_text(encoding="utf-8"))["members"]
+        )
+        if got != {ids[i] for i in np.flatnonzero(masks[j])}:
             raise RuntimeError(f"shadow {j}: the engine's member split is not the intended half")
-        atomic_write_json(spec_path, {"spec": spec, "seconds": dt, "n_in": a})
-        dirs.append(run_dir / "adapter")
-        secs.append(dt)
-        reused.append(False)
+        atomic_write_json(
+            out_dir / f"shadow_{j}.spec.json",
+            {"spec": t["spec"], "seconds": o.value, "n_in": int(masks[j].sum())},
+        )
+        secs[j] = float(o.value)
+    if bar is not None:
+        bar.close()
+    if failed:
+        raise RuntimeError("shadow training failed: " + "; ".join(failed))
+    dirs = [out_dir / f"shadow_{j}" / "adapter" for j in range(k)]
     return ShadowSet(masks, dirs, secs, reused, first_cfg or {})
+
+
+def _warn(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
+
+
+def train_shadow(task: dict) -> float:
+    """One shadow model (a task of :func:`train_shadows`, here or on a Ray worker): writes
+    its JSONL and trains it from scratch; returns the wall seconds of the training."""
+    from fl.config import TrainConfig
+    from fl.engine import train
+
+    run_dir = Path(task["run_dir"])
+    if run_dir.exists():  # stale or unfinished shadow of ours: retrain from scratch
+        shutil.rmtree(run_dir)
+    with open(task["cfg"]["dataset"], "w", encoding="utf-8") as fh:
+        for r in task["rows"]:
+            # ASCII escapes: load_local splits lines with str.splitlines, which also breaks
+            # at U+2028, U+0085 and other characters that occur in real text.
+            fh.write(json.dumps(r, ensure_ascii=True) + "\n")
+    scfg = TrainConfig.from_dict(task["cfg"])
+    t0 = time.perf_counter()
+    with _shared_pool(task["pool"]):
+        train(scfg, run_dir, quiet=True)
+    return time.perf_counter() - t0
+
+
+def _shared_pool(pool):
+    """:func:`fl.heads.shared_rows` over the tokenized pool (nothing when ``pool`` is None)."""
+    from contextlib import nullcontext
+
+    if pool is None:
+        return nullcontext()
+    from fl.heads import shared_rows
+    from fl.models import load_tokenizer
+    from fl.tokenized import TokenizedData
+
+    texts, labels, model, max_length = pool
+    return shared_rows(
+        TokenizedData(list(texts), np.asarray(labels), load_tokenizer(model), max_length)
+    )

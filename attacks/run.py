@@ -57,6 +57,8 @@ def _shadow_stage(target: Target, cfg: AttackConfig, out: Path, shadow_dir):
         device=cfg.device,
         progress=cfg.progress,
         num_labels=target.num_labels,
+        workers=cfg.workers,
+        ray_address=cfg.ray_address,
     )
     t0 = time.perf_counter()
     sigs = [
@@ -154,11 +156,21 @@ def attack(target: Target, config: AttackConfig = _D, out=None, shadow_dir=None)
 
 
 def _config(
-    attacks, shadows, device, seed, global_variance, rmia_a, rmia_gamma, progress, n_bootstrap
+    attacks,
+    shadows,
+    device,
+    seed,
+    global_variance,
+    rmia_a,
+    rmia_gamma,
+    progress,
+    n_bootstrap,
+    **more,
 ) -> AttackConfig:
-    """The AttackConfig of the keyword-argument forms' parameters."""
+    """The AttackConfig of the keyword-argument forms' parameters (``more``: other fields)."""
     return AttackConfig.with_variance(
         global_variance,
+        **more,
         attacks=attacks,
         shadows=shadows,
         device=device,
@@ -183,16 +195,30 @@ def run_attacks(
     progress: bool = _D.progress,
     n_bootstrap: int = _D.bootstrap,
     shadow_dir=None,
+    workers: int = _D.workers,
+    ray_address: str = _D.ray_address,
 ) -> dict:
     """All requested attacks on a run directory's released adapter.
 
     Evaluation points: the run's members (label 1) and non-members (label 0). Attacker
     pool for shadows: members ∪ non-members ∪ test examples of the run (the test examples
     are the attacker's own same-distribution data); RMIA's population z = the test examples.
-    ``global_variance``: None = auto. See :func:`attack`; returns the attacks.json document.
+    ``global_variance``: None = auto; ``workers``, ``ray_address``: where the shadows train
+    (:func:`attacks.reference.train_shadows`). See :func:`attack`; returns the attacks.json
+    document.
     """
     cfg = _config(
-        attacks, shadows, device, seed, global_variance, rmia_a, rmia_gamma, progress, n_bootstrap
+        attacks,
+        shadows,
+        device,
+        seed,
+        global_variance,
+        rmia_a,
+        rmia_gamma,
+        progress,
+        n_bootstrap,
+        workers=workers,
+        ray_address=ray_address,
     )
     return attack(Target.from_run(run_dir), cfg, out=out, shadow_dir=shadow_dir)
 

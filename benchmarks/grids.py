@@ -19,11 +19,16 @@ the ``attacks`` grid):
   cache) at ε ∈ {1, 3, 8}; every run also reports its accuracy on the non-member pool
   (``val_*``), which chooses between candidates, never the test set.
 
-Each worker imports torch once and runs its jobs in-process; CUDA needs the ``spawn``
-start method, which is used everywhere. Every finished job appends one JSON line to
-``DIR/results.jsonl`` (a resumed call skips jobs already there); ``DIR/summary.md`` holds
-mean ± std per group. With ``--deadline`` no job is started after that many seconds;
-``--only TEXT`` keeps the jobs whose group contains TEXT.
+Jobs are independent tasks (:func:`fl.distributed.run_tasks`): ``--workers N`` (N > 1)
+jobs at once as Ray tasks, on a Ray instance started on this machine or on the cluster of
+``--ray-address``; ``--workers 1`` or ``--ray-address none`` runs them here, one after
+another (the same rows: a job's result depends on its configuration and its thread count,
+``GRID_THREADS``, default 1, on both paths). A job that fails is reported and run again
+(``--retries``, default 1) while the others go on; if it fails again its row holds the
+error. Every finished job appends one JSON line to ``DIR/results.jsonl`` (a resumed call
+skips jobs already there); ``DIR/summary.md`` holds mean ± std per group. With
+``--deadline`` no job is started after that many seconds; ``--only TEXT`` keeps the jobs
+whose group contains TEXT.
 """
 
 from __future__ import annotations
@@ -31,15 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from benchmarks.grid_jobs import GRIDS, RECIPE, _coerce, best_recipe
+from fl.distributed import run_tasks
 
 
 def job_key(job: dict) -> str:
@@ -98,6 +103,7 @@ def run_job(job: dict, out: Path, device: str) -> dict:
             device=device,
             progress=False,
             shadow_dir=out / "shadows" / name,
+            ray_address="none",  # this job is already one task of the grid
         )
         row["attack_seconds"] = time.perf_counter() - ta
         row["attacks"] = {
@@ -109,31 +115,31 @@ def run_job(job: dict, out: Path, device: str) -> dict:
     return row
 
 
-def _worker(wid: int, queue, results, out: str, device: str, deadline: float) -> None:
+def grid_task(task: tuple) -> dict:
+    """One job as a task of :func:`fl.distributed.run_tasks` (here or on a Ray worker):
+    ``(job, out, device)`` → its result row."""
+    job, out, device = task
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import torch
+    stale = Path(out) / "runs" / f"{job['grid']}-{job['index']:04d}"
+    if stale.exists():  # a failed attempt of this job (indices are never reused)
+        shutil.rmtree(stale)
+    row = run_job(job, Path(out), device)
+    row["worker"] = os.getpid()
+    return row
 
-    torch.set_num_threads(max(1, int(os.environ.get("GRID_THREADS", "1"))))
-    while True:
-        job = queue.get()
-        if job is None:
-            return
-        if time.time() > deadline:
-            results.put({"index": job["index"], "skipped": "deadline"})
-            continue
-        try:
-            row = run_job(job, Path(out), device)
-        except Exception as exc:  # noqa: BLE001 - recorded in the results; others go on
-            traceback.print_exc()
-            row = {
-                "grid": job["grid"],
-                "group": job["group"],
-                "index": job["index"],
-                "error": f"{type(exc).__name__}: {exc}",
-            }
-        row["worker"] = wid
-        results.put(row)
+
+def _row(outcome, job: dict) -> dict:
+    """The results.jsonl line of a task's outcome (a result, an error or a skip)."""
+    if outcome.skipped:
+        row = {"index": job["index"], "skipped": outcome.skipped}
+    elif outcome.error:
+        row = {k: job[k] for k in ("grid", "group", "index")} | {"error": outcome.error}
+    else:
+        row = dict(outcome.value)
+    row["attempts"] = outcome.attempts
+    row["key"] = job["key"]
+    return row
 
 
 def summarize(rows: list[dict]) -> str:
@@ -186,7 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("grids", nargs="+", choices=sorted(GRIDS))
     ap.add_argument("--out", required=True)
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument(
+        "--workers", type=int, default=1, help="jobs at once (Ray tasks); 1 = here, in order"
+    )
+    ap.add_argument(
+        "--ray-address",
+        default="local",
+        help="local (Ray on this machine), a cluster address (ray://HOST:10001, HOST:6379, "
+        "auto) or none (here, in order)",
+    )
+    ap.add_argument("--retries", type=int, default=1, help="extra attempts of a failed job")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--deadline", type=float, default=0.0, help="seconds; 0 = none")
     ap.add_argument("--seeds", default="0,1,2")
@@ -212,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error("--workers must be >= 1")
+    if args.retries < 0:
+        ap.error("--retries must be >= 0")
     base = dict(RECIPE)
     overrides = {}
     for kv in args.base:
@@ -240,29 +257,36 @@ def main(argv: list[str] | None = None) -> int:
             job["key"] = job_key(job)
             if job["key"] not in done:
                 jobs.append(job)
+    # new indices follow every earlier one (a killed call may leave gaps), so no job's
+    # run directory is another's
+    start = 1 + max((int(r.get("index", -1)) for r in done_rows), default=len(done_rows) - 1)
     for i, job in enumerate(jobs):
-        job["index"] = len(done_rows) + i
-    print(f"grids: {len(jobs)} jobs on {args.workers} worker(s), device {args.device}", flush=True)
+        job["index"] = start + i
+    where = "here" if args.workers == 1 else f"Ray ({args.ray_address})"
+    print(
+        f"grids: {len(jobs)} jobs on {args.workers} worker(s) {where}, device {args.device}",
+        flush=True,
+    )
     deadline = time.time() + args.deadline if args.deadline > 0 else math.inf
-    ctx = mp.get_context("spawn")
-    queue, results = ctx.Queue(), ctx.Queue()
-    for job in jobs:
-        queue.put(job)
-    for _ in range(args.workers):
-        queue.put(None)
-    procs = [
-        ctx.Process(target=_worker, args=(w, queue, results, str(out), args.device, deadline))
-        for w in range(args.workers)
-    ]
-    for p in procs:
-        p.start()
-    keys = {job["index"]: job["key"] for job in jobs}
+    threads = max(1, int(os.environ.get("GRID_THREADS", "1")))
+    cuda = args.device.startswith("cuda")
     rows = list(done_rows)
     t0 = time.time()
+    tasks = [(job, str(out.resolve()), args.device) for job in jobs]
+    outcomes = run_tasks(
+        grid_task,
+        tasks,
+        workers=args.workers,
+        address=args.ray_address,
+        retries=args.retries,
+        threads=threads,
+        gpus_per_task=1.0 / args.workers if cuda else 0.0,
+        deadline=deadline,
+        report=lambda msg: print(f"grids: {msg}", flush=True),
+    )
     with res_path.open("a") as fh:
-        for n in range(len(jobs)):
-            row = results.get()
-            row["key"] = keys.get(row["index"])
+        for n, o in enumerate(outcomes):
+            row = _row(o, jobs[o.index])
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             rows.append(row)
@@ -273,8 +297,6 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             (out / "summary.md").write_text(summarize(rows))
-    for p in procs:
-        p.join()
     (out / "summary.md").write_text(summarize(rows))
     print(summarize(rows))
     return 0

@@ -28,6 +28,7 @@ import json
 import re
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -158,6 +159,35 @@ _ENCODED_BYTES = 3 * 2**30
 
 _LAYER_RE = re.compile(r"\.(?:layer|h)\.(\d+)\.")
 
+#: pools whose prefix outputs other data sets take their rows from (:func:`shared_rows`)
+_POOLS: list[tuple[object, dict[bytes, int]]] = []
+
+
+def _row_keys(data) -> list[bytes]:
+    """One key per example: its padded token ids and attention mask, as bytes."""
+    rows = torch.cat([data.input_ids, data.attention_mask], dim=1).to(torch.int64).numpy()
+    return [r.tobytes() for r in rows]
+
+
+@contextmanager
+def shared_rows(pool):
+    """Within this block, a data set whose examples all occur in ``pool`` (a
+    :class:`fl.tokenized.TokenizedData` tokenized the same way: same token ids and mask)
+    gets its prefix cache by gathering rows of the pool's, which each prefix encodes once
+    (and the process cache keeps): shadow models, trained on subsets of one attacker pool
+    by the same frozen prefix, encode the pool once instead of once per shadow.
+
+    A gathered row was computed in another chunk than an own encoding would have put it
+    in, so it agrees with it to float rounding, not bit for bit: a run that must replay
+    bit for bit (an audited target) is never trained inside this block.
+    """
+    entry = (pool, {k: i for i, k in enumerate(_row_keys(pool))})
+    _POOLS.append(entry)
+    try:
+        yield pool
+    finally:
+        _POOLS.remove(entry)
+
 
 def _layer_of(name: str) -> int | None:
     m = _LAYER_RE.search(name)
@@ -245,14 +275,47 @@ class FrozenPrefix:
         :meth:`fingerprint`) already encoded the same token ids: the chunks and their
         order depend only on the data, so the result is bit-identical to encoding again
         (runs of one job, e.g. ``fedlora run``'s, share the members' and test cache)."""
-        h = hashlib.sha256(self.fingerprint().encode())
-        h.update(data.input_ids.numpy().tobytes())
-        h.update(data.attention_mask.numpy().tobytes())
-        key = h.hexdigest()
+        fingerprint = self.fingerprint()
+        key = self._data_key(fingerprint, data)
         if key in _ENCODED:
             _ENCODED.move_to_end(key)
             return _ENCODED[key]
-        out = self.encode(data)
+        gathered = self._from_pool(fingerprint, data)
+        if gathered is not None:
+            return gathered
+        return self._store(key, self.encode(data))
+
+    @staticmethod
+    def _data_key(fingerprint: str, data) -> str:
+        h = hashlib.sha256(fingerprint.encode())
+        h.update(data.input_ids.numpy().tobytes())
+        h.update(data.attention_mask.numpy().tobytes())
+        return h.hexdigest()
+
+    def _from_pool(self, fingerprint: str, data) -> torch.Tensor | None:
+        """``data``'s rows gathered from the innermost :func:`shared_rows` pool holding
+        all of its examples (the pool encoded once per prefix), or None."""
+        keys = None
+        for pool, index in reversed(_POOLS):
+            if pool.input_ids.shape[1] != data.input_ids.shape[1]:
+                continue
+            keys = keys if keys is not None else _row_keys(data)
+            rows = [index.get(k) for k in keys]
+            if any(r is None for r in rows):
+                continue
+            pkey = self._data_key(fingerprint, pool)
+            if pkey in _ENCODED:
+                _ENCODED.move_to_end(pkey)
+                full = _ENCODED[pkey]
+            else:
+                full = self._store(pkey, self.encode(pool))
+            if self.notify is not None:
+                self.notify(f"frozen prefix: {len(rows)} rows from a shared pool of {len(pool)}")
+            return full[torch.as_tensor(rows, dtype=torch.long)]
+        return None
+
+    @staticmethod
+    def _store(key: str, out: torch.Tensor) -> torch.Tensor:
         _ENCODED[key] = out
         while len(_ENCODED) > 1 and (
             len(_ENCODED) > _ENCODED_MAX
