@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from analysis import amplification, exactness, figures, hetero, refactorization
+from analysis import amplification, exactness, figures, hetero, refactorization, utility_claims
 from analysis import runs as runs_mod
 from analysis.schemas import validate
 from fl import linalg
@@ -26,11 +26,7 @@ EXACT_TOL = 1e-10  # relative error below this counts as exact (float64 gives ~1
 
 __all__ = ["run", "table"]
 
-FEDASK, PLORA, FEDPOWER = (
-    "FedASK (arXiv 2507.09990)",
-    "Fed-PLoRA (arXiv 2602.16936)",
-    "FedPower (arXiv 2605.08443)",
-)
+FEDASK, PLORA, FEDPOWER = utility_claims.FEDASK, utility_claims.PLORA, utility_claims.FEDPOWER
 
 
 def _claim(cid, paper, statement, holds, measured, setting):
@@ -343,9 +339,12 @@ def output_vs_powerdp(seed, eps=(2.0, 8.0), trials=2) -> dict:
     )
 
 
-def _run(seed: int = 0, out=None, runs=None, figure: bool = True) -> dict:
-    """All claims (synthetic; ``runs`` adds FedASK's a_rowspace_angle from metrics).
-    Returns the JSON document; writes claims.{json,png,svg} to ``out`` when given."""
+def _run(seed: int = 0, out=None, runs=None, figure: bool = True, grids=None) -> dict:
+    """All claims (synthetic; ``runs`` adds FedASK's a_rowspace_angle from metrics;
+    ``grids``, folders of ``benchmarks.grids`` results, adds the privacy–utility claims
+    decided over seeds by :mod:`analysis.utility_claims`, with their cells under
+    ``utility``). Returns the JSON document; writes claims.{json,png,svg} (and
+    claims_utility.{png,svg}) to ``out`` when given."""
     claims = [
         fedask_exact(seed),
         fedask_linear_noise(seed),
@@ -356,13 +355,20 @@ def _run(seed: int = 0, out=None, runs=None, figure: bool = True) -> dict:
     ]
     if runs:
         claims += _run_noise_claims(runs)
+    utility = utility_claims.decide(grids) if grids else None
+    if utility is not None:
+        claims += utility["claims"]
     doc = {"analysis": NAME, "seed": seed, "claims": claims}
+    if utility is not None:
+        doc["utility"] = {"cells": utility["cells"], "sources": utility["sources"]}
     doc = figures.jsonable(doc)
     validate(doc)
     if out is not None:
         figures.write_json(doc, out, NAME)
         if figure:
             plot(doc, out)
+            if utility is not None:
+                utility_claims.plot(doc["utility"], out)
     return doc
 
 
@@ -408,7 +414,7 @@ def plot(doc, out):
         ax.text(
             0.02,
             i,
-            f"{c['id']}: {'holds' if c['holds'] else 'does not hold'}",
+            f"{c['id']}: {utility_claims.verdict_word(c['holds'])}",
             va="center",
             fontsize=7,
             color="white",
@@ -416,8 +422,8 @@ def plot(doc, out):
     ax.set_yticks(range(len(cl)), [c["paper"].split(" ")[0] for c in cl])
     ax.set_xticks([])
     ax.invert_yaxis()
-    ax.set_xlabel("verdict (green: holds, red: does not hold)")
-    ax.set_title("paper claims checked on synthetic experiments")
+    ax.set_xlabel("verdict (green: holds, red: does not hold, grey: inconclusive)")
+    ax.set_title("paper claims checked as experiments")
     ax.grid(False)
     return figures.save_figure(fig, out, NAME)
 
@@ -427,12 +433,12 @@ def table(doc):
         {
             "id": c["id"],
             "paper": c["paper"].split(" ")[0],
-            "holds": c["holds"],
+            "verdict": utility_claims.verdict_word(c["holds"]),
             "measured": _short(c["measured"]),
         }
         for c in doc["claims"]
     ]
-    return figures.format_table(rows, ["id", "paper", "holds", "measured"])
+    return figures.format_table(rows, ["id", "paper", "verdict", "measured"])
 
 
 def _short(meas: dict) -> str:

@@ -104,6 +104,8 @@ def _kwargs(name: str, a: argparse.Namespace) -> dict:
             kw["epsilons"] = _floats(a.epsilons, "--epsilons")
     if a.runs and "runs" not in kw:
         kw["runs"] = list(a.runs)
+    if getattr(a, "grids", None):
+        kw["grids"] = list(a.grids)
     return kw
 
 
@@ -175,4 +177,13 @@ def register(subparsers) -> None:
             q.add_argument("--trials", type=int, default=4)
         else:
             _add_common(q, "run directories (a_rowspace_angle, init_noise, agg_noise metrics)")
+            q.add_argument(
+                "--grids",
+                nargs="+",
+                default=None,
+                metavar="DIR",
+                help="benchmarks.grids result folders (results.jsonl): adds the privacy-utility "
+                "claims decided over seeds with 95%% intervals (holds / does not hold / "
+                "inconclusive) and the accuracy-vs-ε figure claims_utility.png",
+            )
         q.set_defaults(func=_cmd)

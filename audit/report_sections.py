@@ -184,6 +184,8 @@ def readable(x, depth: int = 0, items: int = READABLE_ITEMS) -> str:
 
 def _claim_figure(c: dict, analyses_dir: str | None, claims_png: bool) -> str:
     """Where the figure behind a claim is: its analysis's figure, else the claims figure."""
+    if "verdict" in c and "diff_mean" in (c.get("measured") or {}):
+        return "accuracy vs ε (below)"
     name = next((a for k, a in CLAIM_FIGURES.items() if str(c.get("id", "")).startswith(k)), None)
     if name and analyses_dir and (Path(analyses_dir) / name).is_dir():
         return f"{name} (Noise analyses)"
@@ -213,9 +215,63 @@ def _claims_section(claims: dict | None, analyses_dir: str | None, figdir: Path)
         dst = figdir / "claims-claims.png"
         shutil.copyfile(png, dst)
         sec.add(_figure(dst, "claims and their verdicts"))
+    _utility_blocks(sec, claims.get("utility"), png.parent if png else None, figdir)
     where = f" ({Path(analyses_dir) / 'claims' / 'claims.json'})" if analyses_dir else ""
     return sec.add(
         Paragraph.of(
             f"Every measured value, with the setting's notes, is in the claims JSON{where}."
         )
     )
+
+
+def _ci_text(mean, std, ci) -> str:
+    if mean is None:
+        return "–"
+    txt = _fmt(mean, 3) if std is None else f"{_fmt(mean, 3)} ± {_fmt(std, 3)}"
+    if ci and ci[0] is not None:
+        txt += f" [{_fmt(ci[0], 3)}, {_fmt(ci[1], 3)}]"
+    return txt
+
+
+def _utility_blocks(sec: Section, utility: dict | None, claims_dir, figdir: Path) -> None:
+    """The privacy–utility grids behind the utility claims: cells and the figure."""
+    if not utility or not utility.get("cells"):
+        return
+    sec.add(
+        Paragraph.of(
+            "Privacy–utility claims are decided over seeds from the measurement grids "
+            f"{', '.join(utility.get('sources') or [])}: paired differences A − B over "
+            "common seeds with a 95% Student-t interval; holds when the interval lies "
+            "above 0, does not hold when it lies below +0.01 balanced accuracy, "
+            "inconclusive otherwise (analysis/utility_claims.py)."
+        )
+    )
+    rows = [
+        [
+            c["grid"],
+            c["group"],
+            str(c["n"]),
+            _ci_text(c["balanced_mean"], c["balanced_std"], c["balanced_ci95"]),
+            _ci_text(c["accuracy_mean"], c["accuracy_std"], c["accuracy_ci95"]),
+            "–" if c.get("seconds_mean") is None else f"{c['seconds_mean']:.0f}",
+        ]
+        for c in utility["cells"]
+    ]
+    sec.add(
+        Table.of(
+            [
+                "grid",
+                "cell",
+                "seeds",
+                "balanced accuracy (mean ± std [95% CI])",
+                "accuracy",
+                "s/run",
+            ],
+            rows,
+        )
+    )
+    png = Path(claims_dir) / "claims_utility.png" if claims_dir else None
+    if png and png.is_file():
+        dst = figdir / "claims-utility.png"
+        shutil.copyfile(png, dst)
+        sec.add(_figure(dst, "balanced accuracy vs ε per method (mean, 95% CI over seeds)"))

@@ -1,0 +1,440 @@
+"""The papers' privacy–utility claims decided from measurement grids (issue 18, item 5).
+
+Input: the ``results.jsonl`` files of ``python -m benchmarks.grids`` runs (one row per
+training run: ``grid``, ``group`` = ``method/condition``, ``seed``, ``accuracy``,
+``balanced_accuracy``, ``attacks``...). Rows with an ``error`` or ``skipped`` field are
+ignored; a job run twice (same ``key``) counts once (the last row).
+
+Statistics. A *cell* is one (grid, group); its seeds give mean, sample std and a 95 %
+Student-t interval of the mean. A claim "A beats B" is decided on the **paired**
+differences A − B over the seeds both ran (the same seed means the same member split,
+partition and initialization, so pairing removes that variance), with a 95 % t interval
+(at least 3 pairs are required, else the verdict is *inconclusive*):
+
+* **holds** — the interval lies above 0 (A is better);
+* **does not hold** — the interval lies below ``MARGIN`` (0.01): A is worse, or better by
+  less than one point of balanced accuracy, which no one would call an improvement;
+* **inconclusive** — otherwise (the seeds cannot tell).
+
+The primary metric is balanced accuracy: tweets is 70 % positive, so plain accuracy
+rewards predicting the majority class. Plain accuracy is given beside it.
+
+Membership inference "near chance": an attack's AUC interval (bootstrap, from the attack
+itself) lies below ``0.5 + MIA_MARGIN`` on every seed: holds; its lower end above that on
+any seed: does not hold; otherwise inconclusive.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from fl.errors import UsageError
+
+MARGIN = 0.01
+MIA_MARGIN = 0.05
+METRIC = "balanced_accuracy"
+
+FEDASK = "FedASK (arXiv 2507.09990)"
+PLORA = "Fed-PLoRA (arXiv 2602.16936)"
+FEDPOWER = "FedPower (arXiv 2605.08443)"
+
+
+def t_quantile(df: int, p: float = 0.975) -> float:
+    """Student-t quantile (scipy's, kept behind one function)."""
+    from scipy import stats
+
+    return float(stats.t.ppf(p, df))
+
+
+def mean_ci(values: Sequence[float], level: float = 0.95) -> dict:
+    """Mean, sample std and the Student-t interval of the mean (``None`` bounds for n < 2)."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    n = len(vals)
+    if n == 0:
+        return {"n": 0, "mean": None, "std": None, "ci": [None, None]}
+    m = statistics.fmean(vals)
+    if n < 2:
+        return {"n": 1, "mean": m, "std": None, "ci": [None, None]}
+    sd = statistics.stdev(vals)
+    half = t_quantile(n - 1, 0.5 + level / 2) * sd / math.sqrt(n)
+    return {"n": n, "mean": m, "std": sd, "ci": [m - half, m + half]}
+
+
+def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
+    """The finished rows of the grids in ``dirs`` (a results.jsonl file or its folder)."""
+    rows: dict[str, dict] = {}
+    anon = 0
+    for d in dirs:
+        p = Path(d)
+        path = p / "results.jsonl" if p.is_dir() else p
+        if not path.is_file():
+            raise UsageError(f"{d}: no results.jsonl (a benchmarks.grids --out folder)")
+        for i, line in enumerate(path.read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{path}:{i + 1}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or "error" in row or "skipped" in row:
+                continue
+            if "grid" not in row or "group" not in row:
+                continue
+            key = row.get("key")
+            if key is None:
+                key, anon = f"anon{anon}", anon + 1
+            rows[key] = row
+    return list(rows.values())
+
+
+def cells(rows: Sequence[dict], metric: str = METRIC) -> dict[tuple[str, str], dict]:
+    """(grid, group) → {seeds: {seed: value}, **mean_ci}."""
+    by: dict[tuple[str, str], dict[int, float]] = {}
+    for r in rows:
+        v = r.get(metric)
+        if v is None:
+            continue
+        by.setdefault((r["grid"], r["group"]), {})[int(r.get("seed", 0))] = float(v)
+    return {k: {"seeds": s, **mean_ci(list(s.values()))} for k, s in by.items()}
+
+
+def paired(cell_a: dict | None, cell_b: dict | None) -> dict:
+    """A − B over the seeds both cells ran: mean, std, 95 % interval, the seeds."""
+    if not cell_a or not cell_b:
+        return {**mean_ci([]), "pairs": []}
+    common = sorted(set(cell_a["seeds"]) & set(cell_b["seeds"]))
+    diffs = [cell_a["seeds"][s] - cell_b["seeds"][s] for s in common]
+    return {**mean_ci(diffs), "pairs": common}
+
+
+def verdict_better(diff: dict, margin: float = MARGIN) -> bool | None:
+    """True (holds), False (does not hold) or None (inconclusive) for "A beats B"."""
+    lo, hi = diff["ci"]
+    if diff["n"] < 3 or lo is None:
+        return None
+    if lo > 0:
+        return True
+    if hi < margin:
+        return False
+    return None
+
+
+def verdict_word(holds: bool | None) -> str:
+    return {True: "holds", False: "does not hold", None: "inconclusive"}[holds]
+
+
+def _claim(cid, paper, statement, holds, measured, setting) -> dict:
+    return {
+        "id": cid,
+        "paper": paper,
+        "statement": statement,
+        "holds": holds,
+        "verdict": verdict_word(holds),
+        "measured": measured,
+        "setting": setting,
+    }
+
+
+def compare(
+    table: dict, grid: str, a: str, b: str, cid: str, paper: str, statement: str, setting: dict
+) -> dict | None:
+    """The claim "group a beats group b" in ``grid``; None when neither cell ran."""
+    ca, cb = table.get((grid, a)), table.get((grid, b))
+    if ca is None and cb is None:
+        return None
+    d = paired(ca, cb)
+    measured = {
+        "diff_mean": d["mean"],
+        "diff_ci95": d["ci"],
+        "pairs": len(d["pairs"]),
+        a: _cell_brief(ca),
+        b: _cell_brief(cb),
+    }
+    return _claim(cid, paper, statement, verdict_better(d), measured, {"grid": grid, **setting})
+
+
+def _cell_brief(c: dict | None) -> dict | None:
+    if c is None:
+        return None
+    return {"mean": c["mean"], "std": c["std"], "ci95": c["ci"], "n": c["n"]}
+
+
+def _eps_tags(table: dict, grid: str) -> list[str]:
+    tags = {g.split("/")[-1] for (gr, g) in table if gr == grid}
+    dp = sorted((t for t in tags if t.startswith("eps")), key=lambda t: float(t[3:]))
+    return dp + (["nodp"] if "nodp" in tags else [])
+
+
+def fedask_claims(table: dict) -> list[dict]:
+    grid, out = "claims-fedask", []
+    for tag in _eps_tags(table, grid):
+        if tag == "nodp":
+            continue
+        eps = tag[3:]
+        setting = {"epsilon": float(eps), "metric": METRIC, "level": "sample"}
+        for clip in ("w", "b"):
+            c = compare(
+                table,
+                grid,
+                f"fedask-{clip}/{tag}",
+                f"ffa/{tag}",
+                f"fedask_beats_ffa:{clip}:eps{eps}",
+                FEDASK,
+                f"Under DP (ε = {eps}), FedASK (clip space {clip}) is more accurate than FFA-LoRA.",
+                {**setting, "clip_space": clip},
+            )
+            out.append(c)
+        out.append(
+            compare(
+                table,
+                grid,
+                f"ffa/{tag}",
+                f"fedavg/{tag}",
+                f"ffa_beats_fedavg:eps{eps}",
+                FEDASK,
+                f"Under DP (ε = {eps}), FFA-LoRA is more accurate than FedAvg-LoRA.",
+                setting,
+            )
+        )
+        for m in ("fedask-w", "fedask-b", "ffa", "fedavg"):
+            out.append(
+                compare(
+                    table,
+                    grid,
+                    f"{m}/{tag}",
+                    f"probe/{tag}",
+                    f"{m}_beats_probe:eps{eps}",
+                    "baseline (issue 18)",
+                    f"At ε = {eps}, DP-LoRA ({m}) is more accurate than the DP linear probe.",
+                    setting,
+                )
+            )
+    return [c for c in out if c is not None]
+
+
+def fedpower_claims(table: dict) -> list[dict]:
+    grid, out = "claims-fedpower", []
+    for tag in _eps_tags(table, grid):
+        if tag == "nodp":
+            continue
+        eps = tag[3:]
+        setting = {"epsilon": float(eps), "metric": METRIC, "level": "client"}
+        for other in ("ffa", "fedavg"):
+            out.append(
+                compare(
+                    table,
+                    grid,
+                    f"fedpower/{tag}",
+                    f"{other}/{tag}",
+                    f"fedpower_beats_{other}:eps{eps}",
+                    FEDPOWER,
+                    f"At client-level ε = {eps}, FedPower is more accurate than {other}.",
+                    setting,
+                )
+            )
+        for pert in ("input", "output"):
+            out.append(
+                compare(
+                    table,
+                    grid,
+                    f"fedpower/{tag}",
+                    f"fedpower-{pert}/{tag}",
+                    f"powerdp_beats_{pert}:eps{eps}",
+                    FEDPOWER,
+                    f"At client-level ε = {eps}, PowerDP is more accurate than {pert} "
+                    "perturbation.",
+                    setting,
+                )
+            )
+    return [c for c in out if c is not None]
+
+
+def hetero_claims(table: dict, grid: str = "claims-hetero") -> list[dict]:
+    out = []
+    conds = sorted({g.split("/", 1)[1] for (gr, g) in table if gr == grid})
+    for cond in conds:
+        part, tag = cond.rsplit("/", 1)
+        setting = {"partition": part, "privacy": tag, "metric": METRIC}
+        for other in ("flora", "flexlora", "hetlora"):
+            out.append(
+                compare(
+                    table,
+                    grid,
+                    f"plora/{cond}",
+                    f"{other}/{cond}",
+                    f"plora_beats_{other}:{part}:{tag}",
+                    PLORA,
+                    f"Fed-PLoRA is more accurate than {other} ({part}, {tag}).",
+                    setting,
+                )
+            )
+    return [c for c in out if c is not None]
+
+
+def mia_claims(rows: Sequence[dict]) -> list[dict]:
+    """Membership inference near chance on the DP runs that were attacked."""
+    by: dict[tuple[str, str, str], list[dict]] = {}
+    for r in rows:
+        for attack, res in (r.get("attacks") or {}).items():
+            if r["group"].endswith("nodp"):
+                continue
+            by.setdefault((r["grid"], r["group"], attack), []).append(
+                {"seed": r.get("seed"), "auc": res.get("auc"), "ci": (res.get("ci") or {})}
+            )
+    out = []
+    for (grid, group, attack), runs in sorted(by.items()):
+        ups = [_auc_ci(x)[1] for x in runs]
+        los = [_auc_ci(x)[0] for x in runs]
+        if any(lo is not None and lo > 0.5 + MIA_MARGIN for lo in los):
+            holds: bool | None = False
+        elif ups and all(u is not None and u < 0.5 + MIA_MARGIN for u in ups):
+            holds = True
+        else:
+            holds = None
+        aucs = [x["auc"] for x in runs]
+        out.append(
+            _claim(
+                f"mia_near_chance:{attack}:{group}",
+                "DP guarantee",
+                f"Membership inference ({attack}) on {group} is near chance "
+                f"(AUC interval below {0.5 + MIA_MARGIN:g}).",
+                holds,
+                {"auc": mean_ci(aucs), "per_seed": runs},
+                {"grid": grid, "attack": attack, "margin": MIA_MARGIN},
+            )
+        )
+    return out
+
+
+def _auc_ci(x: dict) -> tuple[float | None, float | None]:
+    ci = x["ci"]
+    if isinstance(ci, dict):
+        ci = ci.get("auc")
+    if isinstance(ci, list | tuple) and len(ci) == 2:
+        return float(ci[0]), float(ci[1])
+    return None, None
+
+
+def decide(dirs: Sequence[str | Path]) -> dict:
+    """Every utility claim the grids in ``dirs`` can decide, with the cells' statistics."""
+    rows = load_rows(dirs)
+    if not rows:
+        raise UsageError("the grids hold no finished run")
+    table = cells(rows)
+    acc = cells(rows, "accuracy")
+    claims = [*fedask_claims(table), *fedpower_claims(table), *hetero_claims(table)]
+    claims += hetero_claims(table, "claims-bbc")
+    claims += mia_claims(rows)
+    cell_rows = []
+    for (grid, group), c in sorted(table.items()):
+        a = acc.get((grid, group)) or {}
+        secs = [r["seconds"] for r in rows if r["grid"] == grid and r["group"] == group]
+        cell_rows.append(
+            {
+                "grid": grid,
+                "group": group,
+                "n": c["n"],
+                "balanced_mean": c["mean"],
+                "balanced_std": c["std"],
+                "balanced_ci95": c["ci"],
+                "accuracy_mean": a.get("mean"),
+                "accuracy_std": a.get("std"),
+                "accuracy_ci95": a.get("ci"),
+                "seconds_mean": statistics.fmean(secs) if secs else None,
+            }
+        )
+    return {"claims": claims, "cells": cell_rows, "sources": [str(d) for d in dirs]}
+
+
+def plot(doc: dict, out) -> dict[str, str] | None:
+    """Balanced accuracy vs ε per method (95 % intervals), one panel per grid."""
+    from analysis import figures
+
+    series: dict[str, dict[str, list[tuple[float, dict]]]] = {}
+    for c in doc["cells"]:
+        method, _, cond = c["group"].partition("/")
+        if c["balanced_mean"] is None:
+            continue
+        if cond.startswith("eps"):
+            x = float(cond[3:])
+        elif cond == "nodp":
+            x = math.inf
+        else:  # hetero: one panel per partition
+            part, _, tag = cond.rpartition("/")
+            if not tag.startswith("eps") and tag != "nodp":
+                continue
+            x = float(tag[3:]) if tag.startswith("eps") else math.inf
+            method = f"{method} ({part})"
+        series.setdefault(c["grid"], {}).setdefault(method, []).append((x, c))
+    if not series:
+        return None
+    fig, axes = figures.subplots(ncols=len(series), width=4.6 * len(series), height=3.6)
+    for ax, (grid, methods) in zip(axes, series.items()):
+        finite = sorted({x for pts in methods.values() for x, _ in pts if math.isfinite(x)})
+        x_nodp = (max(finite) * 1.6) if finite else 1.0
+        for i, (method, pts) in enumerate(sorted(methods.items())):
+            pts = sorted(pts, key=lambda p: p[0])
+            xs = [x if math.isfinite(x) else x_nodp for x, _ in pts]
+            ys = [c["balanced_mean"] for _, c in pts]
+            lo = [
+                c["balanced_mean"] - (c["balanced_ci95"][0] or c["balanced_mean"]) for _, c in pts
+            ]
+            hi = [
+                (c["balanced_ci95"][1] or c["balanced_mean"]) - c["balanced_mean"] for _, c in pts
+            ]
+            jitter = 1 + 0.02 * (i - len(methods) / 2)
+            ax.errorbar(
+                [x * jitter for x in xs], ys, yerr=[lo, hi], marker="o", ms=3, capsize=2,
+                label=method, lw=1,
+            )  # fmt: skip
+        ax.set_xscale("log")
+        ticks = finite + [x_nodp]
+        ax.set_xticks(ticks, [f"{t:g}" for t in finite] + ["no DP"])
+        ax.minorticks_off()
+        ax.set_xlabel("ε (sample level)" if "fedpower" not in grid else "ε (client level)")
+        ax.set_ylabel("balanced accuracy (mean, 95% CI)")
+        ax.set_title(grid, fontsize=9)
+        ax.axhline(0.5, color="0.6", lw=0.8, ls=":")
+        ax.legend(fontsize=6, loc="lower right")
+    return figures.save_figure(fig, out, "claims_utility")
+
+
+def table_md(doc: dict) -> str:
+    """The cells as a Markdown table (mean ± std [95 % CI], n, seconds per run)."""
+
+    def f(m, s, ci):
+        if m is None:
+            return "–"
+        txt = f"{m:.3f}" if s is None else f"{m:.3f} ± {s:.3f}"
+        if ci and ci[0] is not None:
+            txt += f" [{ci[0]:.3f}, {ci[1]:.3f}]"
+        return txt
+
+    lines = [
+        "| grid | group | n | balanced accuracy | accuracy | s/run |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in doc["cells"]:
+        secs = "–" if c["seconds_mean"] is None else f"{c['seconds_mean']:.0f}"
+        lines.append(
+            f"| {c['grid']} | {c['group']} | {c['n']} | "
+            f"{f(c['balanced_mean'], c['balanced_std'], c['balanced_ci95'])} | "
+            f"{f(c['accuracy_mean'], c['accuracy_std'], c['accuracy_ci95'])} | {secs} |"
+        )
+    lines += ["", "| claim | verdict | A − B (mean [95% CI]) | pairs |", "|---|---|---|---|"]
+    for c in doc["claims"]:
+        m = c["measured"]
+        if "diff_mean" in m:
+            d = "–" if m["diff_mean"] is None else f"{m['diff_mean']:+.3f}"
+            if m["diff_ci95"][0] is not None:
+                d += f" [{m['diff_ci95'][0]:+.3f}, {m['diff_ci95'][1]:+.3f}]"
+            lines.append(f"| {c['id']} | {c['verdict']} | {d} | {m['pairs']} |")
+        else:
+            a = m["auc"]
+            d = f"AUC {a['mean']:.3f}" if a["mean"] is not None else "–"
+            lines.append(f"| {c['id']} | {c['verdict']} | {d} | {a['n']} |")
+    return "\n".join(lines) + "\n"

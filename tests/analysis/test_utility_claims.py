@@ -1,0 +1,191 @@
+"""The utility claims decided from grid rows: intervals, pairing, verdicts, files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from analysis import utility_claims as U
+from fl.errors import UsageError
+
+# Student-t 0.975 quantiles (tables): df = 1, 2, 4
+T975 = {1: 12.7062047, 2: 4.30265273, 4: 2.77644511}
+
+
+@pytest.mark.parametrize("df", sorted(T975))
+def test_t_quantile_matches_tables(df):
+    assert U.t_quantile(df) == pytest.approx(T975[df], abs=1e-6)
+
+
+def test_mean_ci_closed_form():
+    vals = [0.80, 0.82, 0.84]
+    out = U.mean_ci(vals)
+    m = sum(vals) / 3
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / 2)
+    half = T975[2] * sd / math.sqrt(3)
+    assert out["n"] == 3
+    assert out["mean"] == pytest.approx(0.82)
+    assert out["std"] == pytest.approx(0.02)
+    assert out["ci"] == pytest.approx([m - half, m + half])
+    assert U.mean_ci([0.5])["ci"] == [None, None]
+    assert U.mean_ci([])["mean"] is None
+    assert U.mean_ci([float("nan"), 0.7])["n"] == 1
+
+
+def _row(grid, group, seed, bal, acc=None, **kw):
+    return {
+        "grid": grid,
+        "group": group,
+        "seed": seed,
+        "balanced_accuracy": bal,
+        "accuracy": bal if acc is None else acc,
+        "seconds": 10.0,
+        "key": f"{grid}|{group}|{seed}",
+        **kw,
+    }
+
+
+def test_paired_uses_common_seeds_only():
+    rows = [_row("g", "a/eps8", s, 0.8 + 0.01 * s) for s in (0, 1, 2, 3)]
+    rows += [_row("g", "b/eps8", s, 0.7 + 0.02 * s) for s in (1, 2, 3)]
+    t = U.cells(rows)
+    d = U.paired(t[("g", "a/eps8")], t[("g", "b/eps8")])
+    assert d["pairs"] == [1, 2, 3]
+    diffs = [(0.8 + 0.01 * s) - (0.7 + 0.02 * s) for s in (1, 2, 3)]
+    assert d["mean"] == pytest.approx(sum(diffs) / 3)
+
+
+def test_pairing_removes_seed_variance():
+    """A is better by exactly 0.02 on every seed although seeds vary by ±0.1:
+    the unpaired intervals overlap, the paired one does not."""
+    rows = []
+    for s, base in enumerate((0.6, 0.8, 0.7)):
+        rows += [_row("g", "a/eps3", s, base + 0.02), _row("g", "b/eps3", s, base)]
+    t = U.cells(rows)
+    assert t[("g", "a/eps3")]["ci"][0] < t[("g", "b/eps3")]["ci"][1]
+    d = U.paired(t[("g", "a/eps3")], t[("g", "b/eps3")])
+    assert d["ci"][0] == pytest.approx(0.02) and d["ci"][1] == pytest.approx(0.02)
+    assert U.verdict_better(d) is True
+
+
+@pytest.mark.parametrize(
+    "diffs, expected",
+    [
+        ([0.03, 0.04, 0.05], True),  # interval above 0
+        ([-0.03, -0.04, -0.05], False),  # below 0
+        ([0.001, 0.002, 0.003], False),  # [-0.0005, 0.0045]: under the 0.01 margin
+        ([-0.05, 0.0, 0.08], None),  # wide
+        ([0.03, 0.04], None),  # fewer than 3 pairs
+    ],
+)
+def test_verdicts(diffs, expected):
+    d = U.mean_ci(diffs)
+    assert U.verdict_better(d) is expected, (diffs, d["ci"])
+
+
+def test_verdict_margin():
+    # tight around +0.002: lower end below 0, upper below the margin -> does not hold
+    d = {"n": 3, "mean": 0.002, "ci": [-0.001, 0.005]}
+    assert U.verdict_better(d) is False
+    d = {"n": 3, "mean": 0.01, "ci": [-0.001, 0.021]}
+    assert U.verdict_better(d) is None
+    assert U.verdict_word(None) == "inconclusive"
+
+
+def _fedask_rows():
+    rows = []
+    for s in range(3):
+        for eps, shift in (("eps1", 0.0), ("eps8", 0.05)):
+            rows += [
+                _row("claims-fedask", f"fedask-w/{eps}", s, 0.70 + shift + 0.001 * s),
+                _row("claims-fedask", f"fedask-b/{eps}", s, 0.60 + shift + 0.002 * s),
+                _row("claims-fedask", f"ffa/{eps}", s, 0.65 + shift + 0.001 * s),
+                _row("claims-fedask", f"fedavg/{eps}", s, 0.65 + shift + 0.01 * (s - 1)),
+                _row("claims-fedask", f"probe/{eps}", s, 0.68 + shift),
+            ]
+    return rows
+
+
+def test_fedask_claims_verdicts(tmp_path):
+    d = tmp_path / "g"
+    d.mkdir()
+    rows = _fedask_rows()
+    rows.append({"grid": "claims-fedask", "group": "ffa/eps1", "error": "boom", "key": "x"})
+    (d / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    doc = U.decide([d])
+    by = {c["id"]: c for c in doc["claims"]}
+    assert by["fedask_beats_ffa:w:eps1"]["verdict"] == "holds"
+    assert by["fedask_beats_ffa:b:eps8"]["verdict"] == "does not hold"
+    assert by["ffa_beats_fedavg:eps8"]["verdict"] == "inconclusive"
+    assert by["fedask-w_beats_probe:eps1"]["holds"] is True
+    assert by["ffa_beats_probe:eps1"]["holds"] is False
+    cell = next(c for c in doc["cells"] if c["group"] == "ffa/eps1")
+    assert cell["n"] == 3  # the error row is ignored
+    md = U.table_md(doc)
+    assert "fedask_beats_ffa:w:eps1 | holds" in md
+    figs = U.plot(doc, tmp_path / "fig")
+    assert figs and (tmp_path / "fig" / "claims_utility.png").stat().st_size > 1000
+
+
+def test_hetero_and_mia_claims(tmp_path):
+    rows = []
+    for s in range(3):
+        for m, v in (("plora", 0.8), ("flora", 0.7), ("flexlora", 0.8), ("hetlora", 0.81)):
+            rows.append(_row("claims-hetero", f"{m}/dirichlet0.1/eps8", s, v + 0.001 * s))
+        atk = {"loss": {"auc": 0.51, "ci": {"auc": [0.48, 0.53 + 0.005 * s]}}}
+        rows.append(_row("claims-fedask", "fedavg/eps8", s, 0.8, attacks=atk))
+        bad = {"loss": {"auc": 0.7, "ci": {"auc": [0.65, 0.75]}}}
+        rows.append(_row("claims-fedask", "fedavg/nodp", s, 0.8, attacks=bad))
+    p = tmp_path / "r.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    doc = U.decide([p])
+    by = {c["id"]: c for c in doc["claims"]}
+    assert by["plora_beats_flora:dirichlet0.1:eps8"]["verdict"] == "holds"
+    assert by["plora_beats_hetlora:dirichlet0.1:eps8"]["verdict"] == "does not hold"
+    assert by["mia_near_chance:loss:fedavg/eps8"]["verdict"] == "holds"
+    assert not any(k.endswith("fedavg/nodp") for k in by)  # non-private runs are not claimed
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(UsageError, match="no results.jsonl"):
+        U.decide([tmp_path])
+    p = tmp_path / "results.jsonl"
+    p.write_text('{"grid": "g"\n')
+    with pytest.raises(UsageError, match="not JSON"):
+        U.decide([tmp_path])
+    p.write_text(json.dumps({"grid": "g", "group": "a/eps1", "error": "x"}) + "\n")
+    with pytest.raises(UsageError, match="no finished run"):
+        U.decide([tmp_path])
+
+
+def test_claims_cli_with_grids(tmp_path):
+    """`fedlora analyze claims --grids DIR` adds the utility claims, their cells and the
+    accuracy-vs-ε figure; the report's claims section shows both."""
+    import contextlib
+    import io
+
+    from audit.report_sections import _claims_section
+    from fl.cli import main
+
+    g = tmp_path / "grid"
+    g.mkdir()
+    (g / "results.jsonl").write_text("\n".join(json.dumps(r) for r in _fedask_rows()) + "\n")
+    out = tmp_path / "claims"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["analyze", "claims", "--grids", str(g), "--out", str(out), "--json"])
+    assert rc == 0
+    doc = json.loads(buf.getvalue())
+    ids = {c["id"]: c for c in doc["claims"]}
+    assert ids["fedask_beats_ffa:w:eps1"]["verdict"] == "holds"
+    assert "fedask_exact" in ids  # the synthetic claims are still there
+    assert len(doc["utility"]["cells"]) == 10
+    assert (out / "claims_utility.png").is_file()
+    figdir = tmp_path / "fig"
+    figdir.mkdir()
+    sec = _claims_section(doc, str(tmp_path), figdir)
+    assert (figdir / "claims-utility.png").is_file()
+    text = repr(sec.blocks)
+    assert "fedask-w/eps1" in text and "accuracy vs ε (below)" in text
