@@ -29,7 +29,8 @@ from attacks.target import TargetSpec
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "attack",
-        help="membership-inference attacks (loss, calibration, shadow, LiRA, RMIA)",
+        help="membership-inference attacks (loss, calibration, shadow, LiRA, RMIA, LM "
+        "signals; --client-level)",
         description=(
             "Membership inference on a run directory's released adapter, or on any PEFT "
             "LoRA adapter (--adapter/--model/--members/--nonmembers). Writes attacks.json, "
@@ -63,6 +64,16 @@ def _print_table(doc: dict) -> None:
             f"{name:<16}{r['auc']:>8.3f}  {cis:<15}{t['0.01']:>8.3f}{t['0.001']:>10.3f}"
             f"{r['seconds']:>8.2f}"
         )
+    cl = doc.get("client_level")
+    if cl:
+        print(
+            f"client level: {cl['n_participating']} participating, "
+            f"{cl['n_nonparticipating']} non-participating clients (score: mean over the client)"
+        )
+        for name, r in cl["attacks"].items():
+            ci = (r.get("ci") or {}).get("auc")
+            cis = f"[{ci[0]:.3f},{ci[1]:.3f}]" if ci else ""
+            print(f"{'  ' + name:<16}{r['auc']:>8.3f}  {cis:<15}{r['tpr_at_fpr']['0.01']:>8.3f}")
     sh = doc.get("shadows")
     if sh:
         print(f"shadow models: {sh['k']}, mean {sh['mean_train_seconds']:.1f} s to train each")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from fl.errors import UsageError
 
 #: what ``--attacks`` selects, in the order results are computed and reported
-FAMILIES: tuple[str, ...] = ("loss", "calibration", "shadow", "lira", "rmia")
+FAMILIES: tuple[str, ...] = ("loss", "calibration", "shadow", "lira", "rmia", "lm")
 #: Carlini et al. recommend a global variance below ~64 shadows; per-example fits need
 #: several IN and OUT values per example, so ``global_variance="auto"`` switches at 16
 #: (8 IN / 8 OUT).
@@ -70,6 +70,11 @@ class AttackConfig:
         choices=("auto", "yes", "no"),
     )
     bootstrap: int = _f(200, "bootstrap resamples for CIs")
+    min_k: float = _f(0.2, "causal LM: the fraction k of lowest-probability tokens of min-k%% (++)")
+    client_level: bool = _f(
+        False, "also client-level membership inference (run directory; clients.json)"
+    )
+    client_fpr: float = _f(0.05, "client level: the FPR the calibrated threshold aims at")
     rmia_gamma: float = _f(1.0, "RMIA threshold γ >= 1 on the pairwise likelihood ratio", cli=False)
     progress: bool = _f(True, "show progress bars", runtime=True, cli=False)
 
@@ -89,6 +94,10 @@ class AttackConfig:
             raise UsageError(f"bootstrap must be >= 0, got {self.bootstrap}")
         if not 0.0 <= self.rmia_a <= 1.0:
             raise UsageError(f"RMIA offline parameter a must be in [0, 1], got {self.rmia_a}")
+        if not 0.0 < self.min_k <= 1.0:
+            raise UsageError(f"min_k must be a fraction in (0, 1], got {self.min_k}")
+        if not 0.0 <= self.client_fpr < 1.0:
+            raise UsageError(f"client_fpr must be in [0, 1), got {self.client_fpr}")
         if not (self.rmia_gamma >= 1.0 and math.isfinite(self.rmia_gamma)):
             raise UsageError(f"RMIA threshold gamma must be >= 1, got {self.rmia_gamma}")
 
@@ -113,6 +122,13 @@ def add_flags(parser, cls) -> None:
     the namespace (argparse.SUPPRESS), so the dataclass's defaults apply (:func:`from_args`)."""
     for f in fields(cls):
         if f.metadata.get("cli") is False:
+            continue
+        if isinstance(f.default, bool):  # a switch: --name sets True
+            flag = "--" + f.name.replace("_", "-")
+            parser.add_argument(
+                flag, dest=f.name, action="store_true", default=argparse.SUPPRESS,
+                help=f.metadata["help"],
+            )  # fmt: skip
             continue
         parser.add_argument(
             "--" + f.name.replace("_", "-"),

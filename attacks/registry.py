@@ -16,9 +16,13 @@ from functools import cached_property
 
 import numpy as np
 
-from attacks import calibration, lira, loss, rmia, shadow
+from attacks import calibration, lira, lm_signals, loss, rmia, shadow
 from attacks.config import FAMILIES, AttackConfig
 from attacks.signals import Signals
+
+#: target tasks: a sequence classifier, or a causal LM (whose signals are
+#: :class:`attacks.lm_signals.LMSignals`: per-sequence loss, p_true, phi and the LM signals)
+TASKS = ("classification", "causal-lm")
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,16 +31,17 @@ class ShadowSignals:
 
     in_mask: np.ndarray  # (k, m) bool: shadow j trained on pool example i
     loss: np.ndarray  # (k, m)
-    logits: np.ndarray  # (k, m, C)
+    logits: np.ndarray | None  # (k, m, C); None for a causal LM (LMSignals)
     p_true: np.ndarray  # (k, m)
     phi: np.ndarray  # (k, m)
 
     @classmethod
-    def stack(cls, in_mask: np.ndarray, sigs: Sequence[Signals]) -> ShadowSignals:
+    def stack(cls, in_mask: np.ndarray, sigs: Sequence) -> ShadowSignals:
         def s(name):
             return np.stack([getattr(x, name) for x in sigs])
 
-        return cls(np.asarray(in_mask, bool), s("loss"), s("logits"), s("p_true"), s("phi"))
+        logits = s("logits") if all(hasattr(x, "logits") for x in sigs) else None
+        return cls(np.asarray(in_mask, bool), s("loss"), logits, s("p_true"), s("phi"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,7 +49,7 @@ class Inputs:
     """What an attack may read. The pool has m examples; the evaluation points (n) and
     RMIA's population z are index sets into it."""
 
-    pool: Signals  # the target on the pool (m rows); pool.labels are the pool's labels
+    pool: Signals  # the target on the pool (m rows), or LMSignals for a causal-LM target
     eval_idx: np.ndarray  # (n,) pool indices of the evaluation points
     z_idx: np.ndarray  # pool indices of the population samples z
     shadows: ShadowSignals | None  # None when no selected attack needs shadows
@@ -68,28 +73,32 @@ class Attack:
     score: Callable[[Inputs], np.ndarray]  # (n,) scores, higher = member
     threat_model: Callable[[AttackConfig], str]  # what the attacker is assumed to have
     needs_shadows: bool = True
+    tasks: tuple[str, ...] = TASKS  # the target tasks it applies to
 
 
 REGISTRY: dict[str, Attack] = {}
 
 
-def register(name: str, family: str, threat_model, needs_shadows: bool = True):
+def register(
+    name: str, family: str, threat_model, needs_shadows: bool = True, tasks: tuple = TASKS
+):
     """Decorator: register ``score(inputs)`` as attack ``name``; ``threat_model`` is a
-    string or a function of the AttackConfig."""
+    string or a function of the AttackConfig; ``tasks``: the target tasks it applies to."""
     if family not in FAMILIES:
         raise ValueError(f"unknown attack family {family!r}; add it to attacks.config.FAMILIES")
     tm = threat_model if callable(threat_model) else (lambda cfg: threat_model)
 
     def deco(fn):
-        REGISTRY[name] = Attack(name, family, fn, tm, needs_shadows)
+        REGISTRY[name] = Attack(name, family, fn, tm, needs_shadows, tuple(tasks))
         return fn
 
     return deco
 
 
-def select(families: Sequence[str]) -> list[Attack]:
-    """The registered attacks of these families, in registration order."""
-    return [a for a in REGISTRY.values() if a.family in families]
+def select(families: Sequence[str], task: str = "classification") -> list[Attack]:
+    """The registered attacks of these families that apply to a ``task`` target, in
+    registration order."""
+    return [a for a in REGISTRY.values() if a.family in families and task in a.tasks]
 
 
 # ---------------------------------------------------------------------------------
@@ -116,12 +125,12 @@ def _shadow(i: Inputs, per_class: bool):
     )
 
 
-@register("shadow", "shadow", shadow.THREAT_MODEL)
+@register("shadow", "shadow", shadow.THREAT_MODEL, tasks=("classification",))
 def _shadow_per_class(i: Inputs):
     return _shadow(i, per_class=True)
 
 
-@register("shadow_single", "shadow", shadow.THREAT_MODEL)
+@register("shadow_single", "shadow", shadow.THREAT_MODEL, tasks=("classification",))
 def _shadow_single(i: Inputs):
     return _shadow(i, per_class=False)
 
@@ -164,3 +173,38 @@ def _rmia_online(i: Inputs):
 @register("rmia_offline", "rmia", lambda cfg: rmia.THREAT_MODEL + f" (offline a={cfg.rmia_a})")
 def _rmia_offline(i: Inputs):
     return _rmia(i, offline_a=i.config.rmia_a)
+
+
+# ---------------------------------------------------------------------------------
+# Causal LM signals (attacks.lm_signals); the loss, calibration, LiRA and RMIA above read
+# the per-sequence loss of an LMSignals target as they read a classifier's.
+_LM_THREAT = (
+    "query access to the target LM's token log-probabilities on the candidate texts; "
+    "no reference models"
+)
+_LM = {
+    "perplexity": ("lm_perplexity", _LM_THREAT),
+    "reference": (
+        "lm_reference",
+        "query access to the target LM's loss and to the base model's (the adapter off: the "
+        "public base of a released LoRA) on the candidate texts",
+    ),
+    "zlib": ("lm_zlib", _LM_THREAT),
+    "lowercase": ("lm_lowercase", _LM_THREAT + " (and on their lowercased versions)"),
+    "min_k": ("lm_min_k", lambda cfg: _LM_THREAT + f" (k = {cfg.min_k})"),
+    "min_k_pp": (
+        "lm_min_k_pp",
+        lambda cfg: (
+            "query access to the target LM's full next-token distributions on the "
+            f"candidate texts; no reference models (k = {cfg.min_k})"
+        ),
+    ),
+}
+
+
+def _lm_attack(score_name: str):
+    return lambda i: lm_signals.SCORES[score_name](i.x)
+
+
+for _name, (_score, _threat) in _LM.items():
+    register(_name, "lm", _threat, needs_shadows=False, tasks=("causal-lm",))(_lm_attack(_score))

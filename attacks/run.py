@@ -29,7 +29,6 @@ import numpy as np
 from attacks import registry
 from attacks.config import FAMILIES, AttackConfig, parse_attacks
 from attacks.metrics import plot_roc, roc_metrics
-from attacks.signals import adapter_signals
 from attacks.target import Target
 from fl.errors import UsageError
 
@@ -62,18 +61,7 @@ def _shadow_stage(target: Target, cfg: AttackConfig, out: Path, shadow_dir):
     )
     t0 = time.perf_counter()
     sigs = [
-        adapter_signals(
-            d,
-            target.base_model,
-            texts,
-            target.labels,
-            target.max_length,
-            device=cfg.device,
-            seed=int(scfg.seed),
-            num_labels=target.num_labels,
-            cache_dir=out / "cache",
-            progress=False,
-        )
+        target.signals_of(d, int(scfg.seed), cfg.device, out / "cache", False, cfg.min_k)
         for d in sset.adapter_dirs
     ]
     sig_secs = time.perf_counter() - t0
@@ -109,12 +97,19 @@ def attack(target: Target, config: AttackConfig = _D, out=None, shadow_dir=None)
     """
     from fl.io import atomic_write_json
 
-    chosen = registry.select(config.attacks or target.default_attacks)
+    chosen = registry.select(config.attacks or target.default_attacks, target.task)
+    if not chosen:
+        raise UsageError(f"none of the attacks {config.attacks} applies to a {target.task} target")
     needs_shadows = any(a.needs_shadows for a in chosen)
     if needs_shadows and config.shadows < 2:
         raise UsageError(f"reference-model attacks need --shadows >= 2, got {config.shadows}")
+    if needs_shadows and target.prompts is not None:
+        raise UsageError(
+            "shadow models of instruction-format (prompt/response) data are not supported; "
+            f"use --attacks loss,lm on {target.source}"
+        )
     out = Path(out) if out is not None else target.default_out
-    pool = target.signals(device=config.device, cache_dir=out / "cache", progress=config.progress)
+    pool = target.signals(config.device, out / "cache", config.progress, config.min_k)
     out.mkdir(parents=True, exist_ok=True)
     shadows, shadow_doc = None, None
     if needs_shadows:
@@ -152,6 +147,10 @@ def attack(target: Target, config: AttackConfig = _D, out=None, shadow_dir=None)
         "shadows": shadow_doc,
     }
     atomic_write_json(out / "attacks.json", doc)
+    if config.client_level:  # clients.json beside attacks.json (attacks.client_level)
+        from attacks.client_level import write_client_level
+
+        doc["client_level"] = write_client_level(target, scores, config, out)
     return doc
 
 

@@ -343,6 +343,8 @@ class RunData:
     ids: list[str]
     role: np.ndarray  # (n,) "member" | "nonmember" | "test"
     num_labels: int
+    prompts: list[str] | None = None  # causal-LM instruction data: the prompts (texts: responses)
+    task: str = "classification"  # the run's TrainConfig.task
 
 
 def load_run(run_dir: str | Path) -> RunData:
@@ -365,9 +367,21 @@ def load_run(run_dir: str | Path) -> RunData:
     splits = rundir.read_splits(d)
     if splits is None:
         raise UsageError(f"{d} has no splits.json (the run's member list); cannot attack it")
-    ds = load_dataset(
-        cfg["dataset"], cfg.get("text_column", "text"), cfg.get("label_column", "label")
-    )
+    task = cfg.get("task", "classification")
+    if task == "causal-lm":
+        from fl.lm_data import load_lm_dataset
+
+        ds = load_lm_dataset(
+            cfg["dataset"],
+            cfg.get("text_column", "text"),
+            cfg.get("prompt_field", "prompt"),
+            cfg.get("response_field", "response"),
+            cfg.get("lm_format", "auto"),
+        )
+    else:
+        ds = load_dataset(
+            cfg["dataset"], cfg.get("text_column", "text"), cfg.get("label_column", "label")
+        )
     pos = {i: k for k, i in enumerate(ds.ids)}
     # Audit canaries (handled by audit/) make some ids ambiguous: an included canary
     # replaced the member at its position (that member was never trained on), and a
@@ -380,7 +394,7 @@ def load_run(run_dir: str | Path) -> RunData:
         p = c.get("position")
         if c.get("included") and p is not None and 0 <= int(p) < len(splits.get("members", [])):
             skip.add(splits["members"][int(p)])
-    texts, labels, ids, role = [], [], [], []
+    texts, labels, ids, role, prompts = [], [], [], [], []
     for r, key in (("member", "members"), ("nonmember", "nonmembers"), ("test", "test")):
         for i in splits.get(key, []):
             if i in skip:
@@ -388,13 +402,17 @@ def load_run(run_dir: str | Path) -> RunData:
             if i not in pos:
                 raise UsageError(f"{d}/splits.json: id {i!r} is not in dataset {cfg['dataset']!r}")
             texts.append(ds.texts[pos[i]])
+            prompts.append(None if ds.prompts is None else ds.prompts[pos[i]])
             labels.append(int(ds.labels[pos[i]]))
             ids.append(i)
             role.append(r)
     role = np.asarray(role)
     if not (role == "member").any() or not (role == "nonmember").any():
         raise UsageError(f"{d}/splits.json needs both members and non-members to attack")
-    return RunData(d, cfg, texts, np.asarray(labels, np.int64), ids, role, ds.num_classes)
+    return RunData(
+        d, cfg, texts, np.asarray(labels, np.int64), ids, role, ds.num_classes,
+        None if ds.prompts is None else prompts, task,
+    )  # fmt: skip
 
 
 @dataclass

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from attacks.signals import (
-    Signals,
     adapter_num_labels,
     adapter_signals,
     load_bundle,
@@ -61,6 +60,9 @@ class Target:
     dp_level: str | None = None
     members_from: str | None = None  # the candidate files (foreign adapter, bundle)
     nonmembers_from: str | None = None
+    task: str = "classification"  # or "causal-lm" (signals: attacks.lm_signals.LMSignals)
+    prompts: tuple[str, ...] | None = None  # (m,) causal-LM instruction prompts
+    clients: dict | None = None  # a run's client shards, client id → member ids
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -98,16 +100,42 @@ class Target:
     def default_out(self) -> Path:
         return Path(self.source) / "attacks"
 
-    def signals(self, device="auto", cache_dir=None, progress: bool = True) -> Signals:
-        """The target model's signals on the whole pool (m rows, pool order)."""
+    def signals(self, device="auto", cache_dir=None, progress: bool = True, min_k=0.2):
+        """The target model's signals on the whole pool (m rows, pool order):
+        :class:`Signals`, or for a causal LM :class:`attacks.lm_signals.LMSignals`
+        (with the base model's loss and the lowercased texts' loss)."""
+        return self.signals_of(self.adapter_dir, self.base_seed, device, cache_dir, progress, min_k)
+
+    def signals_of(
+        self, adapter_dir, seed, device="auto", cache_dir=None, progress=False, min_k=0.2
+    ):
+        """The signals of ``adapter_dir`` (the target's, or a shadow's, trained from base
+        seed ``seed``) on the pool; a shadow's LM signals leave out the base and lowercase
+        passes (only the target's are read)."""
+        if self.task == "causal-lm":
+            from attacks.lm_target import lm_adapter_signals
+
+            return lm_adapter_signals(
+                adapter_dir,
+                self.base_model,
+                list(self.texts),
+                None if self.prompts is None else list(self.prompts),
+                self.max_length,
+                device=device,
+                seed=seed,
+                k=min_k,
+                batch_size=self.batch_size,
+                cache_dir=cache_dir,
+                extras=Path(adapter_dir) == Path(self.adapter_dir),
+            )
         return adapter_signals(
-            self.adapter_dir,
+            adapter_dir,
             self.base_model,
             list(self.texts),
             self.labels,
             self.max_length,
             device=device,
-            seed=self.base_seed,
+            seed=seed,
             num_labels=self.num_labels,
             batch_size=self.batch_size,
             cache_dir=cache_dir,
@@ -120,6 +148,8 @@ class Target:
             "n_members": int(self.is_member.sum()),
             "n_nonmembers": int((~self.is_member).sum()),
         }
+        if self.task != "classification":
+            counts["task"] = self.task
         if self.kind == "run":
             return {
                 "run_dir": self.source,
@@ -172,6 +202,9 @@ class Target:
             method=cfg.method,
             dataset=cfg.dataset,
             dp_level=cfg.dp_level,
+            task=run.task,
+            prompts=None if run.prompts is None else tuple(run.prompts),
+            clients=_client_shards(run.run_dir),
         )
 
     @classmethod
@@ -193,8 +226,15 @@ class Target:
         from fl.data import load_local
 
         acfg = read_adapter_config(adapter)
-        mem = load_local(str(members_file))
-        non = load_local(str(nonmembers_file))
+        if acfg.get("task_type") == "CAUSAL_LM":
+            from fl.lm_data import load_lm_dataset
+
+            mem, non = (load_lm_dataset(str(f)) for f in (members_file, nonmembers_file))
+            if (mem.prompts is None) != (non.prompts is None):
+                raise UsageError("the member and non-member files must have one format")
+        else:
+            mem = load_local(str(members_file))
+            non = load_local(str(nonmembers_file))
         (ml, nl), n_cls = _joint_labels([mem, non])
         num_labels = adapter_num_labels(adapter) or n_cls
         if n_cls > num_labels:
@@ -212,6 +252,8 @@ class Target:
             clients=1,
             seed=base_seed,
         )
+        if mem.prompts is not None or acfg.get("task_type") == "CAUSAL_LM":
+            d.update(task="causal-lm", lm_format="text" if mem.prompts is None else "instruction")
         d.update(shadow_config or {})
         scfg = TrainConfig.from_dict(d)
         ids = [f"members:{i}" for i in range(len(mem))]
@@ -237,6 +279,8 @@ class Target:
             ),
             members_from=str(members_file),
             nonmembers_from=str(nonmembers_file),
+            task=scfg.task,
+            prompts=None if mem.prompts is None else tuple(mem.prompts) + tuple(non.prompts),
         )
 
     @classmethod
@@ -268,6 +312,14 @@ class Target:
             dataset=cfg.get("dataset"),
             dp_level=cfg.get("dp_level"),
         )
+
+
+def _client_shards(run_dir) -> dict | None:
+    """splits.json's client shards (client id → ids), None where it has none."""
+    from fl import rundir
+
+    shards = (rundir.read_splits(run_dir) or {}).get("clients")
+    return {str(c): list(ids) for c, ids in shards.items()} if isinstance(shards, dict) else None
 
 
 def _joint_labels(datasets) -> tuple[list[np.ndarray], int]:

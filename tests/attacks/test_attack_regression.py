@@ -81,8 +81,8 @@ def run_case(case: str, out: Path, monkeypatch) -> tuple[dict, dict]:
     monkeypatch.setattr(
         attacks.reference, "train_shadows", lambda *a, **k: _fake_shadow_set(in_mask)
     )
-    for mod in (attacks.run, attacks.target):
-        monkeypatch.setattr(mod, "adapter_signals", lambda d, *a, **k: by_dir[Path(d)])
+    # the target's and the shadows' signals both come from Target.signals_of
+    monkeypatch.setattr(attacks.target, "adapter_signals", lambda d, *a, **k: by_dir[Path(d)])
     kw = dict(CASES[case])
     cfg = AttackConfig.with_variance(
         kw.pop("global_variance"), bootstrap=kw.pop("n_bootstrap"), shadows=K, device="cpu",
