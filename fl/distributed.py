@@ -25,6 +25,7 @@ import math
 import os
 import time
 import traceback
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -98,6 +99,12 @@ def ensure_ray(address: str = "local", num_cpus: int | None = None) -> None:
 
     if ray.is_initialized():
         return
+    with warnings.catch_warnings():  # Ray's notice about a future change of its GPU env vars
+        warnings.filterwarnings("ignore", message=".*accelerator visible devices.*")
+        _init(ray, address, num_cpus)
+
+
+def _init(ray, address: str, num_cpus: int | None) -> None:
     kw = dict(
         include_dashboard=False,
         log_to_driver=False,
