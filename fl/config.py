@@ -58,6 +58,29 @@ class TrainConfig:
         "a dataset name or the path to a .csv/.jsonl file",
         examples=("tweets", "tweets3", "bbc", "synthetic"),
     )
+    task: str = _f(
+        "classification",
+        "what is trained: classification = a sequence classifier (LoRA + head), causal-lm = "
+        "next-token loss of a causal LM (LoRA only; docs/causal_lm.md)",
+        choices=("classification", "causal-lm"),
+    )
+    lm_format: str = _f(
+        "auto",
+        "causal-lm data format: text = the text column as plain text (loss on every token), "
+        "instruction = prompt and response fields (loss on the response tokens only), auto "
+        "= instruction when a local file has the prompt field, else text",
+        choices=("auto", "text", "instruction"),
+    )
+    prompt_field: str = _f("prompt", "prompt field of a local instruction dataset (causal-lm)")
+    response_field: str = _f(
+        "response", "response field of a local instruction dataset (causal-lm)"
+    )
+    precision: str = _f(
+        "fp32",
+        "compute precision of the forward/backward pass: fp32, or bf16 autocast (weights "
+        "and the released adapter stay fp32)",
+        choices=("fp32", "bf16"),
+    )
     text_column: str = _f("text", "text column of a local dataset file")
     label_column: str = _f("label", "label column of a local dataset file")
     max_length: int = _f(64, "tokens per example (truncation length)")

@@ -41,6 +41,9 @@ class TextDataset:
     labels: np.ndarray  # (N,) int64 in [0, num_classes)
     ids: list[str]
     label_names: list[str]
+    #: causal-LM instruction data: the prompt of each example (``texts`` then holds the
+    #: responses, the tokens the loss is computed on); None for plain text
+    prompts: list[str] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -115,8 +118,9 @@ def make_synthetic(n: int = 1200, num_classes: int = 2, seed: int = 1234) -> Tex
     )
 
 
-def load_local(path: str, text_column: str = "text", label_column: str = "label") -> TextDataset:
-    """A local CSV or JSONL file; labels may be strings (mapped in sorted order) or ints."""
+def read_rows(path: str) -> list[dict]:
+    """The rows of a local CSV/TSV/JSONL file as dicts (clear errors for a missing or
+    empty file, invalid JSON, a line that is not an object, malformed CSV, no rows)."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"dataset file not found: {path}")
@@ -150,6 +154,13 @@ def load_local(path: str, text_column: str = "text", label_column: str = "label"
         raise UsageError(f"{path}: malformed CSV ({exc})") from None
     if not rows:
         raise UsageError(f"dataset file has no rows: {path}")
+    return rows
+
+
+def load_local(path: str, text_column: str = "text", label_column: str = "label") -> TextDataset:
+    """A local CSV or JSONL file; labels may be strings (mapped in sorted order) or ints."""
+    p = Path(path)
+    rows = read_rows(path)
     header = [str(k) for k in rows[0] if k is not None]  # None = csv's key for extra fields
     for col in (text_column, label_column):
         if col not in header:

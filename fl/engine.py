@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from fl import factors as F
+from fl.causal_lm import check_setup as check_task
 from fl.checkpoint import (  # noqa: F401 (re-exported)
     _decode_nested,
     _encode_nested,
@@ -41,9 +42,10 @@ from fl.checkpoint import (  # noqa: F401 (re-exported)
 )
 from fl.config import TrainConfig
 from fl.contexts import ClientContext, InProcessTransport, ServerContext
-from fl.data import load_dataset, partition, split_dataset
+from fl.data import partition, split_dataset
 from fl.errors import UsageError
 from fl.io import RunLock, atomic_write_json, read_json
+from fl.lm_data import load_task_dataset, subset, tokenize
 from fl.manifest import (  # noqa: F401 (re-exported)
     _mechanism_text,
     _version,
@@ -127,7 +129,8 @@ class Engine(PrivacyPlan):
                 f"method {cfg.method!r} supports dp levels {self.method_cls.dp_levels}, not {cfg.dp_level!r}"
             )
         self.options = parse_options(self.method_cls.Options, cfg.opts)
-        ds = load_dataset(cfg.dataset, cfg.text_column, cfg.label_column)
+        check_task(cfg, self.method_cls)
+        ds = load_task_dataset(cfg)
         self.dataset = ds
         split = split_dataset(len(ds), cfg.members, cfg.nonmembers, cfg.test, cfg.seed)
         self.split = split
@@ -144,9 +147,8 @@ class Engine(PrivacyPlan):
         self.client_ranks = draw_client_ranks(cfg)
         self._setup_randomness()
         tok = load_tokenizer(cfg.model)
-        texts = [ds.texts[i] for i in split.members]
+        texts, prompts, self.position_ids = subset(ds, split.members)
         labels = list(ds.labels[split.members])
-        self.position_ids = [ds.ids[i] for i in split.members]
         self.public_sizes = {c: len(p) for c, p in self.client_positions.items()}
         self._canaries = make_canaries(cfg, ds, split, self.rand, self.client_ids())
         for c in self._canaries.get("canaries", []):
@@ -156,14 +158,15 @@ class Engine(PrivacyPlan):
                 pos = len(texts)
                 texts.append(c["text"])
                 labels.append(c["label"])
+                if prompts is not None:
+                    prompts.append("")  # a canary is plain text: all its tokens are targets
                 self.position_ids.append(c["id"])
                 cid = c["client"]
                 self.client_positions[cid] = np.append(self.client_positions[cid], pos)
-        labels = np.asarray(labels, dtype=np.int64)
-        self.members_data = TokenizedData(texts, labels, tok, cfg.max_length)
-        self.test_data = TokenizedData(
-            [ds.texts[i] for i in split.test], ds.labels[split.test], tok, cfg.max_length
+        self.members_data = tokenize(
+            cfg.task, texts, labels, tok, cfg.max_length, prompts, self.position_ids
         )
+        self.test_data = self._tokenize_rows(split.test, tok)
         self.trainer = LocalTrainer(
             cfg,
             ds.num_classes,
@@ -298,7 +301,9 @@ class Engine(PrivacyPlan):
                     self.method.released_state(), self._validation_data(), cfg.eval_batch_size
                 )
                 row["val_accuracy"] = ev["accuracy"]
-                row["val_balanced_accuracy"] = ev["balanced_accuracy"]
+                for k in ("balanced_accuracy", "perplexity"):  # classification / causal-lm
+                    if k in ev:
+                        row[f"val_{k}"] = ev[k]
             row["epsilon"] = self.ledger.epsilon("pld") if cfg.dp_level != "none" else None
             row["bytes_up"] = sum(v["up"] for v in self.round_bytes.values())
             row["bytes_down"] = sum(v["down"] for v in self.round_bytes.values())
@@ -315,14 +320,17 @@ class Engine(PrivacyPlan):
     def _validation_data(self) -> TokenizedData:
         """The non-member pool, tokenized on first use (``--eval-nonmembers``)."""
         if getattr(self, "_val_data", None) is None:
-            ds, idx = self.dataset, self.split.nonmembers
-            self._val_data = TokenizedData(
-                [ds.texts[i] for i in idx],
-                ds.labels[idx],
-                load_tokenizer(self.cfg.model),
-                self.cfg.max_length,
+            self._val_data = self._tokenize_rows(
+                self.split.nonmembers, load_tokenizer(self.cfg.model)
             )
         return self._val_data
+
+    def _tokenize_rows(self, idx, tok) -> TokenizedData:
+        """Rows ``idx`` of the data set, tokenized for the run's task."""
+        texts, prompts, ids = subset(self.dataset, idx)
+        return tokenize(
+            self.cfg.task, texts, self.dataset.labels[idx], tok, self.cfg.max_length, prompts, ids
+        )
 
     def noise_key_file(self) -> str | None:
         """Path of the run's key file (for Flower nodes on this machine), or None."""
@@ -412,7 +420,11 @@ class Engine(PrivacyPlan):
 
     def _summary_line(self, row: dict) -> str:
         parts = [f"round {row['round']}/{self.cfg.rounds}"]
-        if "accuracy" in row:
+        if "perplexity" in row:  # causal-lm: next-token accuracy, token-weighted NLL
+            parts.append(
+                f"ppl={row['perplexity']:.2f} loss={row['loss']:.4f} tok_acc={row['accuracy']:.4f}"
+            )
+        elif "accuracy" in row:
             parts.append(
                 f"acc={row['accuracy']:.4f} bal_acc={row['balanced_accuracy']:.4f} loss={row['loss']:.4f}"
             )

@@ -13,6 +13,7 @@ from pathlib import Path
 from fl.config import TrainConfig
 from fl.data import ids_hash
 from fl.io import file_sha256
+from fl.lm_data import resolved_format
 from fl.privacy.accounting import NEIGHBOURING
 from fl.rundir import ADAPTER_WEIGHTS, SCHEMA_VERSION, SPLITS, jsonable
 
@@ -85,8 +86,10 @@ def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> d
                     "accuracy",
                     "balanced_accuracy",
                     "loss",
+                    "perplexity",
                     "val_accuracy",
                     "val_balanced_accuracy",
+                    "val_perplexity",
                 )
                 if k in final
             }
@@ -107,9 +110,14 @@ def model_block(eng) -> dict:
     cfg, prefix = eng.cfg, eng.trainer.prefix
     from fl.models import resolve_pooling
 
+    lm = cfg.task == "causal-lm"
     return {
         "name": cfg.model,
-        "pooling": resolve_pooling(cfg.model, cfg.pooling),
+        "task": cfg.task,
+        # causal-lm: the resolved data format; no head, so no pooling
+        "lm_format": resolved_format(eng.dataset) if lm else None,
+        "precision": cfg.precision,
+        "pooling": None if lm else resolve_pooling(cfg.model, cfg.pooling),
         "head_init": cfg.head_init,
         "lora_layers": cfg.lora_layers or "all",
         "frozen_prefix_layers": prefix.depth,

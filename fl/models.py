@@ -77,6 +77,38 @@ def _tiny_config(kind: str, num_labels: int, vocab_size: int):
     )
 
 
+#: default LoRA target modules per ``config.model_type`` (peft suffix names)
+LM_TARGETS: dict[str, list[str]] = {
+    "gpt2": ["c_attn"],
+    "llama": ["q_proj", "v_proj"],
+    "mistral": ["q_proj", "v_proj"],
+    "mixtral": ["q_proj", "v_proj"],
+    "qwen2": ["q_proj", "v_proj"],
+    "qwen3": ["q_proj", "v_proj"],
+    "gemma": ["q_proj", "v_proj"],
+    "gemma2": ["q_proj", "v_proj"],
+    "phi3": ["qkv_proj"],
+    "gpt_neox": ["query_key_value"],
+    "falcon": ["query_key_value"],
+    "opt": ["q_proj", "v_proj"],
+}
+
+
+def default_lm_targets(net: torch.nn.Module) -> list[str]:
+    """LoRA targets of a causal LM: :data:`LM_TARGETS` for its architecture, else the
+    first of q_proj+v_proj, c_attn, query_key_value that the model has."""
+    mtype = getattr(net.config, "model_type", "")
+    if mtype in LM_TARGETS:
+        return list(LM_TARGETS[mtype])
+    leaves = {n.rsplit(".", 1)[-1] for n, _ in net.named_modules()}
+    for cand in (["q_proj", "v_proj"], ["c_attn"], ["query_key_value"]):
+        if set(cand) <= leaves:
+            return cand
+    raise UsageError(
+        f"no default LoRA targets for model type {mtype!r}; name them with --target-modules"
+    )
+
+
 def model_folder(model: str) -> str | None:
     """The local folder of a model name (None for the random-init tiny models)."""
     if model in ("tiny-bert", "tiny-gpt2"):
@@ -184,6 +216,19 @@ def num_layers(net: torch.nn.Module) -> int:
     return int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0))
 
 
+def layers_pattern(net: torch.nn.Module) -> str:
+    """The name of the module list holding the transformer layers (peft's
+    ``layers_pattern``): ``h`` (GPT-2), ``layer`` (BERT), ``layers`` (Llama, Qwen,
+    Mistral, ...)."""
+    if model_family(net) == "gpt2":
+        return "h"
+    names = {n.rsplit(".", 1)[-1] for n, m in net.named_modules() if len(m._modules) > 0}
+    for cand in ("layer", "layers", "h", "blocks", "block"):
+        if cand in names:
+            return cand
+    raise UsageError("cannot find the model's list of layers for --lora-layers; use 0 (all)")
+
+
 def wrap_lora(net: torch.nn.Module, spec: LoraSpec, seed: int = 0):
     """peft LoRA around ``net``; LoRA A random (seeded), B zero; head trainable."""
     from peft import LoraConfig, TaskType, get_peft_model
@@ -191,7 +236,13 @@ def wrap_lora(net: torch.nn.Module, spec: LoraSpec, seed: int = 0):
     if spec.rank <= 0:
         raise UsageError(f"LoRA rank must be >= 1, got {spec.rank}")
     fam = model_family(net)
-    targets = list(spec.target_modules) if spec.target_modules else DEFAULT_TARGETS[fam]
+    causal = getattr(net.config, "fedlora_task", "") == "causal-lm"
+    if spec.target_modules:
+        targets = list(spec.target_modules)
+    elif causal:
+        targets = default_lm_targets(net)
+    else:
+        targets = DEFAULT_TARGETS[fam]
     # peft's rule for a list of targets: a module matches a target when its name equals
     # it or ends with "." + target, so "query" names every layer's query and
     # "layer.5.attention.self.query" only the last layer's.
@@ -208,14 +259,14 @@ def wrap_lora(net: torch.nn.Module, spec: LoraSpec, seed: int = 0):
             )
         layers = list(range(L - spec.top_layers, L))
     cfg = LoraConfig(
-        task_type=TaskType.SEQ_CLS,
+        task_type=TaskType.CAUSAL_LM if causal else TaskType.SEQ_CLS,
         r=spec.rank,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
         target_modules=targets,
         fan_in_fan_out=(fam == "gpt2"),
         layers_to_transform=layers,
-        layers_pattern=None if layers is None else ("h" if fam == "gpt2" else "layer"),
+        layers_pattern=None if layers is None else layers_pattern(net),
     )
     torch.manual_seed(seed + 1)
     model = get_peft_model(net, cfg)

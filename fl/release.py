@@ -85,11 +85,13 @@ PUBLIC_FIELDS: dict = {
         "n_nonmembers": True,
         "n_test": True,
     },
-    "metrics": {"final": {"accuracy": True, "balanced_accuracy": True, "loss": True}},
+    "metrics": {
+        "final": {"accuracy": True, "balanced_accuracy": True, "loss": True, "perplexity": True}
+    },
 }
 
 #: per-round fields of the public metrics.jsonl
-PUBLIC_METRICS = ("round", "accuracy", "balanced_accuracy", "loss", "epsilon")
+PUBLIC_METRICS = ("round", "accuracy", "balanced_accuracy", "loss", "perplexity", "epsilon")
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 

@@ -54,4 +54,48 @@ def tiny_flags(**overrides) -> list[str]:
     return args
 
 
-__all__ = ["TINY", "tiny_config", "tiny_flags"]
+#: the tiny causal-LM settings (tiny-gpt2 on synthetic text as plain text)
+TINY_LM: dict = dict(
+    TINY,
+    task="causal-lm",
+    model="tiny-gpt2",
+    members=60,
+    nonmembers=20,
+    test=20,
+    max_length=16,
+    clients=2,
+    rounds=1,
+    local_steps=2,
+    batch_size=8,
+)
+
+
+def tiny_lm_config(**overrides) -> TrainConfig:
+    """A causal-LM TrainConfig with :data:`TINY_LM`'s settings, updated with ``overrides``."""
+    return TrainConfig(**{**TINY_LM, **overrides})
+
+
+def write_instruction_jsonl(path, n: int = 120, seed: int = 0) -> None:
+    """A learnable toy instruction set: ``{"id", "prompt", "response"}`` per line; the
+    response repeats the prompt's key word (so the response loss can fall)."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with open(path, "w", encoding="utf-8") as fh:
+        for i in range(n):
+            key = f"k{int(rng.integers(30))}"
+            filler = " ".join(f"w{int(w)}" for w in rng.integers(50, size=int(rng.integers(2, 6))))
+            row = {"id": f"ins:{i}", "prompt": f"repeat {key} {filler}", "response": f"{key} {key}"}
+            fh.write(json.dumps(row) + "\n")
+
+
+__all__ = [
+    "TINY",
+    "TINY_LM",
+    "tiny_config",
+    "tiny_flags",
+    "tiny_lm_config",
+    "write_instruction_jsonl",
+]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fl import causal_lm
 from fl import factors as F
 from fl.config import TrainConfig
 from fl.models import LoraSpec, load_base_model, wrap_lora
@@ -251,9 +252,13 @@ class LocalTrainer:
 
         self.cfg = cfg
         self.device = device
-        net = load_base_model(
-            cfg.model, num_labels, seed=cfg.seed, pooling=cfg.pooling, head_init=cfg.head_init
-        )
+        self.causal = cfg.task == "causal-lm"
+        if self.causal:  # a causal LM (no head; the prefix cache stays off): fl.causal_lm
+            net = causal_lm.load_causal_lm(cfg.model, seed=cfg.seed)
+        else:
+            net = load_base_model(
+                cfg.model, num_labels, seed=cfg.seed, pooling=cfg.pooling, head_init=cfg.head_init
+            )
         targets = tuple(t for t in cfg.target_modules.split(",") if t) or None
         spec = LoraSpec(cfg.rank, cfg.alpha, cfg.lora_dropout, targets, cfg.lora_layers)
         self.model = wrap_lora(net, spec, seed=cfg.seed)
@@ -382,10 +387,9 @@ class LocalTrainer:
                     batch = data.batch(idx, self.device)
                     labels = batch.pop("labels")
                     net = self.gsm if per_sample else self.model
-                    logits = net(**batch).logits
-                    loss = torch.nn.functional.cross_entropy(
-                        logits.float(), labels, reduction="sum"
-                    )
+                    with causal_lm.autocast(self.device, cfg.precision):
+                        logits = net(**batch).logits
+                    loss = self.loss_sum(logits, labels)
                     (loss / (1.0 if per_sample else expected)).backward()
                     losses.append(loss.item() / b)
                 for h in hooks:
@@ -445,10 +449,19 @@ class LocalTrainer:
                 ident[id(p)] = f"head/{k}"
         return [ident[id(p)] for p in params]
 
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Σ over the batch of each example's loss: cross-entropy of the class, or the
+        mean next-token NLL of its target tokens (:func:`fl.causal_lm.sequence_loss_sum`)."""
+        if self.causal:
+            return causal_lm.sequence_loss_sum(logits, labels)
+        return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+
     @torch.no_grad()
     def evaluate(self, state: dict, data: TokenizedData, batch_size: int) -> dict:
         F.set_state(self.model, state)
         self.prefix.check(data)
+        if self.causal:
+            return causal_lm.evaluate(self.model, data, batch_size, self.device, self.cfg.precision)
         self.model.eval()
         correct, loss_sum = 0, 0.0
         n = len(data)

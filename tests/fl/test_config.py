@@ -32,6 +32,9 @@ def test_choice_fields_are_the_expected_ones():
         "transport",
         "pooling",
         "head_init",
+        "task",
+        "lm_format",
+        "precision",
     }
     assert "fedavg" in field_choices(next(f for f in CHOICE_FIELDS if f.name == "method"))
 
