@@ -215,6 +215,7 @@ class LMSignals:
     min_k: np.ndarray  # (n,) Min-K% Prob at the config's k
     min_k_pp: np.ndarray  # (n,) Min-K%++ at the config's k
     zlib_bytes: np.ndarray  # (n,)
+    tokens: np.ndarray  # (n,) scored tokens per sequence
     loss_lower: np.ndarray | None = None  # (n,) on the lowercased texts
     loss_base: np.ndarray | None = None  # (n,) of the base model (adapter off)
 
@@ -251,9 +252,33 @@ class LMSignals:
             min_k_prob(stats.logp, stats.mask, k),
             min_k_plus_plus(stats, k),
             zlib_bytes(texts),
+            stats.mask.sum(axis=1),
             None if lower is None else sequence_loss(lower.logp, lower.mask),
             None if base is None else sequence_loss(base.logp, base.mask),
         )
+
+
+def perplexities(sig: LMSignals, role) -> dict:
+    """Token-weighted perplexity exp(Σ_i T_i ℓ_i / Σ_i T_i) of each role's sequences
+    (``role`` (n,) strings), with the adapter (``adapter``) and without it (``base``,
+    where the base model's loss was computed): {role: {"adapter", "base", "sequences",
+    "tokens"}}."""
+    role = np.asarray(role)
+    out = {}
+    for r in dict.fromkeys(role.tolist()):
+        m = role == r
+        w = sig.tokens[m].astype(np.float64)
+        ppl = [
+            None if v is None else float(np.exp((v[m] * w).sum() / w.sum()))
+            for v in (sig.loss, sig.loss_base)
+        ]
+        out[r] = {
+            "adapter": ppl[0],
+            "base": ppl[1],
+            "sequences": int(m.sum()),
+            "tokens": int(w.sum()),
+        }
+    return out
 
 
 #: attack result name → (n,) score from LMSignals, higher = member (no reference models)

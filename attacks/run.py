@@ -146,6 +146,10 @@ def attack(target: Target, config: AttackConfig = _D, out=None, shadow_dir=None)
         "attacks": results,
         "shadows": shadow_doc,
     }
+    if target.task == "causal-lm":  # the LM's perplexity per role, adapter on and off
+        from attacks.lm_signals import perplexities
+
+        doc["lm"] = {"perplexity": perplexities(pool, target.role), "min_k": config.min_k}
     atomic_write_json(out / "attacks.json", doc)
     if config.client_level:  # clients.json beside attacks.json (attacks.client_level)
         from attacks.client_level import write_client_level

@@ -155,3 +155,18 @@ def test_next_token_targets_shift_and_loss_mask():
     resp = np.array([[0, 0, 1, 1], [0, 1, 1, 1]])  # response tokens only (padding dropped)
     _, m2 = lm.next_token_targets(ids, att, resp)
     np.testing.assert_array_equal(m2, [[0, 1, 0], [1, 0, 0]])
+
+
+def test_perplexities_are_token_weighted():
+    logits, targets, mask = _random_case(seed=5, n=6)
+    stats = lm.token_stats(logits, targets, mask)
+    base = lm.token_stats(logits * 0.5, targets, mask)
+    sig = lm.LMSignals.from_stats(stats, ["t"] * 6, base=base)
+    role = np.array(["member", "member", "test", "member", "test", "test"])
+    got = lm.perplexities(sig, role)
+    for r in ("member", "test"):
+        rows = [i for i in range(6) if role[i] == r]
+        for key, st in (("adapter", stats), ("base", base)):
+            lps = [st.logp[i, t] for i in rows for t in range(mask.shape[1]) if mask[i, t]]
+            assert got[r][key] == pytest.approx(math.exp(-sum(lps) / len(lps)), rel=1e-12)
+        assert got[r]["tokens"] == int(mask[rows].sum()) and got[r]["sequences"] == 3
