@@ -29,6 +29,7 @@ BENCHMARKS = (
     "engine_overhead",
     "aggregation",
     "attacks",
+    "shadow_cost",
     "accounting",
 )
 

@@ -295,6 +295,21 @@ def _attacks(r: dict, q: bool, dev: str) -> list[dict]:
     ]
 
 
+def _shadow_cost(r: dict, q: bool, dev: str) -> list[dict]:
+    return [
+        entry(
+            "shadow_shared_prefix_over_own",
+            r["name"],
+            f"one shadow model, the pool's frozen prefix encoded once / per shadow pair "
+            f"(k = {r['details'].get('k')})",
+            "time",
+            r["ratio"],
+            r["spread"],
+            q,
+        )
+    ]
+
+
 def _accounting(r: dict, q: bool, dev: str) -> list[dict]:
     return [
         entry(
@@ -316,6 +331,7 @@ EXTRACT: dict[str, Callable[[dict, bool, str], list[dict]]] = {
     "engine_overhead": _engine_overhead,
     "aggregation": _aggregation,
     "attacks": _attacks,
+    "shadow_cost": _shadow_cost,
     "accounting": _accounting,
 }
 
