@@ -11,7 +11,8 @@ the best empirical ε lower bound, the strongest attack, the audit's findings an
 one-line verdict from :func:`audit.verdict.verdict`), runs (method, level, σ, δ,
 findings, accuracy per round), noise analyses (each analysis's figure and a few key
 numbers; the full rows stay in its JSON), membership-inference attacks (ROC figures
-and tables), empirical ε lower bounds vs the claimed ε, the papers' claims check (claim,
+and tables), optionally the causal-LM runs' perplexities and the client-level attack
+(:mod:`audit.report_lm`, only when a run has them), empirical ε lower bounds vs the claimed ε, the papers' claims check (claim,
 setting, measured value, verdict, the figure behind it), environment, and the exact
 commands to reproduce every run.
 """
@@ -41,6 +42,7 @@ from audit.report_doc import (
     render_markdown,
 )
 from audit.report_doc import format_cell as _fmt
+from audit.report_lm import client_section, lm_section
 from audit.report_sections import (  # noqa: F401 (readable, CLAIM_FIGURES re-exported)
     CLAIM_FIGURES,
     _analyses_section,
@@ -147,7 +149,10 @@ def _run_summary(run_dir: Path) -> dict:
     scores = run_dir / "attacks" / "scores.npz"
     row["scores_path"] = str(scores) if scores.exists() else None
     roc = sorted((run_dir / "attacks").glob("*.png")) if (run_dir / "attacks").is_dir() else []
-    row["roc_figures"] = [str(p) for p in roc]
+    # the client-level attack's figures go to its own section (audit.report_lm)
+    row["roc_figures"] = [str(p) for p in roc if not p.stem.startswith(("roc_clients", "client_"))]
+    cl = run_dir / "attacks" / "clients.json"
+    row["clients"] = read_json(cl) if cl.is_file() else None
     return row
 
 
@@ -261,12 +266,15 @@ def build_report(
     report.sections.append(_runs_section(rows, figdir, summary))
     report.sections.append(_analyses_section(analyses_dir, figdir))
     report.sections.append(_attacks_section(rows, figdir))
+    # optional: only when a run is a causal LM / has a client-level attack
+    report.sections += [s for s in (lm_section(rows, figdir), client_section(rows, figdir)) if s]
     report.sections.append(_empirical_section(rows, figdir, summary))
     report.sections.append(_claims_section(claims, analyses_dir, figdir))
     report.sections.append(_environment_section(rows))
     cmds = list(commands or []) + [train_command(r["config"], r["path"]) for r in rows]
     report.section("Reproduce").add(CodeBlock("\n".join(cmds), "bash"))
-    assert [s.title for s in report.sections] == list(SECTIONS)
+    assert [s.title for s in report.sections if s.title in SECTIONS] == list(SECTIONS)
+    summary["sections"] = [s.title for s in report.sections]
     summary["missing"] = report.missing
 
     atomic_write_text(outp / "report.html", render_html(report, outp))
