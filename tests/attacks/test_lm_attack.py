@@ -87,3 +87,29 @@ def test_lm_shadow_attacks_read_sequence_losses(lm_run, tmp_path):
     assert doc["shadows"]["k"] == 2
     for r in doc["attacks"].values():
         assert 0.0 <= r["auc"] <= 1.0
+
+
+def test_foreign_causal_adapter_matches_run_mode(lm_run, tmp_path):
+    from attacks.signals import load_run
+
+    run_dir, _ = lm_run
+    run = load_run(run_dir)
+    files = {}
+    for role in ("member", "nonmember"):
+        files[role] = tmp_path / f"{role}s.jsonl"
+        rows = [json.dumps({"text": str(t)}) for t in np.asarray(run.texts)[run.role == role]]
+        files[role].write_text("\n".join(rows) + "\n")
+    for args, out in (
+        (["--adapter", str(run_dir / "adapter"), "--model", "tiny-gpt2", "--members",
+          str(files["member"]), "--nonmembers", str(files["nonmember"]), "--max-length", "16",
+          "--base-seed", "3"], tmp_path / "foreign"),
+        ([str(run_dir)], tmp_path / "run"),
+    ):  # fmt: skip
+        rc = main(["attack", *args, "--attacks", "loss,lm", "--out", str(out), "--device", "cpu",
+                   "--bootstrap", "0"])  # fmt: skip
+        assert rc == 0
+    a, b = (np.load(tmp_path / d / "scores.npz") for d in ("foreign", "run"))
+    for name in SIGNALS:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-9)
+    doc = json.loads((tmp_path / "foreign" / "attacks.json").read_text())
+    assert doc["target"]["task"] == "causal-lm"
