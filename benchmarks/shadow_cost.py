@@ -14,7 +14,7 @@ from an empty process cache (what a fresh ``fedlora attack`` call pays):
   halves, so K shadows encode the pool K/2 times);
 - ``after``: ``share_prefix=True``: the pool is encoded once, every shadow gathers
   its rows;
-- ``uncached`` (full mode only, ``K_UNCACHED`` = 2 shadows): ``prefix_cache=False``:
+- ``uncached`` (full mode only, ``K_UNCACHED`` = 1 shadow): ``prefix_cache=False``:
   every step runs the whole encoder (what a shadow cost before the frozen-prefix cache);
 - ``encode``: one encode of the pool by the frozen prefix alone, so that the cost per
   shadow at any K can be read off: before ≈ train + encode/2, after ≈ train + encode/K.
@@ -35,7 +35,7 @@ from benchmarks import harness
 
 NAME = "shadow_cost"
 K = 4
-K_UNCACHED = 2
+K_UNCACHED = 1
 #: the ε = 8 FedAvg-LoRA run of `fedlora run --preset default` (pipeline.job: its preset
 #: base with the run's overrides; tests/benchmarks/test_shadow_cost.py checks they agree)
 TARGET = dict(model="minilm", dataset="tweets", members=2000, nonmembers=500, test=500)
@@ -102,7 +102,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
         }
         if not quick:
             sides["uncached"] = lambda: shadows(uncached_cfg, K_UNCACHED, False)
-        times = harness.interleaved(sides, reps=reps, warmup=0)
+        times = harness.interleaved({k: _logged(k, f) for k, f in sides.items()}, reps, 0)
     before = [t / K for t in times["before"]]
     after = [t / K for t in times["after"]]
     spread = harness.paired_ratio(before, after)
@@ -133,3 +133,16 @@ def run(quick: bool, device: str = "cpu") -> dict:
         details=details,
         spread=spread,
     )
+
+
+def _logged(name: str, fn):
+    """``fn`` that prints its wall seconds to stderr (a long benchmark shows progress)."""
+    import sys
+    import time
+
+    def call():
+        t0 = time.perf_counter()
+        fn()
+        print(f"shadow_cost: {name} {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+
+    return call
