@@ -4,7 +4,12 @@ before it, in one interleaved run.
 Workload (full): the ε = 8 FedAvg-LoRA target of ``fedlora run``'s default preset
 (:data:`TARGET`: minilm on tweets, LoRA on the top layer over a cached frozen prefix,
 5 clients, 3 rounds × 20 DP-SGD steps of batch 128, 48 tokens) and an attacker pool of
-3 000 tweets (members + non-members + test of that run: 2 000 + 500 + 500). Each side
+3 000 tweets (members + non-members + test of that run: 2 000 + 500 + 500), with the
+shadows' training shortened to :data:`STEPS` (1 round × 4 steps per client, so that
+the benchmark fits a shared 2-core machine): a shadow's training cost scales with its
+steps and is the same on both sides, the pool encode does not; ``details.projected``
+derives the seconds per shadow step, (after − encode/K) / steps, and from it the cost per
+shadow at the preset's steps on both sides (a projection, labelled so). Each side
 trains ``K`` = 4 shadows on halves of the pool with ``attacks.reference.train_shadows``
 in this process (one after another: the cost, not the parallelism), each repetition
 from an empty process cache (what a fresh ``fedlora attack`` call pays):
@@ -43,6 +48,8 @@ TARGET |= dict(max_length=48, clients=5, rounds=3, eval_every=3, local_steps=20)
 TARGET |= dict(batch_size=128, lr=1e-3, head_lr=3e-2, lora_layers=1, pooling="auto")
 TARGET |= dict(head_init="zero", rank=8, alpha=16.0, method="fedavg", seed=0)
 TARGET |= dict(dp_level="sample", epsilon=8.0)
+#: the shadows' training in full mode: 1 round x 4 steps per client (20 DP steps)
+STEPS = dict(rounds=1, eval_every=1, local_steps=4)
 #: quick: tiny-bert with the same structure (LoRA on the top layer of two)
 QUICK = dict(model="tiny-bert", dataset="synthetic", members=40, nonmembers=20, test=20)
 QUICK |= dict(max_length=16, clients=2, rounds=1, local_steps=2, batch_size=16, lora_layers=1)
@@ -79,7 +86,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
     from fl.trainer import LocalTrainer
 
     spec = QUICK if quick else TARGET
-    cfg = TrainConfig(**spec, progress=False, device=device)
+    cfg = TrainConfig(**{**spec, **({} if quick else STEPS)}, progress=False, device=device)
     uncached_cfg = TrainConfig.from_dict({**cfg.to_dict(), "prefix_cache": False})
     ids, texts, labels, c = _pool(spec)
     reps = 1 if quick else 2
@@ -110,10 +117,24 @@ def run(quick: bool, device: str = "cpu") -> dict:
         "k": K,
         "pool": len(texts),
         "frozen_layers": trainer.prefix.depth,
+        "dp_steps_per_shadow": cfg.rounds * cfg.local_steps * cfg.clients,
         "seconds_per_shadow_before": harness.summarize(before),
         "seconds_per_shadow_after": harness.summarize(after),
         "seconds_encode_pool": harness.summarize(times["encode"]),
     }
+    if not quick:
+        enc = float(np.median(times["encode"]))
+        steps = details["dp_steps_per_shadow"]
+        per_step = (float(np.median(after)) - enc / K) / steps
+        full = TARGET["rounds"] * TARGET["local_steps"] * TARGET["clients"]
+        details["projected"] = {
+            "note": "derived from the medians above, not timed: train = per_step x steps",
+            "seconds_per_step": per_step,
+            "preset_steps": full,
+            "before_per_shadow_s": per_step * full + enc / 2,
+            "after_per_shadow_s": per_step * full + enc / K,
+            "after_per_shadow_s_k64": per_step * full + enc / 64,
+        }
     if "uncached" in times:
         unc = [t / K_UNCACHED for t in times["uncached"]]
         details["seconds_per_shadow_uncached"] = harness.summarize(unc)
