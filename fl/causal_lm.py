@@ -72,10 +72,11 @@ def load_causal_lm(model: str, seed: int = 0) -> torch.nn.Module:
     return net
 
 
-def check_setup(cfg, method_cls) -> None:
-    """Errors for what ``--task causal-lm`` cannot do (called when a run is set up)."""
+def check_setup(cfg, method_cls) -> list[str]:
+    """Errors for what ``--task causal-lm`` cannot do (called when a run is set up);
+    returns warnings for the run's log."""
     if cfg.task != "causal-lm":
-        return
+        return []
     if not getattr(method_cls, "trains_factors", True):
         raise UsageError(
             f"method {cfg.method!r} trains only a classification head, which a causal LM does "
@@ -90,6 +91,36 @@ def check_setup(cfg, method_cls) -> None:
         raise UsageError(
             f"model {cfg.model!r} is not a causal LM; use tiny-gpt2 or a local causal-LM folder"
         )
+    warnings: list[str] = []
+    path = model_folder(cfg.model)
+    if path is not None:
+        from transformers import AutoConfig
+
+        try:
+            mc = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError, KeyError) as exc:
+            raise UsageError(f"cannot load a model config from {path}: {exc}") from None
+        rows = getattr(mc, "vocab_size", None)
+        n_tok = len(load_tokenizer(cfg.model))
+        if rows is not None and n_tok > int(rows):
+            raise UsageError(
+                f"the tokenizer of {path} has {n_tok} tokens but the model's vocabulary {rows}"
+            )
+        ctx = getattr(mc, "n_positions", None) or getattr(mc, "max_position_embeddings", None)
+        if ctx is not None and cfg.max_length > int(ctx):
+            raise UsageError(
+                f"--max-length {cfg.max_length} exceeds the model's context of {ctx} tokens"
+            )
+        from fl.base_pretrain import base_corpus
+
+        corpus = base_corpus(path)
+        if corpus is not None and cfg.dataset.startswith(corpus):
+            warnings.append(
+                f"warning: the base {path} was pretrained on {corpus!r}, the dataset of this run: "
+                "members and non-members may be pretraining text, so membership results on this "
+                "run are not meaningful (fine-tune on tweets or a local file instead)"
+            )
+    return warnings
 
 
 # ---- loss -------------------------------------------------------------------------

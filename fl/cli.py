@@ -17,6 +17,7 @@ from fl.errors import UsageError
 _COMMAND_MODULES = (
     "fl.cli_train",
     "fl.cli_export",
+    "fl.cli_base",
     "analysis.cli",
     "attacks.cli",
     "audit.cli",

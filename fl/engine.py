@@ -129,7 +129,7 @@ class Engine(PrivacyPlan):
                 f"method {cfg.method!r} supports dp levels {self.method_cls.dp_levels}, not {cfg.dp_level!r}"
             )
         self.options = parse_options(self.method_cls.Options, cfg.opts)
-        check_task(cfg, self.method_cls)
+        self._pending_log += check_task(cfg, self.method_cls)
         ds = load_task_dataset(cfg)
         self.dataset = ds
         split = split_dataset(len(ds), cfg.members, cfg.nonmembers, cfg.test, cfg.seed)
