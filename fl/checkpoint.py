@@ -63,7 +63,9 @@ def load_checkpoint(out: Path, cfg, method, sigma: float):
         raise UsageError(f"checkpoint {st_path} is missing or corrupt (checksum mismatch)")
     saved_cfg = doc.get("config", {})
     mine = cfg.to_dict()
-    diffs = [k for k in result_fields() if saved_cfg.get(k) != mine[k]]
+    # a field added after the checkpoint was written has its default there
+    defaults = type(cfg)().to_dict()
+    diffs = [k for k in result_fields() if saved_cfg.get(k, defaults[k]) != mine[k]]
     if diffs:
         raise UsageError(f"--resume with a different configuration (fields {diffs}); refusing")
     tensors = load_file(str(st_path))

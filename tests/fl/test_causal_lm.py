@@ -281,3 +281,22 @@ def test_empty_or_broken_files_and_impossible_setups_give_clear_errors(tmp_path,
         train(tiny_lm_config(canaries=2), tmp_path / "can", quiet=True)
     with pytest.raises(UsageError, match="not a causal LM"):
         train(tiny_lm_config(model="tiny-bert"), tmp_path / "bert", quiet=True)
+
+
+def test_a_checkpoint_written_before_the_task_fields_resumes(tmp_path):
+    """Checkpoints of runs started before ``task``/``lm_format``/... existed lack them:
+    they mean the defaults, so such a run resumes; a really changed field still refuses."""
+    from fl.engine import Engine
+    from fl.testing import tiny_config
+
+    cfg = tiny_config(rounds=1)
+    train(cfg, tmp_path / "run", quiet=True)
+    meta = tmp_path / "run" / "checkpoint" / "meta-00001.json"
+    doc = json.loads(meta.read_text())
+    for k in ("task", "lm_format", "prompt_field", "response_field", "precision"):
+        del doc["config"][k]
+    meta.write_text(json.dumps(doc))
+    Engine(cfg, tmp_path / "run", resume=True, quiet=True).run()  # no refusal
+    changed = tiny_config(rounds=1, precision="bf16")
+    with pytest.raises(UsageError, match=r"different configuration \(fields \['precision'\]"):
+        Engine(changed, tmp_path / "run", resume=True, quiet=True).run()
