@@ -267,3 +267,27 @@ def lora_spec(cfg):
 
     targets = tuple(t for t in cfg.target_modules.split(",") if t) or None
     return LoraSpec(cfg.rank, cfg.alpha, cfg.lora_dropout, targets, cfg.lora_layers)
+
+
+def run_split_data(run_dir: str | Path, split: str, tokenizer, cfg):
+    """An :class:`fl.lm_data.LmTokenizedData` of one split of a run directory
+    (``members``, ``nonmembers`` or ``test``, read from its ``splits.json``, in that
+    order; a release bundle has no splits). Returns (data, ids)."""
+    import json
+
+    from fl.lm_data import LmTokenizedData, load_task_dataset, subset
+    from fl.rundir import SPLITS
+
+    try:
+        doc = json.loads((Path(run_dir) / SPLITS).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{run_dir}: no readable {SPLITS} ({exc})") from None
+    if split not in ("members", "nonmembers", "test"):
+        raise UsageError(f"unknown split {split!r}; use members, nonmembers or test")
+    ds = load_task_dataset(cfg)
+    row = {k: i for i, k in enumerate(ds.ids)}
+    missing = [k for k in doc[split] if k not in row]
+    if missing:
+        raise UsageError(f"{run_dir}: {len(missing)} {split} ids not in the dataset ({missing[0]})")
+    texts, prompts, ids = subset(ds, [row[k] for k in doc[split]])
+    return LmTokenizedData(texts, tokenizer, cfg.max_length, prompts=prompts, ids=ids), ids

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fl.causal_lm import (
+    adapter_off,
     evaluate,
     load_causal_lm,
     load_run_lm,
@@ -300,3 +301,20 @@ def test_a_checkpoint_written_before_the_task_fields_resumes(tmp_path):
     changed = tiny_config(rounds=1, precision="bf16")
     with pytest.raises(UsageError, match=r"different configuration \(fields \['precision'\]"):
         Engine(changed, tmp_path / "run", resume=True, quiet=True).run()
+
+
+def test_a_runs_splits_can_be_scored_with_the_adapter_on_and_off(instruction_runs):
+    from fl.causal_lm import run_split_data
+
+    root, _, man, eng = instruction_runs
+    model, tok, cfg = load_run_lm(root / "dp")
+    data, ids = run_split_data(root / "dp", "test", tok, cfg)
+    assert ids == json.loads((root / "dp" / "splits.json").read_text())["test"]
+    on = evaluate(model, data, 8, "cpu")
+    assert on["loss"] == pytest.approx(man["metrics"]["final"]["loss"], rel=1e-5)
+    with torch.no_grad(), adapter_off(model):
+        off = evaluate(model, data, 8, "cpu")
+    base = evaluate(load_causal_lm(cfg.model, seed=cfg.seed), data, 8, "cpu")
+    assert off["loss"] == pytest.approx(base["loss"], rel=1e-6)
+    with pytest.raises(UsageError, match="no readable splits.json"):
+        run_split_data(root / "dp" / "release", "test", tok, cfg)

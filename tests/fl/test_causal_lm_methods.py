@@ -64,9 +64,16 @@ def test_every_method_trains_a_causal_lm(tmp_path, method, level):
 
 
 def _tiny_folder(tmp_path, kind: str):
-    """A random-init Llama or Qwen2 causal LM saved as a Hugging Face folder (with the
+    """A random-init Llama, Qwen2 or Mistral causal LM saved as a Hugging Face folder (with the
     MiniLM tokenizer, whose vocabulary it uses)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     tok = load_tokenizer("tiny-gpt2")
     common = dict(
@@ -81,17 +88,20 @@ def _tiny_folder(tmp_path, kind: str):
         max_position_embeddings=64,
     )
     torch.manual_seed(0)
-    if kind == "llama":
-        net = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        net = Qwen2ForCausalLM(Qwen2Config(**common))
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }
+    config_cls, model_cls = classes[kind]
+    net = model_cls(config_cls(**common))
     path = tmp_path / kind
     net.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_llama_and_qwen_layouts_get_q_and_v_targets(tmp_path, kind):
     path = _tiny_folder(tmp_path, kind)
     net = load_causal_lm(path)
