@@ -113,11 +113,12 @@ def best_lrs(rows: list[dict]) -> dict[str, float]:
 
 
 def jobs_fedask(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
+    """ε ∈ {8, 3, 1} for every variant and seed; the non-private ceiling on the first seed."""
     out = []
     for seed in seeds:
         for eps in (8.0, 3.0, 1.0, None):
             for name, over in FEDASK_VARIANTS.items():
-                if eps is None and name == "probe":
+                if eps is None and (name == "probe" or seed != seeds[0]):
                     continue
                 cfg = {**CLAIMS, **over, **_lr(name), **(overrides or {})}
                 cfg.update(seed=seed, **_privacy(eps))
@@ -125,4 +126,97 @@ def jobs_fedask(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
     return out
 
 
-GRIDS = {"claims-tune": jobs_tune, "claims-fedask": jobs_fedask}
+#: heterogeneous ranks: R = 16, client ranks {4, 8, 16}; clients of Dirichlet partitions
+#: below 100 examples are redrawn (a client of n_k examples gets σ_k for q_k = B / n_k)
+HETERO = dict(rank=16, alpha=32.0, client_ranks="4,8,16", min_client_size=100)
+HETERO_METHODS = ("plora", "flora", "flexlora", "hetlora")
+PARTITIONS = {
+    "iid": dict(partition="iid"),
+    "dirichlet0.5": dict(partition="dirichlet", dirichlet_alpha=0.5),
+    "dirichlet0.1": dict(partition="dirichlet", dirichlet_alpha=0.1),
+}
+
+
+def jobs_hetero(base: dict, seeds, overrides: dict | None = None, scale=None) -> list[dict]:
+    """Fed-PLoRA vs FLoRA, FlexLoRA, HETLoRA under IID, Dirichlet(0.5) and (0.1), at ε = 8
+    and non-private (the ε = 8 cells first). The LoRA lr is FedAvg-LoRA's."""
+    scale = CLAIMS if scale is None else scale
+    grid = "claims-hetero" if scale is CLAIMS else "claims-bbc"
+    out = []
+    for eps in (8.0, None):
+        for seed in seeds:
+            for part, pcfg in PARTITIONS.items():
+                for method in HETERO_METHODS:
+                    cfg = {**scale, **HETERO, **pcfg, "method": method, **_lr("fedavg")}
+                    cfg.update(**(overrides or {}), seed=seed, **_privacy(eps))
+                    group = f"{method}/{part}/{_tag(eps)}"
+                    out.append({"grid": grid, "group": group, "cfg": cfg})
+    return out
+
+
+# Client-level DP needs many clients per round: the Gaussian noise on the average has
+# norm about σ·C·√d / K for d released coordinates and K clients in a round. 2 000
+# clients of 4 examples (8 000 members), Poisson client sampling q = 0.5 (about 1 000
+# clients per round, amplification used), 5 rounds of one local SGD step on the client's
+# 4 examples; LoRA r = 8 on the top layer (the frozen prefix is cached), zero head.
+CLAIMS_CLIENTS = dict(
+    CLAIMS,
+    members=8000,
+    clients=2000,
+    min_client_size=4,
+    clients_per_round=0.5,
+    client_sampling="poisson",
+    rounds=5,
+    local_steps=1,
+    batch_size=4,
+    optimizer="sgd",
+    lr=2.0,
+    head_lr=0.0,
+    eval_every=5,
+)
+#: the client-level clip bound of each method, chosen on the non-member pool
+CLIENT_CLIP = {"fedpower": 1.0, "fedavg": 1.0, "ffa": 1.0}
+
+
+def jobs_fedpower(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
+    """Client-level ε ∈ {3, 6, 9}: FedPower (PowerDP), FFA-LoRA and FedAvg-LoRA; input and
+    output perturbation at ε = 6."""
+    out = []
+    for seed in seeds:
+        for eps in (6.0, 3.0, 9.0):
+            cells = [(m, m, {}) for m in ("fedpower", "ffa", "fedavg")]
+            if eps == 6.0:
+                cells += [
+                    (f"fedpower-{p}", "fedpower", {"opts": {"perturbation": p}})
+                    for p in ("input", "output")
+                ]
+            for name, method, extra in cells:
+                cfg = {**CLAIMS_CLIENTS, "method": method, "clip": CLIENT_CLIP[method], **extra}
+                cfg.update(**(overrides or {}), seed=seed, dp_level="client", epsilon=eps)
+                out.append({"grid": "claims-fedpower", "group": f"{name}/eps{eps:g}", "cfg": cfg})
+    return out
+
+
+#: bbc (2 225 articles, 5 classes): 1 500 members over 5 clients, 128 tokens
+BBC = dict(CLAIMS, dataset="bbc", members=1500, nonmembers=300, test=425, max_length=128)
+
+
+def jobs_bbc(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
+    """The FedASK comparison at ε = 8 and the Fed-PLoRA comparison (ε = 8 and non-private)
+    on bbc."""
+    out = []
+    for seed in seeds:
+        for name, over in FEDASK_VARIANTS.items():
+            cfg = {**BBC, **over, **_lr(name), **(overrides or {}), "seed": seed}
+            cfg.update(**_privacy(8.0))
+            out.append({"grid": "claims-bbc", "group": f"{name}/eps8", "cfg": cfg})
+    return out + jobs_hetero(base, seeds, overrides, scale=BBC)
+
+
+GRIDS = {
+    "claims-tune": jobs_tune,
+    "claims-fedask": jobs_fedask,
+    "claims-hetero": jobs_hetero,
+    "claims-fedpower": jobs_fedpower,
+    "claims-bbc": jobs_bbc,
+}

@@ -1,0 +1,79 @@
+"""The claims grids' jobs: what each holds, their order, the tuned learning rates."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import claims_jobs as C
+from benchmarks import grid_jobs as J
+from fl.config import TrainConfig
+
+
+@pytest.fixture
+def lrs(monkeypatch):
+    table = {"fedask-w": 1e-3, "fedask-b": 3e-3, "ffa": 1e-2, "fedavg": 1e-3, "probe": 0.1}
+    monkeypatch.setattr(C, "CLAIMS_LR", table)
+    return table
+
+
+def test_registered_with_the_runner():
+    for name in C.GRIDS:
+        assert J.GRIDS[name] is C.GRIDS[name]
+
+
+def test_fedask_grid(lrs):
+    jobs = C.jobs_fedask({}, [0, 1, 2])
+    groups = {}
+    for j in jobs:
+        groups.setdefault(j["group"], []).append(j["cfg"]["seed"])
+        TrainConfig(**j["cfg"])  # every job is a valid configuration
+    for name in C.FEDASK_VARIANTS:
+        for eps in ("eps1", "eps3", "eps8"):
+            assert groups[f"{name}/{eps}"] == [0, 1, 2]
+    assert groups["fedavg/nodp"] == [0] and "probe/nodp" not in groups
+    seeds = [j["cfg"]["seed"] for j in jobs]
+    assert seeds == sorted(seeds)  # seed-major: a worker's next job reuses the cache
+    by = {(j["group"], j["cfg"]["seed"]): j["cfg"] for j in jobs}
+    assert by[("fedask-b/eps3", 1)]["opts"] == {"clip_space": "b"}
+    assert by[("fedask-b/eps3", 1)]["lr"] == 3e-3
+    assert by[("probe/eps1", 0)]["lr"] == 0.1 and by[("probe/eps1", 0)]["head_lr"] == 0.0
+    assert by[("ffa/eps8", 2)]["epsilon"] == 8.0
+    assert by[("ffa/eps8", 2)]["dp_level"] == "sample"
+
+
+def test_lr_must_be_tuned_first(monkeypatch):
+    monkeypatch.setattr(C, "CLAIMS_LR", {})
+    with pytest.raises(KeyError, match="claims-tune"):
+        C.jobs_fedask({}, [0])
+
+
+def test_tune_and_best_lrs():
+    jobs = C.jobs_tune({}, [0, 1, 2])
+    assert {j["cfg"]["seed"] for j in jobs} == {C.TUNE_SEED}  # never an evaluation seed
+    assert {j["cfg"]["epsilon"] for j in jobs} == {C.TUNE_EPSILON}
+    assert len(jobs) == sum(len(v) for v in C.TUNE_LRS.values())
+    rows = [
+        {"grid": "claims-tune", "group": "ffa/lr0.001", "val_balanced_accuracy": 0.70},
+        {"grid": "claims-tune", "group": "ffa/lr0.01", "val_balanced_accuracy": 0.75},
+        {"grid": "claims-tune", "group": "fedavg/lr0.001", "val_balanced_accuracy": 0.74},
+        {"grid": "claims-tune", "group": "fedavg/lr0.003", "val_balanced_accuracy": None},
+        {"grid": "other", "group": "fedavg/lr0.003", "val_balanced_accuracy": 0.99},
+    ]
+    assert C.best_lrs(rows) == {"ffa": 0.01, "fedavg": 0.001}
+
+
+def test_other_claims_grids(lrs):
+    het = C.jobs_hetero({}, [0, 1, 2])
+    assert len(het) == 2 * 3 * 3 * 4
+    assert het[0]["cfg"]["epsilon"] == 8.0  # the private cells first
+    d01 = next(j for j in het if j["group"] == "plora/dirichlet0.1/eps8")["cfg"]
+    assert d01["partition"] == "dirichlet" and d01["dirichlet_alpha"] == 0.1
+    assert d01["client_ranks"] == "4,8,16" and d01["lr"] == lrs["fedavg"]
+    fp = C.jobs_fedpower({}, [0])
+    assert {j["group"] for j in fp} >= {"fedpower/eps3", "ffa/eps9", "fedpower-output/eps6"}
+    for j in fp:
+        cfg = TrainConfig(**j["cfg"])
+        assert cfg.dp_level == "client" and cfg.clients >= 1000
+    bbc = C.jobs_bbc({}, [0])
+    assert {j["grid"] for j in bbc} == {"claims-bbc"}
+    assert all(j["cfg"]["dataset"] == "bbc" for j in bbc)
