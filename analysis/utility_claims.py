@@ -65,14 +65,21 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> dict:
 
 
 def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
-    """The finished rows of the grids in ``dirs`` (a results.jsonl file or its folder)."""
+    """The finished rows of the grids in ``dirs`` (a results.jsonl file or its folder;
+    a folder's ``mia.jsonl``, written by ``benchmarks.claims_mia``, adds the attacks to
+    the rows of the same ``key``)."""
     rows: dict[str, dict] = {}
     anon = 0
+    paths = []
     for d in dirs:
         p = Path(d)
         path = p / "results.jsonl" if p.is_dir() else p
         if not path.is_file():
             raise UsageError(f"{d}: no results.jsonl (a benchmarks.grids --out folder)")
+        paths.append(path)
+        if p.is_dir() and (p / "mia.jsonl").is_file():
+            paths.append(p / "mia.jsonl")
+    for path in paths:
         for i, line in enumerate(path.read_text().splitlines()):
             if not line.strip():
                 continue
@@ -87,7 +94,7 @@ def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
             key = row.get("key")
             if key is None:
                 key, anon = f"anon{anon}", anon + 1
-            rows[key] = row
+            rows[key] = {**rows.get(key, {}), **row}
     return list(rows.values())
 
 

@@ -189,3 +189,24 @@ def test_claims_cli_with_grids(tmp_path):
     assert (figdir / "claims-utility.png").is_file()
     text = repr(sec.blocks)
     assert "fedask-w/eps1" in text and "accuracy vs ε (below)" in text
+
+
+def test_mia_rows_merge_into_their_runs(tmp_path):
+    rows = [_row("claims-fedask", "ffa/eps8", s, 0.8) for s in range(3)]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    mia = [
+        {
+            "grid": r["grid"],
+            "group": r["group"],
+            "seed": r["seed"],
+            "key": r["key"],
+            "attacks": {"loss": {"auc": 0.5, "ci": {"auc": [0.47, 0.53]}}},
+        }
+        for r in rows
+    ]
+    (tmp_path / "mia.jsonl").write_text("\n".join(json.dumps(r) for r in mia))
+    doc = U.decide([tmp_path])
+    cell = next(c for c in doc["cells"] if c["group"] == "ffa/eps8")
+    assert cell["n"] == 3 and cell["balanced_mean"] == pytest.approx(0.8)
+    by = {c["id"]: c for c in doc["claims"]}
+    assert by["mia_near_chance:loss:ffa/eps8"]["verdict"] == "holds"

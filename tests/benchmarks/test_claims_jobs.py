@@ -77,3 +77,36 @@ def test_other_claims_grids(lrs):
     bbc = C.jobs_bbc({}, [0])
     assert {j["grid"] for j in bbc} == {"claims-bbc"}
     assert all(j["cfg"]["dataset"] == "bbc" for j in bbc)
+
+
+def test_claims_mia_attacks_a_grid_run(tmp_path):
+    """benchmarks.claims_mia attacks the selected runs of a grid folder once (resumable)
+    and its rows give the analysis its membership-inference claim."""
+    import json
+
+    from analysis import utility_claims as U
+    from benchmarks import claims_mia
+    from fl.engine import train
+    from fl.testing import tiny_config
+
+    root = tmp_path / "grid"
+    run = root / "runs" / "claims-fedask-0000"
+    cfg = dict(members=16, nonmembers=8, test=8, max_length=16, clients=1, rounds=1)
+    cfg.update(batch_size=8, lr=0.02, dp_level="sample", epsilon=8.0)
+    train(tiny_config(**cfg), run, quiet=True)
+    rows = [
+        {"grid": "claims-fedask", "group": "ffa/eps8", "seed": s, "key": f"k{s}",
+         "run": "claims-fedask-0000", "balanced_accuracy": 0.5, "accuracy": 0.5, "seconds": 1}
+        for s in range(3)
+    ]  # fmt: skip
+    rows.append({**rows[0], "group": "ffa/eps1", "key": "k9"})
+    (root / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert claims_mia.main([str(root)]) == 0
+    mia = [json.loads(x) for x in (root / "mia.jsonl").read_text().splitlines()]
+    assert [m["key"] for m in mia] == ["k0", "k1", "k2"]  # eps8 only
+    auc = mia[0]["attacks"]["loss"]["auc"]
+    assert 0.0 <= auc <= 1.0 and len(mia[0]["attacks"]["loss"]["ci"]["auc"]) == 2
+    assert claims_mia.main([str(root)]) == 0  # resumed: nothing attacked twice
+    assert len((root / "mia.jsonl").read_text().splitlines()) == 3
+    claims = {c["id"] for c in U.decide([root])["claims"]}
+    assert "mia_near_chance:loss:ffa/eps8" in claims
