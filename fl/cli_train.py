@@ -133,6 +133,7 @@ def cmd_train(args) -> int:
             {
                 "run_dir": str(Path(args.resume or out)),
                 "accuracy": final.get("accuracy"),
+                **({"perplexity": final["perplexity"]} if "perplexity" in final else {}),
                 "epsilon": manifest["privacy"]["epsilon"],
             },
             default=str,

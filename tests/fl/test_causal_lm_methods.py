@@ -41,8 +41,7 @@ def test_every_method_trains_a_causal_lm(tmp_path, method, level):
         kw.update(dp_level=level, noise_multiplier=1.0, insecure_deterministic_noise=True)
     if level == "client":
         kw.update(clip=0.5)
-    rounds = 2 if method in ("fedask", "flora", "hetlora") else 1
-    man = train(tiny_lm_config(method=method, rounds=rounds, **kw), tmp_path / "r", quiet=True)
+    man = train(tiny_lm_config(method=method, **kw), tmp_path / "r", quiet=True)
     assert man["model"]["task"] == "causal-lm" and man["privacy"]["level"] == level
     final = man["metrics"]["final"]
     assert math.isfinite(final["loss"]) and final["perplexity"] == pytest.approx(
