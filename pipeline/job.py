@@ -71,8 +71,9 @@ RUNS = (
     ("fedpower-eps8", "fedpower", dict(dp_level="sample", epsilon=8.0)),
     ("plora-eps8", "plora", dict(dp_level="sample", epsilon=8.0, client_ranks="2,4")),
 )
-#: the committed privacy–utility grids (issue 18): the claims analysis decides the papers'
-#: utility claims from them (this job's own runs are one seed, too few to decide them)
+#: the committed privacy–utility grids (issue 18), one folder per grid with its
+#: results.jsonl: the claims analysis decides the papers' utility claims from them (this
+#: job's own runs are one seed each, too few to decide them)
 CLAIMS_GRIDS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "claims"
 
 ANALYSES = ("amplification", "exactness", "hetero", "refactorization", "claims")
@@ -164,7 +165,8 @@ def run_job(
             status["analyses"][name] = "missing: analysis not available"
             continue
         _log(f"analysis: {name}")
-        kw = {"grids": [str(CLAIMS_GRIDS)]} if name == "claims" and CLAIMS_GRIDS.is_dir() else {}
+        grids = sorted(str(p.parent) for p in CLAIMS_GRIDS.glob("*/results.jsonl"))
+        kw = {"grids": grids} if name == "claims" and grids else {}
         try:
             doc = mod.run(seed=seed, out=str(adir / name), **kw)
             status["analyses"][name] = "ok"
