@@ -72,8 +72,34 @@ def is_sequential(address: str | None, workers: int, n_tasks: int) -> bool:
     return (address or "").lower() in SEQUENTIAL or resolve_workers(workers, n_tasks) == 1
 
 
+#: the driver's scheduling priority, handed to the local Ray workers
+NICENESS_ENV = "FEDLORA_DRIVER_NICENESS"
+
+
+def match_driver_priority() -> bool:
+    """Give this Ray worker the driver's scheduling priority.
+
+    Ray starts its workers at niceness 15, so on a shared machine a grid's or a
+    shadow's tasks on Ray would get a fraction of the CPU the same work gets in the
+    driver's own process. Lowering a niceness needs the privilege to do so; without it
+    the worker keeps Ray's (the result does not change, only the share of CPU).
+    Returns whether the priority now matches."""
+    want = os.environ.get(NICENESS_ENV)
+    if want is None or not hasattr(os, "getpriority"):
+        return False
+    cur = os.getpriority(os.PRIO_PROCESS, 0)
+    if cur == int(want):
+        return True
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, int(want))
+    except (PermissionError, OSError):
+        return False
+    return True
+
+
 def _with_threads(fn: Callable, arg, threads: int | None):
     """fn(arg) with ``threads`` torch intra-op threads (restored afterwards)."""
+    match_driver_priority()
     if threads is None:
         return fn(arg)
     import torch
@@ -118,6 +144,8 @@ def _init(ray, address: str, num_cpus: int | None) -> None:
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         env = {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env["RAY_USAGE_STATS_ENABLED"] = "0"
+        if hasattr(os, "getpriority"):
+            env[NICENESS_ENV] = str(os.getpriority(os.PRIO_PROCESS, 0))
         ray.init(
             address="local",
             num_cpus=max(usable_cpus(), num_cpus or 0),

@@ -112,3 +112,32 @@ def test_shadows_on_ray_equal_the_sequential_shadows(ray_local, tmp_path, monkey
         b = load_file(str(b_dir / "adapter_model.safetensors"))
         assert a.keys() == b.keys() and a
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _niceness(_):
+    import os
+
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_ray_workers_get_the_drivers_priority(ray_local):
+    """Ray starts its workers at niceness 15; the tasks run at the driver's (where the
+    process may lower a niceness, as root can), else at Ray's."""
+    import os
+
+    driver = os.getpriority(os.PRIO_PROCESS, 0)
+    outs = list(distributed.run_tasks(_niceness, [0, 1], workers=2, address="local"))
+    got = {o.value for o in outs}
+    if os.geteuid() == 0:
+        assert got == {driver}
+    else:
+        assert got <= {driver, 15}
+
+
+def test_match_driver_priority_in_process(monkeypatch):
+    import os
+
+    monkeypatch.delenv(distributed.NICENESS_ENV, raising=False)
+    assert distributed.match_driver_priority() is False  # not a Ray worker: nothing to match
+    monkeypatch.setenv(distributed.NICENESS_ENV, str(os.getpriority(os.PRIO_PROCESS, 0)))
+    assert distributed.match_driver_priority() is True
