@@ -123,23 +123,39 @@ def unmeasured(id_: str, benchmark: str, what: str, kind: str, reason: str) -> d
 
 def _dp_overhead(r: dict, q: bool, dev: str) -> list[dict]:
     out = []
-    for model, m in r["details"].get("per_model", {}).items():
-        name = model.rstrip("/").rsplit("/", 1)[-1]
-        name = "bert-base" if name.startswith("bert-base") else name  # gpu_check.sh's folder
+    d = r["details"]
+    cases = d.get("cases") or [{"model": k, **v} for k, v in d.get("per_model", {}).items()]
+    for m in cases:
+        name = m["model"].rstrip("/").rsplit("/", 1)[-1]
+        name = "bert-base" if name.startswith("bert-base") else name  # the random BERT-base
         prec = m.get("precision", "fp32")
-        id_ = f"dp_step_over_nodp_step/{dev}/{name}" + (f"/{prec}" if dev == "cuda" else "")
-        out.append(
-            entry(
-                id_,
-                r["name"],
-                f"DP-SGD step / non-DP step, {name} (batch {m['batch_size']}, seq {m['seq_len']})",
-                "time",
-                m["ratio"],
-                m["spread"],
-                q,
-                seconds={"baseline": m["nodp_step"], "candidate": m["dp_step"]},
+        tag = f"{dev}/{name}" + (f"/{prec}" if dev == "cuda" else "")
+        shape = f"{name}{' ' + prec if dev == 'cuda' else ''} (batch {m['batch_size']}, seq {m['seq_len']})"
+        rows = [
+            ("dp_step_over_nodp_step", "DP-SGD step / non-DP step", m["spread"], "nodp_step", "dp_step"),
+            ("dp_per_parameter_step_over_nodp_step", "DP-SGD step with the per-parameter clipping and noise (before the fused step) / non-DP step", m.get("per_parameter_over_nodp"), "nodp_step", "dp_per_parameter_step"),
+            ("dp_fused_over_per_parameter_step", "DP-SGD step, fused / per-parameter clipping and noise", m.get("fused_over_per_parameter"), "dp_per_parameter_step", "dp_step"),
+        ]  # fmt: skip
+        for prefix, what, sp, base, cand in rows:
+            if sp is None:
+                continue
+            extra = {"seconds": {"baseline": m[base], "candidate": m[cand]}}
+            if prefix == "dp_step_over_nodp_step" and "noise_draw" in m:
+                extra["noise_draw"] = m["noise_draw"]
+            if prefix == "dp_step_over_nodp_step" and "host_syncs" in m:
+                extra["host_syncs"] = m["host_syncs"]
+            out.append(
+                entry(
+                    f"{prefix}/{tag}",
+                    r["name"],
+                    f"{what}, {shape}",
+                    "time",
+                    sp["median"],
+                    sp,
+                    q,
+                    **extra,
+                )
             )
-        )
     return out
 
 
@@ -198,13 +214,31 @@ def _engine_overhead(r: dict, q: bool, dev: str) -> list[dict]:
         entry(
             "engine_wall_over_local_compute",
             r["name"],
-            "engine wall (minus set-up) / Σ clients' local training, one run each",
+            "engine wall / Σ clients' local training, both less the one-off set-up and "
+            "frozen-prefix caches (one round, one run)",
             "time",
             r["ratio"],
             r["spread"],
             q,
         )
     ]
+    incl = [x["ratio_incl_prefix_cache"] for x in r["details"].get("runs", [])]
+    incl = [v for v in incl if v is not None]
+    if incl:
+        out.append(
+            entry(
+                "engine_wall_over_local_compute_incl_prefix_cache",
+                r["name"],
+                "(engine wall - set-up) / Σ clients' local training, the one-off frozen-prefix "
+                "caches left in (the members' in local training, the test set's in the "
+                "round's evaluation; the definition before 2026-12-01b)",
+                "time",
+                sorted(incl)[len(incl) // 2],
+                {"median": sorted(incl)[len(incl) // 2], "min": min(incl), "max": max(incl),
+                 "n": len(incl)},
+                q,
+            )
+        )  # fmt: skip
     fl = r["details"].get("flower") or {}
     if "wall_over_inprocess" in fl:
         out.append(

@@ -24,7 +24,7 @@ from fl import factors as F
 from fl.config import TrainConfig
 from fl.models import LoraSpec, load_base_model, wrap_lora
 from fl.privacy import rng as R
-from fl.privacy.dpsgd import DpSgdParams, clip_and_noise
+from fl.privacy.dpsgd import DpSgdParams, DpStats, clip_and_noise
 from fl.tokenized import TokenizedData
 
 # Expected and harmless: Opacus' full backward hooks on frozen-input modules, and a
@@ -376,7 +376,8 @@ class LocalTrainer:
         per_sample = privatizer.per_sample
         if per_sample:
             self.gsm.enable_hooks()
-        losses, examples, dp_stats = [], 0, {"mean_norm": [], "frac_clipped": [], "nonfinite": 0}
+        # Losses and DP stats stay on the device until the end (no host sync per step).
+        losses, examples, dp_stats = [], 0, DpStats()
         try:
             for mask in poisson_masks(batch_source, n, q, steps):
                 idx = pos_t[mask]
@@ -391,15 +392,12 @@ class LocalTrainer:
                         logits = net(**batch).logits
                     loss = self.loss_sum(logits, labels)
                     (loss / (1.0 if per_sample else expected)).backward()
-                    losses.append(loss.item() / b)
+                    losses.append((loss.detach(), b))
                 for h in hooks:
                     h.pre(params)
                 st = privatizer(params, b)
                 if st is not None:
-                    if b > 0:
-                        dp_stats["mean_norm"].append(st["mean_norm"])
-                        dp_stats["frac_clipped"].append(st["frac_clipped"])
-                    dp_stats["nonfinite"] += st["nonfinite"]
+                    dp_stats.add(st, b > 0)
                 for h in hooks:
                     h.post(params)
                 opt.step()
@@ -411,11 +409,13 @@ class LocalTrainer:
                 for p in params:
                     p.grad_sample = None
         state = F.get_state(self.model)
-        stats = {
-            k: (float(np.mean(v)) if isinstance(v, list) and v else v) for k, v in dp_stats.items()
-        }
+        losses = [float(loss) / b for loss, b in losses]
         result = TrainResult(
-            state, float(np.mean(losses)) if losses else float("nan"), steps, examples, stats
+            state,
+            float(np.mean(losses)) if losses else float("nan"),
+            steps,
+            examples,
+            dp_stats.summary(),
         )
         return result, opt.state_dict()
 

@@ -9,13 +9,25 @@ adds N(0, (σC)²) to every coordinate and divides by the *expected* batch size 
 
 A per-example gradient whose norm is NaN or Inf contributes zero: a non-finite norm
 must never pass the clipping test as "small".
+
+One fused step (:func:`clip_and_noise`): the per-sample gradients of all trainable
+parameters are concatenated into one (batch × D) matrix, so the step is a handful of
+large operations whatever the number of parameters — one norm per example, one clip
+factor vector, one matrix-vector product Σ_i c_i g_i, one noise vector added — instead
+of a dozen small ones per parameter. The step's statistics stay on the parameters'
+device as 0-dim tensors (:class:`DpStats` accumulates them; reading them once per local
+training is the only host synchronization): nothing in the step converts a device
+value to a Python number or branches on one. The noise is the run's stream drawn
+tensor by tensor in parameter order, exactly as before (the same values), concatenated
+on the host and copied to the device once (pinned, asynchronous on CUDA).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fl.privacy.rng import draw_normal
@@ -96,18 +108,13 @@ def set_noisy_grad(
     p.grad_sample = None
 
 
-def clip_and_noise(
-    params: list[torch.nn.Parameter],
-    dp: DpSgdParams,
-    generator,
-    batch_size: int,
+def clip_and_noise_per_parameter(
+    params: list[torch.nn.Parameter], dp: DpSgdParams, generator, batch_size: int
 ) -> dict:
-    """Replace each param's ``.grad`` with (Σ_i clip(g_i) + N(0, σ²C²I)) / (q·n).
-
-    ``batch_size`` is the realized Poisson batch (may be 0: then only noise).
-    Returns stats: mean per-sample norm, fraction clipped, examples dropped as
-    non-finite.
-    """
+    """The per-parameter path that :func:`clip_and_noise` replaced (the same update up to
+    float summation order, the same noise draws; stats as Python numbers, read from the
+    device every step): a norm, a clipped sum and a noise draw per parameter. Kept as a
+    reference for the tests and as the "before" side of ``fedlora bench dp_overhead``."""
     stats = {"mean_norm": 0.0, "frac_clipped": 0.0, "nonfinite": 0}
     factor = None
     if batch_size > 0:
@@ -118,3 +125,115 @@ def clip_and_noise(
         noise = gaussian_noise(tuple(p.shape), std, generator, p.dtype, p.device)
         set_noisy_grad(p, summed, noise, dp)
     return stats
+
+
+def flat_per_sample(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The per-sample gradients of ``params`` side by side: a (batch × Σ numel) matrix,
+    row i = example i's gradient flattened parameter after parameter, in float32 (or the
+    widest ``grad_sample`` dtype, if wider)."""
+    gss = [p.grad_sample.reshape(p.grad_sample.shape[0], -1) for p in params]
+    dtype = torch.float32
+    for g in gss:
+        dtype = torch.promote_types(dtype, g.dtype)
+    return torch.cat([g.to(dtype) for g in gss], dim=1)
+
+
+def device_clip_factors(norms: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict]:
+    """:func:`clip_factors` without leaving the device: the factors and the step's
+    statistics as 0-dim tensors (``mean_norm`` NaN and ``frac_clipped`` 0 when no norm
+    is finite; ``nonfinite`` an int64 count). No host synchronization."""
+    finite = torch.isfinite(norms)
+    factor = torch.where(
+        finite, torch.clamp(clip / (norms + 1e-6), max=1.0), torch.zeros_like(norms)
+    )
+    count = finite.sum()
+    stats = {
+        # 0/0 = NaN when no norm is finite, as clip_factors reports
+        "mean_norm": torch.where(finite, norms, torch.zeros_like(norms)).sum() / count,
+        "frac_clipped": (finite & (norms > clip)).sum() / count.clamp(min=1),
+        "nonfinite": (~finite).sum(),
+    }
+    return factor, stats
+
+
+def flat_noise(
+    params: list[torch.nn.Parameter], std: float, source, device: torch.device
+) -> torch.Tensor:
+    """One N(0, std²) vector for all ``params``: a draw per parameter from ``source``, in
+    parameter order, each of its shape and dtype (the same values as drawing them one at
+    a time), concatenated on the host and moved to ``device`` in one copy (pinned and
+    asynchronous on CUDA, so the host never waits for the device)."""
+    parts = [
+        gaussian_noise(tuple(p.shape), std, source, p.dtype, "cpu").reshape(-1).float()
+        for p in params
+    ]
+    flat = torch.cat(parts)
+    if device.type == "cuda":
+        return flat.pin_memory().to(device, non_blocking=True)
+    return flat.to(device)
+
+
+def clip_and_noise(
+    params: list[torch.nn.Parameter],
+    dp: DpSgdParams,
+    generator,
+    batch_size: int,
+) -> dict:
+    """Replace each param's ``.grad`` with (Σ_i clip(g_i) + N(0, σ²C²I)) / (q·n), in one
+    fused step over all ``params`` (module doc).
+
+    ``batch_size`` is the realized Poisson batch (may be 0: then only noise; stale
+    ``grad_sample`` is ignored). The noise is always drawn and added. Returns the
+    step's stats as 0-dim tensors on the parameters' device (:func:`device_clip_factors`;
+    zeros for an empty batch); :class:`DpStats` accumulates them without a host sync.
+    """
+    device = params[0].device
+    sizes = [p.numel() for p in params]
+    if batch_size > 0:
+        g = flat_per_sample(params)
+        factor, stats = device_clip_factors(g.square().sum(dim=1).sqrt(), dp.clip)
+        # A row with a finite norm has only finite entries; the others have factor 0,
+        # and 0·NaN = NaN, so their entries are zeroed first.
+        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+        summed = factor.to(g.dtype) @ g
+    else:
+        summed = torch.zeros(sum(sizes), device=device)
+        zero = torch.zeros((), device=device)
+        stats = {"mean_norm": zero, "frac_clipped": zero, "nonfinite": zero.long()}
+    noise = flat_noise(params, dp.noise_multiplier * dp.clip, generator, device)
+    released = summed.add_(noise.to(summed.dtype)).div_(dp.expected_batch)
+    for p, r in zip(params, released.split(sizes)):
+        p.grad = r.view(p.shape).to(p.dtype)
+        p.grad_sample = None
+    return stats
+
+
+@dataclass
+class DpStats:
+    """The DP-SGD statistics of a local training, accumulated step by step without
+    reading them: values (0-dim tensors or numbers) are kept as they come and turned
+    into numbers once, by :meth:`summary`. ``mean_norm`` and ``frac_clipped`` count the
+    steps with a non-empty batch; ``nonfinite`` every step."""
+
+    mean_norm: list = field(default_factory=list)
+    frac_clipped: list = field(default_factory=list)
+    nonfinite: list = field(default_factory=list)
+
+    def add(self, stats: dict, nonempty: bool) -> None:
+        if nonempty:
+            self.mean_norm.append(stats["mean_norm"])
+            self.frac_clipped.append(stats["frac_clipped"])
+        self.nonfinite.append(stats["nonfinite"])
+
+    def summary(self) -> dict:
+        """``mean_norm`` and ``frac_clipped`` averaged over the non-empty steps (an empty
+        list when there was none), ``nonfinite`` summed (an int)."""
+
+        def mean(vals: list):
+            return float(np.mean([float(v) for v in vals])) if vals else []
+
+        return {
+            "mean_norm": mean(self.mean_norm),
+            "frac_clipped": mean(self.frac_clipped),
+            "nonfinite": int(sum(int(v) for v in self.nonfinite)),
+        }

@@ -107,3 +107,136 @@ def test_clip_factors_and_clipped_sum_match_reference():
     expect = sum(ref[i] * torch.nan_to_num(gs[i], nan=0.0) for i in range(5))
     assert torch.allclose(clipped_sum(p, factor), expect, atol=1e-6)
     assert torch.equal(clipped_sum(p, None), torch.zeros(3))
+
+
+# ---- the fused step (one norm, one product, one noise vector) ------------------------
+
+
+def _params_with_nan(seed: int):
+    """Three parameters of different shapes with per-sample gradients of mixed scale
+    (some examples clipped, some not), one NaN and one Inf entry."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(8, 5), (5, 8), (3,)]
+    gss = [torch.randn((6, *s), generator=g) * torch.tensor([0.05, 3, 0.2, 5, 1, 0.1]).view(
+        -1, *([1] * len(s))) for s in shapes]  # fmt: skip
+    gss[0][2, 1, 3] = float("nan")
+    gss[2][4, 0] = float("inf")
+    return gss
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+@pytest.mark.parametrize("b", [0, 6])
+def test_fused_step_equals_per_parameter_path(keyed, b):
+    """Same noise stream, the same released gradient to 1e-6, the same stats, as the
+    per-parameter path it replaced; an empty batch is noise only, bit for bit."""
+    from fl.privacy.dpsgd import clip_and_noise_per_parameter
+    from fl.privacy.rng import NoiseKey
+
+    key = NoiseKey.generate()
+
+    def source():
+        return key.stream("n", 1) if keyed else torch.Generator().manual_seed(5)
+
+    gss = _params_with_nan(0)
+    dp = DpSgdParams(noise_multiplier=1.1, clip=1.0, sample_rate=0.2, expected_batch=6.0)
+    ps = [_param_with_samples(g.clone()) for g in gss]
+    qs = [_param_with_samples(g.clone()) for g in gss]
+    st = clip_and_noise(ps, dp, source(), b)
+    ref = clip_and_noise_per_parameter(qs, dp, source(), b)
+    for p, q in zip(ps, qs):
+        assert p.grad.shape == p.shape and p.grad.dtype == p.dtype and p.grad_sample is None
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-6)
+        if b == 0:
+            assert torch.equal(p.grad, q.grad)
+    assert {k: float(v) for k, v in st.items()} == pytest.approx(ref, rel=1e-6)
+    # the noise alone: zero gradients give (noise / q·n) of the same draws, bit for bit
+    zs = [_param_with_samples(torch.zeros_like(g)) for g in gss]
+    clip_and_noise(zs, dp, source(), 6)
+    s = source()
+    for z in zs:
+        assert torch.equal(z.grad, gaussian_noise(tuple(z.shape), 1.1, s) / 6.0)
+
+
+def test_fused_clip_factors_against_per_example_reference():
+    """The fused step's per-example clipping, example by example in float64: each
+    example's joint norm over all parameters, c_i = min(1, C/(‖g_i‖ + 1e-6)), 0 for a
+    non-finite norm; Σ_i c_i g_i / (q·n) with σ = 0."""
+    from fl.privacy.dpsgd import device_clip_factors, flat_per_sample
+
+    gss = _params_with_nan(1)
+    ps = [_param_with_samples(g.clone()) for g in gss]
+    norms = flat_per_sample(ps).square().sum(dim=1).sqrt()
+    factor, st = device_clip_factors(norms, 0.9)
+    ref_f, ref_n = [], []
+    for i in range(6):
+        sq = sum(float(g[i].double().pow(2).sum()) for g in gss)
+        ref_n.append(math.sqrt(sq))
+        ref_f.append(min(1.0, 0.9 / (math.sqrt(sq) + 1e-6)) if math.isfinite(sq) else 0.0)
+    assert torch.allclose(factor.double(), torch.tensor(ref_f, dtype=torch.float64), rtol=1e-6)
+    fin = [x for x in ref_n if math.isfinite(x)]
+    assert float(st["mean_norm"]) == pytest.approx(sum(fin) / len(fin), rel=1e-6)
+    assert float(st["frac_clipped"]) == pytest.approx(sum(x > 0.9 for x in fin) / len(fin))
+    assert int(st["nonfinite"]) == 2
+    dp = DpSgdParams(0.0, 0.9, 0.5, 3.0)
+    clip_and_noise(ps, dp, None, 6)
+    for p, g in zip(ps, gss):
+        ref = sum(f * torch.nan_to_num(g[i].double(), nan=0.0, posinf=0.0, neginf=0.0)
+                  for i, f in enumerate(ref_f)) / 3.0  # fmt: skip
+        assert torch.allclose(p.grad.double(), ref, rtol=0, atol=1e-6)
+    # no finite norm at all: mean NaN, nothing clipped, every example counted
+    _, st = device_clip_factors(torch.tensor([float("nan"), float("inf")]), 1.0)
+    assert math.isnan(float(st["mean_norm"])) and float(st["frac_clipped"]) == 0.0
+    assert int(st["nonfinite"]) == 2
+
+
+def test_fused_step_accumulates_low_precision_in_float32():
+    from fl.privacy.dpsgd import flat_per_sample
+
+    ps = [_param_with_samples(torch.randn(4, 3).bfloat16()), _param_with_samples(torch.randn(4))]
+    g = flat_per_sample(ps)
+    assert g.dtype == torch.float32 and g.shape == (4, 4)
+    assert torch.equal(g[:, :3], ps[0].grad_sample.float())
+
+
+_SYNCING = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy",
+            "nonzero", "masked_select", "unique", "cpu"}  # fmt: skip
+
+
+def test_fused_step_never_reads_a_device_value():
+    """No host synchronization inside the step: no tensor is turned into a Python
+    number, branched on, indexed by a boolean mask or moved to the host (checked on the
+    CPU with a torch-function mode that sees every tensor call)."""
+    from torch.overrides import TorchFunctionMode
+
+    from fl.privacy.dpsgd import DpStats
+
+    calls = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", str(func))
+            bool_index = name == "__getitem__" and any(
+                isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args[1:]
+            )
+            if name in _SYNCING or bool_index:
+                calls.append(name)
+            return func(*args, **(kwargs or {}))
+
+    dp = DpSgdParams(1.0, 1.0, 0.5, 3.0)
+    acc = DpStats()
+    for b in (6, 0):
+        ps = [_param_with_samples(g.clone()) for g in _params_with_nan(2)]
+        gen = torch.Generator().manual_seed(0)
+        with Watch():
+            st = clip_and_noise(ps, dp, gen, b)
+            acc.add(st, b > 0)
+        assert calls == [], calls
+        assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in st.values())
+        if b:
+            full = {k: float(v) for k, v in st.items()}
+    # read once, at the end: the non-empty step's stats, the non-finite examples summed
+    s = acc.summary()
+    assert s["nonfinite"] == 2 and isinstance(s["nonfinite"], int)
+    assert s["mean_norm"] == full["mean_norm"] and s["frac_clipped"] == full["frac_clipped"]
+    assert 0 < s["frac_clipped"] < 1 and s["mean_norm"] > 0
+    assert DpStats().summary() == {"mean_norm": [], "frac_clipped": [], "nonfinite": 0}

@@ -2,8 +2,10 @@
 
 Each hook against a slow obvious reference, and the whole ``LocalTrainer.train``
 against the monolithic loop it replaced (kept below verbatim as the reference):
-bit-identical (``torch.equal``) for DP-SGD / W-space / no DP with every combination of
-mask, FedProx and SCAFFOLD terms.
+bit-identical (``torch.equal``) for W-space / no DP with every combination of mask,
+FedProx and SCAFFOLD terms; for DP-SGD equal to 1e-6 with the same noise and batches
+(the fused step of :func:`fl.privacy.dpsgd.clip_and_noise` sums over examples and
+parameters in another order than the per-parameter loop it replaced).
 """
 
 import numpy as np
@@ -362,25 +364,40 @@ def test_bit_identical_to_monolithic_loop(engine, privacy, case):
     old, old_opt = run(lambda *a, **k: _monolithic_train(tr, *a, **k))
     a, b = F.flatten_state(new.state), F.flatten_state(old.state)
     assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    if privacy == "dpsgd":  # the fused step: same noise and batches, other summation order
+
+        def same(x, y):
+            return torch.allclose(x, y, rtol=0, atol=1e-6)
+
+    else:
+        same = torch.equal
+    assert all(same(a[k], b[k]) for k in a)
     assert max(float((a[k] - flat[k]).abs().max()) for k in a) > 1e-4  # it trained
-    assert new.dp_stats == old.dp_stats and new.examples == old.examples
-    assert new.loss == old.loss or (np.isnan(new.loss) and np.isnan(old.loss))
+    if privacy == "dpsgd":
+        assert new.dp_stats == pytest.approx(old.dp_stats, rel=1e-5)
+    else:
+        assert new.dp_stats == old.dp_stats
+    assert new.examples == old.examples
+    loss_ok = new.loss == (pytest.approx(old.loss, rel=1e-6) if privacy == "dpsgd" else old.loss)
+    assert loss_ok or (np.isnan(new.loss) and np.isnan(old.loss))
     for k, v in old_opt["state"].items():
         for name, t in v.items():
-            assert torch.equal(new_opt["state"][k][name], t)
+            assert same(new_opt["state"][k][name], t)
     if kw.get("grad_mask"):  # frozen coordinates did not move
         for k, mk in kw["grad_mask"].items():
             assert torch.equal(a[k][mk == 0], flat[k][mk == 0])
 
 
 def test_clip_and_noise_unchanged():
-    """The shared clipping/noise helpers give the old clip_and_noise bit for bit."""
+    """The fused clip_and_noise gives the old one's update (same noise) to 1e-6, and
+    its stats; an empty batch gives the old update bit for bit (noise only)."""
     for b in (0, 6):
         ps, _ = _params(6)
         qs, _ = _params(6)
         dp = DpSgdParams(1.3, 0.8, 0.5, 4.0)
         st = clip_and_noise(ps, dp, torch.Generator().manual_seed(1), b)
         st_old = _legacy_clip_and_noise(qs, dp, torch.Generator().manual_seed(1), b)
-        assert st == st_old
-        assert all(torch.equal(p.grad, q.grad) for p, q in zip(ps, qs))
+        assert {k: float(v) for k, v in st.items()} == pytest.approx(st_old, rel=1e-6)
+        assert all(torch.allclose(p.grad, q.grad, rtol=0, atol=1e-6) for p, q in zip(ps, qs))
+        if b == 0:
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(ps, qs))
