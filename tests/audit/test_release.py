@@ -61,6 +61,9 @@ PUBLIC_MANIFEST = {
         k: SCALAR
         for k in (
             "name",
+            "task",
+            "lm_format",  # causal-lm: text or instruction (which fields the data file has)
+            "precision",
             "pooling",
             "head_init",
             "lora_layers",
@@ -119,9 +122,18 @@ PUBLIC_MANIFEST = {
         "n_nonmembers": SCALAR,
         "n_test": SCALAR,
     },
-    "metrics": {"final": {"accuracy": SCALAR, "balanced_accuracy": SCALAR, "loss": SCALAR}},
+    "metrics": {
+        "final": {
+            "accuracy": SCALAR,
+            "balanced_accuracy": SCALAR,
+            "loss": SCALAR,
+            "perplexity": SCALAR,  # causal-lm: test perplexity
+        }
+    },
 }
-METRICS_ROW = {k: SCALAR for k in ("round", "accuracy", "balanced_accuracy", "loss", "epsilon")}
+METRICS_ROW = {
+    k: SCALAR for k in ("round", "accuracy", "balanced_accuracy", "loss", "perplexity", "epsilon")
+}
 BUNDLE_FILES = {
     "adapter/adapter_config.json",
     "adapter/adapter_model.safetensors",
