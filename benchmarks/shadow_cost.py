@@ -25,7 +25,9 @@ from an empty process cache (what a fresh ``fedlora attack`` call pays):
   shadow at any K can be read off: before ≈ train + encode/2, after ≈ train + encode/K.
 
 Ratio: per-shadow seconds after / before (paired by repetition); the uncached and
-encode figures are in ``details``.
+encode figures are in ``details``, and the same in CPU seconds of this process
+(``cpu_*``: all sides run here, so they hold all the work; on a shared machine they
+move much less with the others' load than wall seconds).
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def run(quick: bool, device: str = "cpu") -> dict:
         }
         if not quick:
             sides["uncached"] = lambda: shadows(uncached_cfg, K_UNCACHED, False)
-        times = harness.interleaved({k: _logged(k, f) for k, f in sides.items()}, reps, 0)
+        cpu: dict[str, list[float]] = {k: [] for k in sides}
+        times = harness.interleaved({k: _logged(k, f, cpu[k]) for k, f in sides.items()}, reps, 0)
     before = [t / K for t in times["before"]]
     after = [t / K for t in times["after"]]
     spread = harness.paired_ratio(before, after)
@@ -121,6 +124,12 @@ def run(quick: bool, device: str = "cpu") -> dict:
         "seconds_per_shadow_before": harness.summarize(before),
         "seconds_per_shadow_after": harness.summarize(after),
         "seconds_encode_pool": harness.summarize(times["encode"]),
+        # CPU seconds of this process (every side runs here): on a shared machine they move
+        # much less with the other processes' load than wall seconds do
+        "cpu_seconds_per_shadow_before": harness.summarize([t / K for t in cpu["before"]]),
+        "cpu_seconds_per_shadow_after": harness.summarize([t / K for t in cpu["after"]]),
+        "cpu_seconds_encode_pool": harness.summarize(cpu["encode"]),
+        "cpu_after_over_before": harness.paired_ratio(cpu["before"], cpu["after"]),
     }
     if not quick:
         enc = float(np.median(times["encode"]))
@@ -156,14 +165,20 @@ def run(quick: bool, device: str = "cpu") -> dict:
     )
 
 
-def _logged(name: str, fn):
-    """``fn`` that prints its wall seconds to stderr (a long benchmark shows progress)."""
+def _logged(name: str, fn, cpu: list[float]):
+    """``fn`` that appends its CPU seconds (this process, all threads) to ``cpu`` and
+    prints them with its wall seconds to stderr (a long benchmark shows progress)."""
     import sys
     import time
 
     def call():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        print(f"shadow_cost: {name} {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        cpu.append(time.process_time() - c0)
+        print(
+            f"shadow_cost: {name} {time.perf_counter() - t0:.1f}s wall, {cpu[-1]:.1f}s CPU",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return call
