@@ -114,7 +114,7 @@ def check_setup(cfg, method_cls) -> list[str]:
         from fl.base_pretrain import base_corpus
 
         corpus = base_corpus(path)
-        if corpus is not None and cfg.dataset.startswith(corpus):
+        if corpus is not None and cfg.dataset == corpus:
             warnings.append(
                 f"warning: the base {path} was pretrained on {corpus!r}, the dataset of this run: "
                 "members and non-members may be pretraining text, so membership results on this "

@@ -174,4 +174,10 @@ def test_base_pretrain_writes_a_folder_that_train_accepts(tmp_path):
     assert man["model"]["task"] == "causal-lm" and math.isfinite(man["metrics"]["final"]["loss"])
     log = (tmp_path / "run" / "run.log").read_text()
     assert "pretrained on" not in log  # tweets are not the pretraining corpus
+    train(
+        tiny_lm_config(model=str(out), dataset="bbc", members=20, max_length=32),
+        tmp_path / "bbc",
+        quiet=True,
+    )
+    assert "pretrained on 'bbc'" in (tmp_path / "bbc" / "run.log").read_text()
     assert main(["base", "pretrain", "--out", str(out), "--steps", "1", "--no-progress"]) == 2
