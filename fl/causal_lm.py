@@ -161,7 +161,29 @@ def autocast(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-@torch.no_grad()
+def _scored_batches(model, data, batch_size: int, device, precision: str, adapter: bool = True):
+    """Yield (example indices, logits, labels, nll, mask) over ``data`` in batches of
+    similar length (shortest first), without gradients, in eval mode (restored after),
+    with the adapter disabled when ``adapter`` is False."""
+    device = torch.device(device)
+    was = model.training
+    model.eval()
+    order = torch.argsort(data.lengths, stable=True)
+    ctx = contextlib.nullcontext() if adapter else adapter_off(model)
+    try:
+        with ctx, torch.no_grad():
+            for s in range(0, len(data), batch_size):
+                idx = order[s : s + batch_size]
+                batch = data.batch(idx, device)
+                labels = batch.pop("labels")
+                with autocast(device, precision):
+                    logits = model(**batch).logits
+                nll, mask = token_nll(logits, labels)
+                yield idx, logits, labels, nll, mask
+    finally:
+        model.train(was)
+
+
 def token_logprobs(
     model: torch.nn.Module,
     data,
@@ -174,25 +196,12 @@ def token_logprobs(
     ``data`` (an :class:`fl.lm_data.LmTokenizedData`), in data order, as float64 arrays
     (example i's array has ``data.targets[i]`` entries). ``adapter=False`` scores with
     the base model (the adapter disabled). The model is put in eval mode and back."""
-    device = torch.device(device)
-    was = model.training
-    model.eval()
     out: list[np.ndarray | None] = [None] * len(data)
-    order = torch.argsort(data.lengths, stable=True)
-    ctx = contextlib.nullcontext() if adapter else adapter_off(model)
-    try:
-        with ctx:
-            for s in range(0, len(data), batch_size):
-                idx = order[s : s + batch_size]
-                batch = data.batch(idx, device)
-                labels = batch.pop("labels")
-                with autocast(device, precision):
-                    logits = model(**batch).logits
-                nll, mask = token_nll(logits, labels)
-                for j, i in enumerate(idx.tolist()):
-                    out[i] = (-nll[j][mask[j]]).double().cpu().numpy()
-    finally:
-        model.train(was)
+    for idx, _, _, nll, mask in _scored_batches(
+        model, data, batch_size, device, precision, adapter
+    ):
+        for j, i in enumerate(idx.tolist()):
+            out[i] = (-nll[j][mask[j]]).double().cpu().numpy()
     return out  # type: ignore[return-value]
 
 
@@ -201,26 +210,12 @@ def evaluate(
 ) -> dict:
     """Token-weighted test loss, perplexity = exp(loss), next-token top-1 accuracy and
     the number of target tokens of ``data`` (module doc)."""
-    device = torch.device(device)
-    was = model.training
-    model.eval()
     nll_sum, correct, tokens = 0.0, 0, 0
-    order = torch.argsort(data.lengths, stable=True)
-    try:
-        with torch.no_grad():
-            for s in range(0, len(data), batch_size):
-                idx = order[s : s + batch_size]
-                batch = data.batch(idx, device)
-                labels = batch.pop("labels")
-                with autocast(device, precision):
-                    logits = model(**batch).logits
-                nll, mask = token_nll(logits, labels)
-                nll_sum += float(nll[mask].double().sum())
-                pred = logits[:, :-1].argmax(-1)
-                correct += int((pred == labels[:, 1:])[mask].sum())
-                tokens += int(mask.sum())
-    finally:
-        model.train(was)
+    for _, logits, labels, nll, mask in _scored_batches(model, data, batch_size, device, precision):
+        nll_sum += float(nll[mask].double().sum())
+        pred = logits[:, :-1].argmax(-1)
+        correct += int((pred == labels[:, 1:])[mask].sum())
+        tokens += int(mask.sum())
     loss = nll_sum / max(tokens, 1)
     return {
         "loss": loss,
