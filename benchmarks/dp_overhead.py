@@ -17,8 +17,9 @@ batch 32 (expected Poisson batch q·n = 32), sequence length 64 (every text fill
 64 tokens), the default LoRA set-up (rank 8 on query/value of the top
 ``TrainConfig.lora_layers`` layers over the frozen-prefix cache, and the head);
 tiny-bert and minilm on the CPU; on CUDA minilm and ``bert-base-random`` (BERT-base
-sized, 110M parameters, random weights built here from a config: no download), each in
-fp32 and bf16 autocast in the same run. On CUDA each case also counts the host
+sized, 110M parameters, random weights built here from a config: no download), in fp32,
+or bf16 autocast, or both in the same run (``FEDLORA_BENCH_PRECISIONS=fp32,bf16``, as
+``benchmarks/gpu_dp_step.sh`` runs it). On CUDA each case also counts the host
 synchronizations (``torch.cuda.set_sync_debug_mode``) inside the DP step's privatizer
 and in a whole local training.
 
@@ -155,8 +156,8 @@ def dp_params(batch_size: int, n: int, sigma: float = 1.0, clip: float = 1.0):
 
 
 def precisions(device: str) -> list[str]:
-    """fp32 on the CPU; fp32 and bf16 on CUDA (``FEDLORA_BENCH_PRECISIONS`` overrides,
-    ``FEDLORA_BENCH_BF16=1`` means bf16 only)."""
+    """fp32 (``FEDLORA_BENCH_BF16=1`` on CUDA: bf16); ``FEDLORA_BENCH_PRECISIONS=fp32,bf16``
+    measures both in one run (``benchmarks/gpu_dp_step.sh``)."""
     env = os.environ.get("FEDLORA_BENCH_PRECISIONS")
     if env:
         out = [p for p in env.split(",") if p]
@@ -166,7 +167,7 @@ def precisions(device: str) -> list[str]:
         return out
     if not device.startswith("cuda"):
         return ["fp32"]
-    return ["bf16"] if os.environ.get("FEDLORA_BENCH_BF16") == "1" else ["fp32", "bf16"]
+    return ["bf16"] if os.environ.get("FEDLORA_BENCH_BF16") == "1" else ["fp32"]
 
 
 def _autocast(device: str, precision: str | None = None):

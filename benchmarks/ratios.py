@@ -399,11 +399,11 @@ def ratio_list(doc: dict) -> list[dict]:
                     unmeasured(id_, bench, what, kind, "not in this mode's workload (--quick)")
                 )
     why = (
-        "needs a CUDA device; this run was on the CPU (benchmarks/gpu_check.sh measures it; "
-        "an H200 run: benchmarks/results/h200-2026-11-30/)"
+        "needs a CUDA device; this run was on the CPU (benchmarks/gpu_dp_step.sh measures it "
+        "in one call; an H200 run before the fused DP step: benchmarks/results/h200-2026-11-30/)"
         if dev != "cuda"
-        else "not in this call (gpu_check.sh runs dp_overhead with FEDLORA_BENCH_DP_MODELS "
-        "and FEDLORA_BENCH_BF16=1)"
+        else "not in this call (benchmarks/gpu_dp_step.sh runs dp_overhead with "
+        "FEDLORA_BENCH_DP_MODELS=minilm,bert-base-random, fp32 and bf16)"
     )
     have = {e["id"] for e in out}
     out += [

@@ -177,3 +177,19 @@ def test_noise_source_quick_details():
         assert d["noise_us"] > 0 and d["mask_us"] > 0 and d["two_streams_us"] > 0
         assert d["step_draw_us"] == pytest.approx(d["noise_us"] + d["mask_us"])
     assert m["ratio_from_draws"] > 0
+
+
+def test_readme_performance_table_is_its_committed_file():
+    """The README's Performance section names a committed bench.json and quotes the
+    table that file renders (benchmarks.readme), so its figures are measured ones."""
+    import re
+    from pathlib import Path
+
+    from benchmarks import readme
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Performance", 1)[1].split("\n## ", 1)[0]
+    (path,) = set(re.findall(r"`(benchmarks/results/[^`]+/bench\.json)`", section))
+    doc = json.loads((root / path).read_text(encoding="utf-8"))
+    assert readme.table(doc) in section
