@@ -20,8 +20,8 @@ The primary metric is balanced accuracy: tweets is 70 % positive, so plain accur
 rewards predicting the majority class. Plain accuracy is given beside it.
 
 Membership inference "near chance": an attack's AUC interval (bootstrap, from the attack
-itself) lies below ``0.5 + MIA_MARGIN`` on every seed: holds; its lower end above that on
-any seed: does not hold; otherwise inconclusive.
+itself) lies below ``0.5 + MIA_MARGIN`` on every seed, with at least 3 seeds attacked:
+holds; its lower end above that on any seed: does not hold; otherwise inconclusive.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def mia_claims(rows: Sequence[dict]) -> list[dict]:
         los = [_auc_ci(x)[0] for x in runs]
         if any(lo is not None and lo > 0.5 + MIA_MARGIN for lo in los):
             holds: bool | None = False
-        elif ups and all(u is not None and u < 0.5 + MIA_MARGIN for u in ups):
+        elif len(ups) >= 3 and all(u is not None and u < 0.5 + MIA_MARGIN for u in ups):
             holds = True
         else:
             holds = None

@@ -210,3 +210,11 @@ def test_mia_rows_merge_into_their_runs(tmp_path):
     assert cell["n"] == 3 and cell["balanced_mean"] == pytest.approx(0.8)
     by = {c["id"]: c for c in doc["claims"]}
     assert by["mia_near_chance:loss:ffa/eps8"]["verdict"] == "holds"
+
+
+def test_mia_needs_three_attacked_runs(tmp_path):
+    atk = {"loss": {"auc": 0.5, "ci": {"auc": [0.47, 0.53]}}}
+    rows = [_row("claims-fedask", "ffa/eps8", s, 0.8, attacks=atk) for s in range(2)]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    by = {c["id"]: c for c in U.decide([tmp_path])["claims"]}
+    assert by["mia_near_chance:loss:ffa/eps8"]["verdict"] == "inconclusive"
