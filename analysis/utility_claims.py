@@ -399,8 +399,9 @@ def plot(doc: dict, out) -> dict[str, str] | None:
                 label=method, lw=1,
             )  # fmt: skip
         ax.set_xscale("log")
-        ticks = finite + [x_nodp]
-        ax.set_xticks(ticks, [f"{t:g}" for t in finite] + ["no DP"])
+        nodp = any(not math.isfinite(x) for pts in methods.values() for x, _ in pts)
+        ticks = finite + ([x_nodp] if nodp else [])
+        ax.set_xticks(ticks, [f"{t:g}" for t in finite] + (["no DP"] if nodp else []))
         ax.minorticks_off()
         ax.set_xlabel("ε (sample level)" if "fedpower" not in grid else "ε (client level)")
         ax.set_ylabel("balanced accuracy (mean, 95% CI)")
