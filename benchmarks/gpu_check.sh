@@ -12,23 +12,9 @@
 # Exits 2 with a clear message when no CUDA device is present (nothing is trained).
 set -u -o pipefail
 
-if [ $# -ne 1 ]; then
-  echo "usage: $0 RESULTS_DIR" >&2
-  exit 2
-fi
-OUT="$1"
-cd "$(dirname "$0")/.." || exit 2
-PY="${PYTHON:-}"
-if [ -z "$PY" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  echo "gpu_check: no CUDA device available to $PY (torch.cuda.is_available() is False);" \
-       "this script needs an NVIDIA GPU and a CUDA build of torch — nothing was run" >&2
-  exit 2
-fi
+# shellcheck source=benchmarks/gpu_common.sh
+source "$(dirname "$0")/gpu_common.sh"
+gpu_prelude gpu_check "$@"
 
 mkdir -p "$OUT" || exit 2
 OUT="$(cd "$OUT" && pwd)"
