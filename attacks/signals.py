@@ -255,7 +255,14 @@ def load_adapter_model(
 def model_logits(
     model, tokenizer, texts, max_length: int, device, batch_size: int = 128, progress=False
 ) -> np.ndarray:
-    """(n, C) float32 logits, batched; each batch is trimmed to its longest sequence."""
+    """(n, C) float32 logits in the order of ``texts``, batched shortest first: each
+    batch holds texts of similar length and is padded only to its longest (a text's
+    logits do not depend on its batch, up to float rounding)."""
+    texts = list(texts)
+    if not texts:
+        return np.zeros((0, 2), np.float32)
+    ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    order = np.argsort([len(x) for x in ids], kind="stable")
     out = []
     starts = range(0, len(texts), batch_size)
     if progress:
@@ -264,7 +271,7 @@ def model_logits(
         starts = tqdm(starts, desc="signals", unit="batch", leave=False)
     for s in starts:
         enc = tokenizer(
-            list(texts[s : s + batch_size]),
+            [texts[i] for i in order[s : s + batch_size]],
             padding=True,
             truncation=True,
             max_length=max_length,
@@ -272,7 +279,10 @@ def model_logits(
         )
         enc = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
         out.append(model(**enc).logits.float().cpu().numpy())
-    return np.concatenate(out) if out else np.zeros((0, 2), np.float32)
+    logits = np.concatenate(out)
+    result = np.empty_like(logits)
+    result[order] = logits
+    return result
 
 
 def adapter_signals(

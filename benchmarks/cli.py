@@ -24,6 +24,7 @@ from fl.errors import UsageError
 
 BENCHMARKS = (
     "dp_overhead",
+    "length_buckets",
     "noise_source",
     "fedask_clip",
     "engine_overhead",

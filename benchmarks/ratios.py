@@ -66,6 +66,9 @@ REQUIRED: dict[str, list[tuple[str, str, str]]] = {
     "noise_source": [
         ("keyed_over_seeded_step/cpu/minilm", "time", "keyed CSPRNG DP step / seeded DP step"),
     ],
+    "length_buckets": [
+        ("length_buckets_over_single_pass", "time", "DP-SGD step, length buckets / one pass")
+    ],
     "attacks": [("shadow_over_plain_run", "time", "one shadow model / one plain run")],
     "fedask_clip": [("wspace_over_bspace_clip", "time", "W-space / B-space clipping step")],
     "accounting": [("pld_over_rdp_calibration", "time", "PLD / RDP noise calibration")],
@@ -344,6 +347,21 @@ def _shadow_cost(r: dict, q: bool, dev: str) -> list[dict]:
     ]
 
 
+def _length_buckets(r: dict, q: bool, dev: str) -> list[dict]:
+    d = r["details"]
+    return [
+        entry(
+            "length_buckets_over_single_pass",
+            r["name"],
+            f"DP-SGD step with length buckets / one padded pass, {d.get('model')} on tweets",
+            "time",
+            r["ratio"],
+            r["spread"],
+            q,
+        )
+    ]
+
+
 def _accounting(r: dict, q: bool, dev: str) -> list[dict]:
     return [
         entry(
@@ -360,6 +378,7 @@ def _accounting(r: dict, q: bool, dev: str) -> list[dict]:
 
 EXTRACT: dict[str, Callable[[dict, bool, str], list[dict]]] = {
     "dp_overhead": _dp_overhead,
+    "length_buckets": _length_buckets,
     "noise_source": _noise_source,
     "fedask_clip": _fedask_clip,
     "engine_overhead": _engine_overhead,

@@ -133,6 +133,12 @@ class TrainConfig:
         "compute the frozen layers below the LoRA layers once per example and train from "
         "the cached hidden states (BERT-family models; same outputs up to float rounding)",
     )
+    length_buckets: bool = _f(
+        True,
+        "on the CPU, run each training batch as a few sub-batches of similar length, each "
+        "padded only to its own longest sequence (per-example gradients unchanged up to "
+        "float rounding; about a third less compute on tweets). GPUs: one pass per batch",
+    )
     client_ranks: str = _f(
         "", "heterogeneous ranks: draw each client's rank from this set, e.g. 4,8,16"
     )

@@ -54,3 +54,40 @@ class TokenizedData:
         else:
             out["input_ids"] = self.input_ids[idx, :L].to(device)
         return out
+
+
+def length_chunks(lengths: np.ndarray, overhead_tokens: float) -> list[np.ndarray]:
+    """Split a batch into sub-batches of similar length, each padded only to its own
+    longest sequence: positions into ``lengths`` (shortest first), one array per
+    sub-batch, together a permutation of ``range(len(lengths))``.
+
+    The split minimizes Σ_chunks (examples × longest length) + ``overhead_tokens`` ×
+    chunks, the padded tokens computed plus a fixed cost per forward/backward pass
+    expressed in tokens (exact dynamic programme over the distinct lengths, O(m²) for
+    m ≤ max_length of them). ``overhead_tokens`` = inf gives one chunk.
+    """
+    lengths = np.asarray(lengths)
+    n = len(lengths)
+    if n == 0:
+        return []
+    order = np.argsort(lengths, kind="stable")
+    vals, starts = np.unique(lengths[order], return_index=True)
+    ends = np.r_[starts[1:], n]
+    m = len(vals)
+    if m == 1 or not np.isfinite(overhead_tokens):
+        return [order]
+    best = np.full(m + 1, np.inf)
+    best[0] = 0.0
+    first = np.zeros(m + 1, dtype=np.int64)  # first group (1-based) of the last chunk
+    for j in range(1, m + 1):
+        # a last chunk of groups i..j (1-based) holds ends[j-1] - starts[i-1] examples
+        cost = best[:j] + (ends[j - 1] - starts[:j]) * float(vals[j - 1]) + overhead_tokens
+        i = int(np.argmin(cost))
+        best[j], first[j] = cost[i], i + 1
+    cuts = []
+    j = m
+    while j > 0:
+        i = first[j]
+        cuts.append((starts[i - 1], ends[j - 1]))
+        j = i - 1
+    return [order[a:b] for a, b in reversed(cuts)]

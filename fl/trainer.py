@@ -25,7 +25,7 @@ from fl.config import TrainConfig
 from fl.models import LoraSpec, load_base_model, wrap_lora
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams, DpStats, clip_and_noise
-from fl.tokenized import TokenizedData
+from fl.tokenized import TokenizedData, length_chunks
 
 # Expected and harmless: Opacus' full backward hooks on frozen-input modules, and a
 # transformers deprecation notice inside peft; they would drown the progress output.
@@ -38,6 +38,16 @@ def poisson_masks(source, n: int, q: float, steps: int) -> list[torch.Tensor]:
     U_{t,i} < q, with U from the noise stream ``source`` (secret: the amplification by
     sampling holds only if nobody can predict the batches)."""
     return [R.bernoulli_mask(source, n, q) for _ in range(steps)]
+
+
+def _join_grad_samples(params: list[torch.nn.Parameter]) -> None:
+    """After several backward passes on one batch, Opacus leaves each parameter's
+    per-sample gradients as a list, one tensor per pass; join them into one
+    (examples × shape) tensor, the rows of every parameter in the same example order."""
+    for p in params:
+        gs = getattr(p, "grad_sample", None)
+        if isinstance(gs, list):
+            p.grad_sample = torch.cat(gs, dim=0)
 
 
 @dataclass
@@ -385,14 +395,20 @@ class LocalTrainer:
                 examples += b
                 opt.zero_grad(set_to_none=True)
                 if b > 0:
-                    batch = data.batch(idx, self.device)
-                    labels = batch.pop("labels")
                     net = self.gsm if per_sample else self.model
-                    with causal_lm.autocast(self.device, cfg.precision):
-                        logits = net(**batch).logits
-                    loss = self.loss_sum(logits, labels)
-                    (loss / (1.0 if per_sample else expected)).backward()
-                    losses.append((loss.detach(), b))
+                    loss = 0.0
+                    chunks = self._chunks(data, idx)
+                    for chunk in chunks:
+                        batch = data.batch(chunk, self.device)
+                        labels = batch.pop("labels")
+                        with causal_lm.autocast(self.device, cfg.precision):
+                            logits = net(**batch).logits
+                        part = self.loss_sum(logits, labels)
+                        (part / (1.0 if per_sample else expected)).backward()
+                        loss = loss + part.detach()
+                    if per_sample and len(chunks) > 1:
+                        _join_grad_samples(params)
+                    losses.append((loss, b))
                 for h in hooks:
                     h.pre(params)
                 st = privatizer(params, b)
@@ -418,6 +434,26 @@ class LocalTrainer:
             dp_stats.summary(),
         )
         return result, opt.state_dict()
+
+    #: the fixed cost of one forward/backward pass on the CPU, in padded tokens: the
+    #: length buckets' trade-off (:func:`fl.tokenized.length_chunks`). Measured on
+    #: minilm's top layer, batch 128 of tweets at 48 tokens, one thread: 256 gave 3
+    #: sub-batches and 0.70× the single pass's step time; 0 (35 sub-batches) 0.85×.
+    BUCKET_OVERHEAD_TOKENS = 256.0
+
+    def _chunks(self, data: TokenizedData, idx: torch.Tensor) -> list[torch.Tensor]:
+        """The sub-batches of one training batch (``length_buckets``, CPU only): an
+        example's gradient does not depend on the other examples of its pass nor on
+        padding beyond its own length, so only the float rounding changes."""
+        if (
+            not self.cfg.length_buckets
+            or self.device.type != "cpu"
+            or len(idx) < 2
+            or data.cache_kind == "features"  # pooled features: nothing is padded
+        ):
+            return [idx]
+        parts = length_chunks(data.lengths[idx].numpy(), self.BUCKET_OVERHEAD_TOKENS)
+        return [idx[torch.as_tensor(p, dtype=torch.long)] for p in parts]
 
     def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """SGD or AdamW with two parameter groups: the LoRA factors at ``lr``, the head

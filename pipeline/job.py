@@ -37,6 +37,9 @@ class Preset:
     shadows: int = 4
     attack_runs: tuple = ("fedavg-nodp",)  # the other runs get the loss attack only
     canaries: int = 100  # inserted in the run with canaries=-1 (RUNS)
+    #: training runs at once: > 1 runs them as Ray tasks of one torch thread each (on 2
+    #: cores two one-thread runs finish sooner than two two-thread runs in turn)
+    train_workers: int = 1
 
 
 PRESETS: dict[str, Preset] = {
@@ -59,6 +62,7 @@ PRESETS: dict[str, Preset] = {
         | dict(max_length=48, clients=5, rounds=3, eval_every=3, local_steps=20, batch_size=128)
         | dict(lr=1e-3, head_lr=3e-2, lora_layers=1, pooling="auto", head_init="zero")
         | dict(rank=8, alpha=16.0),
+        train_workers=2,
     ),
 }
 
@@ -83,6 +87,19 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def train_run(task: tuple) -> dict:
+    """One training run of the job, ``(config dict, run directory, quiet)``: a Ray task
+    when the preset trains runs at once. Returns the run's accuracy and ε."""
+    from fl.engine import train
+
+    cfg, out, quiet = task
+    m = train(TrainConfig.from_dict(cfg), out, quiet=quiet)
+    return {
+        "accuracy": m["metrics"]["final"].get("accuracy"),
+        "epsilon": m["privacy"]["epsilon"]["pld"],
+    }
+
+
 def run_job(
     preset: str = "default", out: str = "reports/latest", seed: int = 0, progress: bool = True
 ) -> dict:
@@ -94,7 +111,7 @@ def run_job(
         raise UsageError(f"output directory {outp} is not empty; choose a new --out")
     outp.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    from fl.engine import train
+    from fl.distributed import run_tasks
     from fl.methods import registry
 
     status: dict = {"preset": preset, "runs": {}, "attacks": {}, "analyses": {}, "errors": []}
@@ -104,6 +121,8 @@ def run_job(
     for name, method, _ in RUNS:
         if method not in registry.names():
             status["runs"][name] = "missing: method not available"
+    parallel = spec.train_workers > 1 and len(todo) > 1
+    tasks = []
     for i, (name, method, over) in enumerate(todo, 1):
         base = dict(spec.base)
         if preset == "default" and method == "plora":
@@ -112,20 +131,41 @@ def run_job(
         if over.pop("canaries", 0) == -1:
             over["canaries"] = spec.canaries
             over["nonmembers"] = max(base["nonmembers"], spec.canaries + 50)
-        cfg = TrainConfig(**{**base, **over, "method": method, "seed": seed, "progress": progress})
+        cfg = TrainConfig(
+            **{
+                **base,
+                **over,
+                "method": method,
+                "seed": seed,
+                "progress": progress and not parallel,
+            }
+        )
         _log(
             f"[{i}/{len(todo)}] training {name} ({method}, {cfg.dp_level} DP, {cfg.model}/{cfg.dataset})"
+            + (" (queued)" if parallel else "")
         )
-        rd = outp / "runs" / name
-        try:
-            m = train(cfg, rd, quiet=not progress)
-        except Exception as exc:  # noqa: BLE001 - reported, job exits non-zero
-            status["runs"][name] = f"failed: {type(exc).__name__}: {exc}"
-            status["errors"].append(f"train {name}: {traceback.format_exc(limit=3)}")
+        tasks.append((cfg.to_dict(), str(outp / "runs" / name), not cfg.progress))
+    outcomes = {}
+    for oc in run_tasks(
+        train_run,
+        tasks,
+        workers=spec.train_workers if parallel else 1,
+        threads=1 if parallel else None,
+        retries=0,  # a half-written run directory is not retried into
+        report=_log,
+    ):
+        name = todo[oc.index][0]
+        outcomes[oc.index] = oc
+        if parallel:
+            _log(f"trained {name}" if oc.ok else f"training {name} failed: {oc.error}")
+    for i, (name, _, _) in enumerate(todo):
+        oc = outcomes[i]
+        if not oc.ok:  # reported, job exits non-zero
+            status["runs"][name] = f"failed: {oc.error or oc.skipped}"
+            status["errors"].append(f"train {name}: {oc.error or oc.skipped}")
             continue
-        eps = m["privacy"]["epsilon"]["pld"]
-        status["runs"][name] = {"accuracy": m["metrics"]["final"].get("accuracy"), "epsilon": eps}
-        run_dirs.append(rd)
+        status["runs"][name] = oc.value
+        run_dirs.append(Path(tasks[i][1]))
 
     # --- attacks
     try:

@@ -35,3 +35,35 @@ def test_mean_pooled_run_reloads_with_mean_pooling(tmp_path):
     other = model_logits(wrong, load_tokenizer(cfg.model), texts, cfg.max_length, "cpu")
     assert not np.allclose(logits, other, atol=1e-4)
     assert json.loads((out / "manifest.json").read_text())["model"]["pooling"] == "mean"
+
+
+def test_model_logits_sorted_batches_equal_one_text_at_a_time():
+    """model_logits batches texts shortest first and puts the logits back in the
+    texts' order: each row equals the text scored alone (no padding at all)."""
+    import torch
+
+    from fl.models import LoraSpec, load_base_model, wrap_lora
+
+    net = load_base_model("tiny-bert", 2, seed=0, pooling="mean", head_init="random")
+    model = wrap_lora(net, LoraSpec(4, 8.0), seed=0).eval()
+    tok = load_tokenizer("tiny-bert")
+    texts = [
+        "a much longer sentence that goes on and on about nothing in particular",
+        "short",
+        "the cat sat on the mat",
+        "yes",
+        "federated learning with differential privacy and adapters",
+    ] * 3
+    got = model_logits(model, tok, texts, 24, "cpu", batch_size=4)
+    with torch.no_grad():
+        ref = np.concatenate(
+            [
+                model(**tok([t], truncation=True, max_length=24, return_tensors="pt"))
+                .logits.float()
+                .numpy()
+                for t in texts
+            ]
+        )
+    assert got.shape == (len(texts), 2)
+    assert np.allclose(got, ref, atol=1e-5)
+    assert model_logits(model, tok, [], 24, "cpu").shape == (0, 2)

@@ -141,3 +141,35 @@ def test_match_driver_priority_in_process(monkeypatch):
     assert distributed.match_driver_priority() is False  # not a Ray worker: nothing to match
     monkeypatch.setenv(distributed.NICENESS_ENV, str(os.getpriority(os.PRIO_PROCESS, 0)))
     assert distributed.match_driver_priority() is True
+
+
+def test_main_job_trains_its_runs_at_once_on_ray(ray_local, tmp_path, monkeypatch):
+    """A preset with train_workers > 1 trains its runs as Ray tasks: every run directory
+    is complete, the job's status holds each manifest's accuracy and ε, in RUNS order."""
+    from pipeline import job
+
+    base = dict(job.PRESETS["quick"].base) | dict(
+        members=80, nonmembers=20, test=30, clients=2, rounds=1, local_steps=2
+    )
+    monkeypatch.setitem(
+        job.PRESETS,
+        "quick",
+        job.Preset(base=base, attacks=("loss",), attack_runs=(), canaries=5, train_workers=2),
+    )
+    runs = (
+        ("fedavg-nodp", "fedavg", dict()),
+        ("fedavg-eps8", "fedavg", dict(dp_level="sample", epsilon=8.0)),
+    )
+    monkeypatch.setattr(job, "RUNS", runs)
+    monkeypatch.setattr(job, "ANALYSES", ())
+    st = job.run_job("quick", str(tmp_path / "job"), seed=0, progress=False)
+    assert st["errors"] == [], st["errors"]
+    assert list(st["runs"]) == ["fedavg-nodp", "fedavg-eps8"]
+    for name, _, _ in runs:
+        m = json.loads((tmp_path / "job" / "runs" / name / "manifest.json").read_text())
+        assert st["runs"][name] == {
+            "accuracy": m["metrics"]["final"]["accuracy"],
+            "epsilon": m["privacy"]["epsilon"]["pld"],
+        }
+    assert st["runs"]["fedavg-eps8"]["epsilon"] <= 8.0
+    assert st["runs"]["fedavg-nodp"]["epsilon"] is None
