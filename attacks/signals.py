@@ -261,6 +261,9 @@ def model_logits(
     texts = list(texts)
     if not texts:
         return np.zeros((0, 2), np.float32)
+    cached = _prefix_logits(model, tokenizer, texts, max_length, device, batch_size)
+    if cached is not None:
+        return cached
     ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
     order = np.argsort([len(x) for x in ids], kind="stable")
     out = []
@@ -282,6 +285,40 @@ def model_logits(
     logits = np.concatenate(out)
     result = np.empty_like(logits)
     result[order] = logits
+    return result
+
+
+@torch.no_grad()
+def _prefix_logits(model, tokenizer, texts, max_length, device, batch_size):
+    """Logits over the frozen-prefix cache, or None when ``model`` has no frozen prefix
+    (not a BERT-family classifier of ``fl.heads``, or LoRA in its lowest layer).
+
+    When the adapter's LoRA sits in the top layers only, the layers below are the base
+    model's own, whatever the adapter: their hidden states are computed once per process
+    for the same base and texts (``fl.heads.FrozenPrefix.encode_cached``) and every
+    adapter scored on those texts (the target, each shadow) runs only its top layers:
+    the same logits up to float rounding (``tests/fl/test_heads.py``)."""
+    from fl.heads import BertClassifier, FrozenPrefix
+    from fl.tokenized import TokenizedData
+
+    get_base = getattr(model, "get_base_model", None)
+    net = get_base() if callable(get_base) else None
+    if not isinstance(net, BertClassifier):
+        return None
+    prefix = FrozenPrefix(model, net, frozen_encoder=False, use_cache=True)
+    if not prefix.enabled:
+        return None
+    data = TokenizedData(texts, np.zeros(len(texts), dtype=np.int64), tokenizer, max_length)
+    prefix.check(data)
+    order = torch.argsort(data.lengths, stable=True)
+    out = []
+    for s in range(0, len(texts), batch_size):
+        batch = data.batch(order[s : s + batch_size], device)
+        batch.pop("labels")
+        out.append(model(**batch).logits.float().cpu().numpy())
+    logits = np.concatenate(out)
+    result = np.empty_like(logits)
+    result[order.numpy()] = logits
     return result
 
 

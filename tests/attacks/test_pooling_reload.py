@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from attacks.signals import adapter_pooling, load_adapter_model, model_logits
 from fl.data import load_dataset, split_dataset
@@ -37,15 +38,23 @@ def test_mean_pooled_run_reloads_with_mean_pooling(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["model"]["pooling"] == "mean"
 
 
-def test_model_logits_sorted_batches_equal_one_text_at_a_time():
+@pytest.mark.parametrize("top_layers", [None, 1])
+def test_model_logits_sorted_batches_equal_one_text_at_a_time(top_layers):
     """model_logits batches texts shortest first and puts the logits back in the
-    texts' order: each row equals the text scored alone (no padding at all)."""
+    texts' order: each row equals the text scored alone (no padding at all). With LoRA
+    on the top layer only, it runs over the frozen-prefix cache, built once per process
+    for these texts."""
     import torch
 
+    from attacks import signals
     from fl.models import LoraSpec, load_base_model, wrap_lora
 
     net = load_base_model("tiny-bert", 2, seed=0, pooling="mean", head_init="random")
-    model = wrap_lora(net, LoraSpec(4, 8.0), seed=0).eval()
+    model = wrap_lora(net, LoraSpec(4, 8.0, top_layers=top_layers), seed=0).eval()
+    with torch.no_grad():  # non-zero B: the adapter changes the logits
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
     tok = load_tokenizer("tiny-bert")
     texts = [
         "a much longer sentence that goes on and on about nothing in particular",
@@ -66,4 +75,6 @@ def test_model_logits_sorted_batches_equal_one_text_at_a_time():
         )
     assert got.shape == (len(texts), 2)
     assert np.allclose(got, ref, atol=1e-5)
+    via_prefix = signals._prefix_logits(model, tok, texts, 24, "cpu", 4)
+    assert (via_prefix is None) == (top_layers is None)
     assert model_logits(model, tok, [], 24, "cpu").shape == (0, 2)
