@@ -110,6 +110,12 @@ class SpaceDpSgd:
     def __call__(self, params: list[torch.nn.Parameter], batch_size: int) -> dict:
         return self.transform(params, self.dp, self.noise, batch_size)
 
+    def end_pass(self) -> None:
+        """A forward/backward pass of the step ended (see :meth:`LocalTrainer.run`)."""
+        end = getattr(self.transform, "end_pass", None)
+        if end is not None:
+            end()
+
 
 class Hook:
     """A post-privacy hook; every method is optional. ``names``: the flat state keys
@@ -384,6 +390,7 @@ class LocalTrainer:
             h.start(params, flat_names)
         pos_t = torch.as_tensor(positions, dtype=torch.long)
         per_sample = privatizer.per_sample
+        end_pass = getattr(privatizer, "end_pass", None)
         if per_sample:
             self.gsm.enable_hooks()
         # Losses and DP stats stay on the device until the end (no host sync per step).
@@ -406,6 +413,8 @@ class LocalTrainer:
                         part = self.loss_sum(logits, labels)
                         (part / (1.0 if per_sample else expected)).backward()
                         loss = loss + part.detach()
+                        if end_pass is not None:  # a transform that keeps per-pass state
+                            end_pass()
                     if per_sample and len(chunks) > 1:
                         _join_grad_samples(params)
                     losses.append((loss, b))

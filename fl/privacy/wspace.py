@@ -115,6 +115,7 @@ class WSpaceClipper:
         self._x: dict[str, list[torch.Tensor]] = {}
         self._g: dict[str, dict[int, torch.Tensor]] = {}
         self._nb: dict[str, int] = {}  # lora_B forward calls this step, per layer
+        self._passes: dict[str, list[torch.Tensor]] = {}  # per-example ‖·‖² of ended passes
         self._bkey = {id(v[3]): k for k, v in layers.items()}
         self._akey = {id(v[2]): k for k, v in layers.items()}
         self.last_norms: torch.Tensor | None = None
@@ -159,6 +160,28 @@ class WSpaceClipper:
         self._x = {}
         self._g = {}
         self._nb = {}
+        self._passes = {}
+
+    def end_pass(self) -> None:
+        """One forward/backward pass of the step is over. A step may run its batch as
+        several passes over disjoint sub-batches (the trainer's length buckets): each
+        pass's per-example norms are computed from its own activations (its sequence
+        length) and kept; the step's norms are the passes' concatenated in pass order,
+        the order of Opacus' joined ``grad_sample`` rows."""
+        for key in list(self._x):
+            v = self.layer_sq_norms(key)
+            if v is not None:
+                self._passes.setdefault(key, []).append(v)
+        self._x, self._g, self._nb = {}, {}, {}
+
+    def _step_sq_norms(self, key: str) -> torch.Tensor | None:
+        """The step's per-example ‖∂l_i/∂W‖_F² of one layer: the ended passes', then the
+        current pass's (a caller that never calls :meth:`end_pass` has one pass)."""
+        parts = list(self._passes.get(key, []))
+        current = self.layer_sq_norms(key)
+        if current is not None:
+            parts.append(current)
+        return torch.cat(parts) if parts else None
 
     def _fwd_a(self, key):
         def hook(_mod, inputs, _out):
@@ -228,7 +251,7 @@ class WSpaceClipper:
         if batch_size > 0:
             sq = None
             for p in bparams:
-                v = self.layer_sq_norms(self._bkey[id(p)])
+                v = self._step_sq_norms(self._bkey[id(p)])
                 if v is None:
                     raise RuntimeError(
                         f"W-space clipping: no activations for layer {self._bkey[id(p)]!r} "

@@ -4,6 +4,7 @@ per-example gradients and DP-SGD step."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -14,8 +15,9 @@ from fl import factors as F
 from fl.config import TrainConfig
 from fl.privacy.dpsgd import DpSgdParams
 from fl.privacy.rng import SeededSource
+from fl.privacy.wspace import WSpaceClipper
 from fl.tokenized import TokenizedData, length_chunks
-from fl.trainer import DpSgd, LocalTrainer, NoPrivacy
+from fl.trainer import DpSgd, LocalTrainer, NoPrivacy, SpaceDpSgd
 
 
 def _brute_force_cost(lengths: np.ndarray, overhead: float) -> float:
@@ -104,8 +106,10 @@ def _trainer(buckets: bool, lora_layers: int) -> LocalTrainer:
 
 
 @pytest.mark.parametrize("lora_layers", [0, 1])  # uncached, and over the prefix cache
-@pytest.mark.parametrize("private", [True, False])
+@pytest.mark.parametrize("private", [True, False, "wspace"])
 def test_buckets_give_the_single_pass_training(monkeypatch, lora_layers, private):
+    """Whole local trainings: DP-SGD in parameter space, FedASK's W-space clipping (its
+    per-example norms come from its own activation hooks, per pass) and no DP."""
     texts = TEXTS * 3
     labels = np.arange(len(texts)) % 2
     out, passes, starts = {}, {}, {}
@@ -126,22 +130,29 @@ def test_buckets_give_the_single_pass_training(monkeypatch, lora_layers, private
 
         data = TokenizedData(texts, labels, load_tokenizer("tiny-bert"), 24)
         start = F.clone_state(tr.initial_state())
-        if private:
-            dp = DpSgdParams(noise_multiplier=0.7, clip=0.5, sample_rate=0.5, expected_batch=12.0)
+        dp = DpSgdParams(noise_multiplier=0.7, clip=0.5, sample_rate=0.5, expected_batch=12.0)
+        trainable = {"A", "B", "head"}
+        clipper = contextlib.nullcontext()
+        if private == "wspace":
+            clipper = WSpaceClipper.from_model(tr.model, tr.scaling)
+            privatizer = SpaceDpSgd(dp, SeededSource(1, ("noise",)), clipper)
+            trainable = {"B", "head"}  # W-space clipping keeps A fixed
+        elif private:
             privatizer = DpSgd(dp, SeededSource(1, ("noise",)))
         else:
             privatizer = NoPrivacy()
-        res, _ = tr.run(
-            start,
-            data,
-            np.arange(len(texts)),
-            steps=4,
-            trainable={"A", "B", "head"},
-            privatizer=privatizer,
-            hooks=[],
-            batch_source=SeededSource(2, ("batches",)),
-            dropout_seed=0,
-        )
+        with clipper:
+            res, _ = tr.run(
+                start,
+                data,
+                np.arange(len(texts)),
+                steps=4,
+                trainable=trainable,
+                privatizer=privatizer,
+                hooks=[],
+                batch_source=SeededSource(2, ("batches",)),
+                dropout_seed=0,
+            )
         out[buckets], passes[buckets], starts[buckets] = res, seen, start
     assert max(passes[False]) == 1
     assert max(passes[True]) > 1  # the buckets did split the batches
