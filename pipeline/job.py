@@ -6,8 +6,9 @@ Presets:
 
 - ``quick``: tiny-bert on synthetic text (about 2–3 minutes on 2 CPU cores); what the
   test suite runs end to end.
-- ``default``: all-MiniLM-L6-v2 on the tweets corpus (about 15–16 minutes on 2 CPU
-  cores: 935 s measured; its DP runs use the set-up of docs/learning.md).
+- ``default``: all-MiniLM-L6-v2 on the tweets corpus (about 10–11 minutes on 2 quiet CPU
+  cores: 623 s measured; its DP runs use the set-up of docs/learning.md; its six
+  training runs go two at a time as Ray tasks).
 
 A stage that cannot run (a method or package that does not exist) is reported as
 missing in the report; a stage that fails is reported with its error, and the job
@@ -50,7 +51,7 @@ PRESETS: dict[str, Preset] = {
         | dict(rank=4, alpha=8.0, head_init="random", head_lr=0.0, lora_layers=0),
         canaries=40,
     ),
-    # all-MiniLM-L6-v2 on the tweets corpus, within about 15 minutes on 2 CPU cores
+    # all-MiniLM-L6-v2 on the tweets corpus, about 10-11 minutes on 2 quiet CPU cores
     # (presets are stated in full: they do not follow TrainConfig's defaults; the fields
     # they do not name do). The DP set-up of issue 18: mean pooling (minilm's own), zero
     # head, LoRA on the top layer over a cached frozen prefix, LoRA lr 1e-3 and head lr
