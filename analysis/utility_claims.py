@@ -179,8 +179,13 @@ def _eps_tags(table: dict, grid: str) -> list[str]:
     return dp + (["nodp"] if "nodp" in tags else [])
 
 
-def fedask_claims(table: dict) -> list[dict]:
-    grid, out = "claims-fedask", []
+def _cid_prefix(grid: str, home: str) -> str:
+    """Claim ids of a grid's second data set (claims-bbc) carry its name."""
+    return "" if grid == home else grid.removeprefix("claims-") + ":"
+
+
+def fedask_claims(table: dict, grid: str = "claims-fedask") -> list[dict]:
+    out, pre = [], _cid_prefix(grid, "claims-fedask")
     for tag in _eps_tags(table, grid):
         if tag == "nodp":
             continue
@@ -192,7 +197,7 @@ def fedask_claims(table: dict) -> list[dict]:
                 grid,
                 f"fedask-{clip}/{tag}",
                 f"ffa/{tag}",
-                f"fedask_beats_ffa:{clip}:eps{eps}",
+                f"{pre}fedask_beats_ffa:{clip}:eps{eps}",
                 FEDASK,
                 f"Under DP (ε = {eps}), FedASK (clip space {clip}) is more accurate than FFA-LoRA.",
                 {**setting, "clip_space": clip},
@@ -204,7 +209,7 @@ def fedask_claims(table: dict) -> list[dict]:
                 grid,
                 f"ffa/{tag}",
                 f"fedavg/{tag}",
-                f"ffa_beats_fedavg:eps{eps}",
+                f"{pre}ffa_beats_fedavg:eps{eps}",
                 FEDASK,
                 f"Under DP (ε = {eps}), FFA-LoRA is more accurate than FedAvg-LoRA.",
                 setting,
@@ -217,7 +222,7 @@ def fedask_claims(table: dict) -> list[dict]:
                     grid,
                     f"{m}/{tag}",
                     f"probe/{tag}",
-                    f"{m}_beats_probe:eps{eps}",
+                    f"{pre}{m}_beats_probe:eps{eps}",
                     "baseline (issue 18)",
                     f"At ε = {eps}, DP-LoRA ({m}) is more accurate than the DP linear probe.",
                     setting,
@@ -264,8 +269,9 @@ def fedpower_claims(table: dict) -> list[dict]:
 
 
 def hetero_claims(table: dict, grid: str = "claims-hetero") -> list[dict]:
-    out = []
-    conds = sorted({g.split("/", 1)[1] for (gr, g) in table if gr == grid})
+    out, pre = [], _cid_prefix(grid, "claims-hetero")
+    # groups method/partition/privacy (claims-bbc also holds the FedASK groups method/privacy)
+    conds = sorted({g.split("/", 1)[1] for (gr, g) in table if gr == grid and g.count("/") == 2})
     for cond in conds:
         part, tag = cond.rsplit("/", 1)
         setting = {"partition": part, "privacy": tag, "metric": METRIC}
@@ -276,7 +282,7 @@ def hetero_claims(table: dict, grid: str = "claims-hetero") -> list[dict]:
                     grid,
                     f"plora/{cond}",
                     f"{other}/{cond}",
-                    f"plora_beats_{other}:{part}:{tag}",
+                    f"{pre}plora_beats_{other}:{part}:{tag}",
                     PLORA,
                     f"Fed-PLoRA is more accurate than {other} ({part}, {tag}).",
                     setting,
@@ -337,7 +343,7 @@ def decide(dirs: Sequence[str | Path]) -> dict:
     table = cells(rows)
     acc = cells(rows, "accuracy")
     claims = [*fedask_claims(table), *fedpower_claims(table), *hetero_claims(table)]
-    claims += hetero_claims(table, "claims-bbc")
+    claims += fedask_claims(table, "claims-bbc") + hetero_claims(table, "claims-bbc")
     claims += mia_claims(rows)
     cell_rows = []
     for (grid, group), c in sorted(table.items()):

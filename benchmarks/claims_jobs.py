@@ -185,8 +185,39 @@ CLAIMS_CLIENTS = dict(
     head_lr=0.0,
     eval_every=5,
 )
-#: the client-level clip bound of each method, chosen on the non-member pool
+#: clip bounds tried by claims-fedpower-tune, at ε = 6 on seed 100 (not an evaluation seed)
+TUNE_CLIPS = (0.3, 1.0, 3.0)
+CLIENT_METHODS = ("fedpower", "ffa", "fedavg")
+#: the client-level clip bound of each method, chosen on the non-member pool by
+#: claims-fedpower-tune (:func:`best_clips`)
 CLIENT_CLIP = {"fedpower": 1.0, "fedavg": 1.0, "ffa": 1.0}
+
+
+def jobs_fedpower_tune(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
+    """The client-level clip bound of each method at ε = 6, seed ``TUNE_SEED``, scored
+    on the non-member pool (``val_balanced_accuracy``)."""
+    out = []
+    for clip in TUNE_CLIPS:
+        for method in CLIENT_METHODS:
+            cfg = {**CLAIMS_CLIENTS, "method": method, "clip": clip, **(overrides or {})}
+            cfg.update(seed=TUNE_SEED, dp_level="client", epsilon=6.0)
+            group = f"{method}/clip{clip:g}"
+            out.append({"grid": "claims-fedpower-tune", "group": group, "cfg": cfg})
+    return out
+
+
+def best_clips(rows: list[dict]) -> dict[str, float]:
+    """Per method of claims-fedpower-tune: the clip bound with the highest
+    val_balanced_accuracy (ties: the smaller bound)."""
+    best: dict[str, tuple[float, float]] = {}
+    for r in rows:
+        if r.get("grid") != "claims-fedpower-tune" or r.get("val_balanced_accuracy") is None:
+            continue
+        name, clip = r["group"].split("/clip")
+        key = (r["val_balanced_accuracy"], -float(clip))
+        if name not in best or key > best[name]:
+            best[name] = key
+    return {k: -v[1] for k, v in best.items()}
 
 
 def jobs_fedpower(base: dict, seeds, overrides: dict | None = None) -> list[dict]:
@@ -228,6 +259,7 @@ GRIDS = {
     "claims-tune": jobs_tune,
     "claims-fedask": jobs_fedask,
     "claims-hetero": jobs_hetero,
+    "claims-fedpower-tune": jobs_fedpower_tune,
     "claims-fedpower": jobs_fedpower,
     "claims-bbc": jobs_bbc,
 }

@@ -48,19 +48,30 @@ def head_param_map(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def get_state(model: torch.nn.Module) -> dict:
-    """Copy of the model's LoRA factors and head (detached, cloned, on CPU)."""
+ParamMaps = tuple[dict[str, dict[str, torch.nn.Parameter]], dict[str, torch.nn.Parameter]]
+
+
+def param_maps(model: torch.nn.Module) -> ParamMaps:
+    """(:func:`lora_param_map`, :func:`head_param_map`) of ``model``: computed once by a
+    caller that loads states often (a walk over the model's modules costs milliseconds)."""
+    return lora_param_map(model), head_param_map(model)
+
+
+def get_state(model: torch.nn.Module, maps: ParamMaps | None = None) -> dict:
+    """Copy of the model's LoRA factors and head (detached, cloned, on CPU). ``maps``:
+    the model's :func:`param_maps`, when the caller holds them."""
+    fmap, hmap = param_maps(model) if maps is None else maps
     factors = {
-        k: {ab: p.detach().to("cpu", copy=True) for ab, p in v.items()}
-        for k, v in lora_param_map(model).items()
+        k: {ab: p.detach().to("cpu", copy=True) for ab, p in v.items()} for k, v in fmap.items()
     }
-    head = {k: p.detach().to("cpu", copy=True) for k, p in head_param_map(model).items()}
+    head = {k: p.detach().to("cpu", copy=True) for k, p in hmap.items()}
     return {"factors": factors, "head": head}
 
 
-def set_state(model: torch.nn.Module, state: dict) -> None:
-    """Load factors and head into the model in place (shapes must match)."""
-    fmap, hmap = lora_param_map(model), head_param_map(model)
+def set_state(model: torch.nn.Module, state: dict, maps: ParamMaps | None = None) -> None:
+    """Load factors and head into the model in place (shapes must match). ``maps``: as
+    in :func:`get_state`."""
+    fmap, hmap = param_maps(model) if maps is None else maps
     with torch.no_grad():
         for k, ab in state["factors"].items():
             if k not in fmap:

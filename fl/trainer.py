@@ -288,6 +288,7 @@ class LocalTrainer:
         self.gsm.disable_hooks()
         self.lora = F.lora_param_map(self.model)
         self.head = F.head_param_map(self.model)
+        self._in_train_mode = False  # see run()
         self._hook_key = frozenset({"A", "B", "head"})
 
     def _ensure_hooks(self, trainable: set[str]) -> None:
@@ -303,8 +304,11 @@ class LocalTrainer:
         self.gsm.disable_hooks()
         self._hook_key = key
 
+    def _maps(self) -> F.ParamMaps:
+        return self.lora, self.head
+
     def initial_state(self) -> dict:
-        return F.get_state(self.model)
+        return F.get_state(self.model, self._maps())
 
     def _set_trainable(self, trainable: set[str]) -> list[torch.nn.Parameter]:
         params = []
@@ -373,13 +377,20 @@ class LocalTrainer:
         secret stream for this client's Poisson batches. dropout_seed: public.
         """
         cfg = self.cfg
-        F.set_state(self.model, start)
+        F.set_state(self.model, start, self._maps())
         self.prefix.check(data)
         self._ensure_hooks(trainable)
         params = self._set_trainable(trainable)
         flat_names = self._flat_names(params)
-        self.model.train()
-        torch.manual_seed(dropout_seed)
+        # train() walks every module (milliseconds a client): only when something may
+        # have switched a module to eval since this trainer last set train mode.
+        if not (self._in_train_mode and self.model.training):
+            self.model.train()
+            self._in_train_mode = True
+        if self.device.type == "cpu":  # the CPU generator is the one dropout draws from
+            torch.default_generator.manual_seed(dropout_seed)
+        else:
+            torch.manual_seed(dropout_seed)
         n = len(positions)
         q = min(1.0, cfg.batch_size / n)
         expected = q * n
@@ -433,7 +444,7 @@ class LocalTrainer:
                 self.gsm.disable_hooks()
                 for p in params:
                     p.grad_sample = None
-        state = F.get_state(self.model)
+        state = F.get_state(self.model, self._maps())
         losses = [float(loss) / b for loss, b in losses]
         result = TrainResult(
             state,
@@ -503,8 +514,9 @@ class LocalTrainer:
 
     @torch.no_grad()
     def evaluate(self, state: dict, data: TokenizedData, batch_size: int) -> dict:
-        F.set_state(self.model, state)
+        F.set_state(self.model, state, self._maps())
         self.prefix.check(data)
+        self._in_train_mode = False
         if self.causal:
             return causal_lm.evaluate(self.model, data, batch_size, self.device, self.cfg.precision)
         self.model.eval()

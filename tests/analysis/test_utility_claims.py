@@ -218,3 +218,30 @@ def test_mia_needs_three_attacked_runs(tmp_path):
     (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     by = {c["id"]: c for c in U.decide([tmp_path])["claims"]}
     assert by["mia_near_chance:loss:ffa/eps8"]["verdict"] == "inconclusive"
+
+
+def test_bbc_grid_holds_both_comparisons_and_fedpower_claims(tmp_path):
+    """claims-bbc mixes FedASK groups (method/privacy) and hetero groups
+    (method/partition/privacy): each family is decided under ids prefixed ``bbc:``.
+    claims-fedpower: FedPower against FFA / FedAvg and PowerDP against input / output."""
+    rows = []
+    for s in range(3):
+        rows += [
+            _row("claims-bbc", "fedask-w/eps8", s, 0.90 + 0.001 * s),
+            _row("claims-bbc", "ffa/eps8", s, 0.85 + 0.001 * s),
+            _row("claims-bbc", "plora/iid/eps8", s, 0.80 + 0.002 * s),
+            _row("claims-bbc", "flora/iid/eps8", s, 0.80 + 0.001 * s - 0.02),
+            _row("claims-fedpower", "fedpower/eps6", s, 0.75 + 0.001 * s),
+            _row("claims-fedpower", "ffa/eps6", s, 0.80 + 0.001 * s),
+            _row(
+                "claims-fedpower", "fedpower-input/eps6", s, 0.75 + 0.001 * s + (0.03, -0.03, 0)[s]
+            ),
+        ]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    by = {c["id"]: c for c in U.decide([tmp_path])["claims"]}
+    assert by["bbc:fedask_beats_ffa:w:eps8"]["verdict"] == "holds"
+    assert by["bbc:plora_beats_flora:iid:eps8"]["verdict"] == "holds"
+    assert "fedask_beats_ffa:w:eps8" not in by  # claims-fedask did not run
+    assert by["fedpower_beats_ffa:eps6"]["verdict"] == "does not hold"
+    assert by["powerdp_beats_input:eps6"]["verdict"] == "inconclusive"
+    assert by["powerdp_beats_input:eps6"]["setting"]["level"] == "client"

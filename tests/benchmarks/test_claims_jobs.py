@@ -74,6 +74,18 @@ def test_other_claims_grids(lrs):
     for j in fp:
         cfg = TrainConfig(**j["cfg"])
         assert cfg.dp_level == "client" and cfg.clients >= 1000
+    tune = C.jobs_fedpower_tune({}, [0, 1])
+    assert {j["cfg"]["clip"] for j in tune} == set(C.TUNE_CLIPS)
+    assert {j["cfg"]["seed"] for j in tune} == {C.TUNE_SEED}  # not an evaluation seed
+    assert {j["cfg"]["epsilon"] for j in tune} == {6.0}
+    rows = [
+        {"grid": "claims-fedpower-tune", "group": "ffa/clip0.3", "val_balanced_accuracy": 0.6},
+        {"grid": "claims-fedpower-tune", "group": "ffa/clip3", "val_balanced_accuracy": 0.7},
+        {"grid": "claims-fedpower-tune", "group": "ffa/clip1", "val_balanced_accuracy": 0.7},
+        {"grid": "claims-fedpower-tune", "group": "fedavg/clip1", "val_balanced_accuracy": None},
+        {"grid": "claims-fedpower", "group": "fedavg/clip3", "val_balanced_accuracy": 0.9},
+    ]
+    assert C.best_clips(rows) == {"ffa": 1.0}  # a tie goes to the smaller bound
     bbc = C.jobs_bbc({}, [0])
     assert {j["grid"] for j in bbc} == {"claims-bbc"}
     assert all(j["cfg"]["dataset"] == "bbc" for j in bbc)
