@@ -33,7 +33,7 @@ def test_grid_sizes_and_unique_keys():
     # 2 privacy x 2 partitions x 5 methods x 3 seeds; 4 attack targets; 8 recipes x 2.
     # dplearn: 3 ε x 3 candidates x 3 seeds. The claims grids (benchmarks.claims_jobs):
     # tune 13 lrs; fedask 3 ε x 5 variants x 3 seeds + 4 non-private; hetero 2 privacy x
-    # 3 partitions x 4 methods x 3 seeds; fedpower (3 x 3 + 2) x 3 and its tuning 3 clips x
+    # 3 partitions x 4 methods x 3 seeds; fedpower (3 x 3 + 2) x 3 and its tuning 5 clips x
     # 3 methods; bbc 5 x 3 + 72.
     assert sizes == {
         "fedask": 36,
@@ -45,7 +45,7 @@ def test_grid_sizes_and_unique_keys():
         "claims-tune": 13,
         "claims-fedask": 49,
         "claims-hetero": 72,
-        "claims-fedpower-tune": 9,
+        "claims-fedpower-tune": 15,
         "claims-fedpower": 33,
         "claims-bbc": 87,
     }
