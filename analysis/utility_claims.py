@@ -252,6 +252,8 @@ def fedpower_claims(table: dict) -> list[dict]:
                 )
             )
         for pert in ("input", "output"):
+            if (grid, f"fedpower-{pert}/{tag}") not in table:
+                continue  # the perturbation comparison ran at this ε only if its cell did
             out.append(
                 compare(
                     table,

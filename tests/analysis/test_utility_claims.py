@@ -245,3 +245,4 @@ def test_bbc_grid_holds_both_comparisons_and_fedpower_claims(tmp_path):
     assert by["fedpower_beats_ffa:eps6"]["verdict"] == "does not hold"
     assert by["powerdp_beats_input:eps6"]["verdict"] == "inconclusive"
     assert by["powerdp_beats_input:eps6"]["setting"]["level"] == "client"
+    assert "powerdp_beats_output:eps6" not in by  # no output-perturbation cell ran
