@@ -8,7 +8,15 @@ import dataclasses
 import json
 from pathlib import Path
 
-from fl.config import RUNTIME_FIELDS, TrainConfig, field_choices, load_toml, parse_opt_value
+from fl.config import (
+    RUNTIME_FIELDS,
+    TrainConfig,
+    field_choices,
+    field_type,
+    load_toml,
+    number,
+    parse_opt_value,
+)
 from fl.errors import UsageError
 
 
@@ -39,7 +47,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(
                 flag,
                 dest=f.name,
-                type=type(default),
+                # a float field with an integer default (clients_per_round) takes both
+                type=number if field_type(f) is not type(default) else type(default),
                 choices=choices,
                 default=argparse.SUPPRESS,
                 metavar=f.name.upper(),

@@ -348,13 +348,34 @@ def result_fields() -> tuple[str, ...]:
 RUNTIME_FIELDS: tuple[str, ...] = runtime_fields("run")
 
 
-def _coerce(f, v):
+def number(text: str) -> int | float:
+    """A count or a fraction from the command line: ``"3"`` → 3, ``"0.5"`` → 0.5."""
+    t = str(text).strip()
+    if t.lstrip("-").isdigit():
+        return int(t)
+    try:
+        return float(t)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+
+
+def field_type(f) -> type:
+    """The type a config field's values are coerced to: its annotation where that is a
+    plain ``int``, ``float``, ``bool`` or ``str`` (``clients_per_round: float`` has the
+    integer default 0 but takes fractions), else the default's type."""
+    name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     default = f.default if f.default is not MISSING else None
+    return {"int": int, "float": float, "bool": bool, "str": str}.get(name, type(default))
+
+
+def _coerce(f, v):
     if f.name == "opts":
         if not isinstance(v, dict):
             raise UsageError("config field 'opts' must be a table")
         return dict(v)
-    typ = type(default)
+    typ = field_type(f)
+    if typ is float and isinstance(v, int) and not isinstance(v, bool):
+        return v  # a count stays an int (config.json round-trips unchanged)
     if typ is bool:
         if isinstance(v, bool):
             return v

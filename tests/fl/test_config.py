@@ -95,3 +95,24 @@ def test_client_fingerprint_ignores_client_runtime_fields_only():
     for k, v in (("device", "cpu"), ("progress", False), ("transport", "flower")):
         assert config_key({**base, k: v}) == key
     assert config_key({**base, "lr": 0.1}) != key
+
+
+def test_clients_per_round_takes_a_fraction_or_a_count_from_files_and_flags():
+    """clients_per_round is a float field with the integer default 0: a config.json or
+    TOML value 0.5 (client-level grids write one) and ``--clients-per-round 0.5`` load; a
+    count stays an int, so config.json round-trips unchanged."""
+    from fl.config import TrainConfig
+
+    assert TrainConfig.from_dict({"clients": 10, "clients_per_round": 0.5}).clients_per_round == 0.5
+    c = TrainConfig.from_dict({"clients": 10, "clients_per_round": 3})
+    assert c.clients_per_round == 3 and isinstance(c.clients_per_round, int)
+    assert TrainConfig.from_dict(c.to_dict()).to_dict() == c.to_dict()
+    with pytest.raises(UsageError, match="clients_per_round"):
+        TrainConfig.from_dict({"clients_per_round": "half"})
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    assert p.parse_args(["--clients-per-round", "0.25"]).clients_per_round == 0.25
+    n = p.parse_args(["--clients-per-round", "4"]).clients_per_round
+    assert n == 4 and isinstance(n, int)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--clients-per-round", "half"])
