@@ -374,8 +374,12 @@ def _coerce(f, v):
             raise UsageError("config field 'opts' must be a table")
         return dict(v)
     typ = field_type(f)
-    if typ is float and isinstance(v, int) and not isinstance(v, bool):
-        return v  # a count stays an int (config.json round-trips unchanged)
+    if typ is float and isinstance(f.default, int) and isinstance(v, int):
+        # a float field with an integer default (clients_per_round): a count stays an
+        # int, so config.json round-trips unchanged
+        if isinstance(v, bool):
+            raise UsageError(f"config field {f.name!r} must be a number, got {v!r}")
+        return v
     if typ is bool:
         if isinstance(v, bool):
             return v
