@@ -61,7 +61,11 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="method option (repeatable), validated against the method's options",
     )
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file with any of the fields above")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file with any of the fields above, or a run's config.json",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -10,6 +10,7 @@ run audit).
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -407,9 +408,20 @@ def _coerce(f, v):
 
 
 def load_toml(path: str) -> dict:
+    """The fields of a config file: TOML (a ``[train]`` table or top-level keys) or, for
+    a name ending in ``.json``, a JSON object such as a run directory's ``config.json``
+    (so that a run can be repeated with ``--config RUN/config.json --seed ...``)."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"config file not found: {path}")
+    if p.suffix.lower() == ".json":
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{path}: invalid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise UsageError(f"{path}: a JSON config must be an object of fields")
+        return data
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

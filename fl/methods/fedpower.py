@@ -121,6 +121,7 @@ class AggregateResult:
     subspace_error: {layer: sin of the largest principal angle} (max of the left and
       right subspaces) between the released rank-r factors and the non-private
       truncated SVD of the same clipped average.
+    diagnostics: {layer: :func:`subspace_diagnostics`} (error, error_top1, gap_to_noise).
     """
 
     factors: dict
@@ -129,6 +130,7 @@ class AggregateResult:
     norms: torch.Tensor
     clip_factors: torch.Tensor
     subspace_error: dict
+    diagnostics: dict = field(default_factory=dict)
 
 
 def joint_clip(
@@ -171,12 +173,56 @@ def subspace_error(
     """sin of the largest principal angle between the released rank-r subspaces
     (col(B), row(A)) and the top-r singular subspaces (U_r, V_r) of W̄ = Σ p_k B_k A_k
     (factored SVD; max of left and right). NaN if W̄ has rank < r (undefined)."""
+    return subspace_diagnostics(B, A, Bs, As, weights, rank)["error"]
+
+
+def subspace_diagnostics(
+    B: torch.Tensor,
+    A: torch.Tensor,
+    Bs: list[torch.Tensor],
+    As: list[torch.Tensor],
+    weights,
+    rank: int,
+    noise_norm: float = 0.0,
+) -> dict:
+    """How far the released factors are from the exact refactorization, and why.
+
+    ``error``: :func:`subspace_error` (the worst of the r directions); ``error_top1``:
+    the same for the leading direction alone (B's first column and A's first row
+    against U_1, V_1; the released factors list their directions by decreasing
+    singular value); ``gap_to_noise``: (s_r − s_{r+1}) of W̄ over ``noise_norm``, the
+    spectral norm of one Gaussian release (about std·(√rows + √cols)). The noisy power
+    method identifies the top-r subspace only when the gap exceeds the noise's norm
+    (Hardt & Price, 2014): below 1, an error near 1 is expected, whatever the method
+    does. None without noise. Errors are NaN where W̄ has rank < r."""
     U, s, Vh = linalg.factored_svd(Bs, As, weights)
-    if s.numel() < rank or float(s[rank - 1]) <= 1e-12 * max(float(s[0]), 1e-300):
-        return math.nan
-    left = linalg.largest_principal_angle(B, U[:, :rank])
-    right = linalg.largest_principal_angle(A.mT, Vh[:rank].mT)
-    return float(torch.sin(torch.maximum(left, right)))
+    out: dict = {"error": math.nan, "error_top1": math.nan, "gap_to_noise": None}
+    if s.numel() >= 1 and float(s[0]) > 1e-300:
+        left = linalg.largest_principal_angle(B[:, :1], U[:, :1])
+        right = linalg.largest_principal_angle(A[:1].mT, Vh[:1].mT)
+        out["error_top1"] = float(torch.sin(torch.maximum(left, right)))
+    if s.numel() >= rank and float(s[rank - 1]) > 1e-12 * max(float(s[0]), 1e-300):
+        left = linalg.largest_principal_angle(B, U[:, :rank])
+        right = linalg.largest_principal_angle(A.mT, Vh[:rank].mT)
+        out["error"] = float(torch.sin(torch.maximum(left, right)))
+    if noise_norm > 0:
+        s_r = float(s[rank - 1]) if s.numel() >= rank else 0.0
+        s_next = float(s[rank]) if s.numel() > rank else 0.0
+        out["gap_to_noise"] = (s_r - s_next) / noise_norm
+    return out
+
+
+def release_noise_norm(perturbation: str, m: int, n: int, k: int, std: float) -> float:
+    """Expected spectral norm (Gordon: ≤ std·(√rows + √cols)) of one Gaussian release:
+    PowerDP's projections are m×k or n×k (the larger counts), input perturbation's
+    m×n; 0 for the other perturbations (their noise is on the factors, not on W̄)."""
+    if std <= 0:
+        return 0.0
+    if perturbation == "powerdp":
+        return std * (math.sqrt(max(m, n)) + math.sqrt(k))
+    if perturbation == "input":
+        return std * (math.sqrt(m) + math.sqrt(n))
+    return 0.0
 
 
 def server_aggregate(
@@ -219,7 +265,7 @@ def server_aggregate(
     Bs = {ly: [scaling * c["factors"][ly]["B"].to(dt) for c in client_states] for ly in layers}
     As = {ly: [c["factors"][ly]["A"].to(dt) for c in client_states] for ly in layers}
     Bc, norms, facs = joint_clip(Bs, As, clip)
-    factors, releases, sub_err = {}, {}, {}
+    factors, releases, sub_err, diag = {}, {}, {}, {}
     for li, ly in enumerate(layers):
         like = global_state["factors"][ly]["B"]
         b, a = Bc[ly], As[ly]
@@ -254,7 +300,11 @@ def server_aggregate(
             B, A, rec = P.no_perturbation(b, a, weights, rank, clip)
         releases[ly] = rec
         if measure:
-            sub_err[ly] = subspace_error(B, A, b, a, weights, rank)
+            m, n = b[0].shape[0], a[0].shape[1]
+            std = noise_multiplier * clip * wb if noise_multiplier > 0 else 0.0
+            nn = release_noise_norm(perturbation, m, n, rank + oversample, std)
+            diag[ly] = subspace_diagnostics(B, A, b, a, weights, rank, nn)
+            sub_err[ly] = diag[ly]["error"]
         factors[ly] = {
             "A": A.to(dtype=like.dtype),
             "B": (B / scaling).to(dtype=like.dtype),
@@ -281,7 +331,7 @@ def server_aggregate(
                     "noise_multiplier": noise_multiplier,
                 }
             ]
-    return AggregateResult(factors, head, releases, norms, facs, sub_err)
+    return AggregateResult(factors, head, releases, norms, facs, sub_err, diag)
 
 
 @register
@@ -386,10 +436,18 @@ class FedPower(Method):
             srv.record_client_level_release(rnd, stage="aggregate", count=1)
         self.global_state = {"factors": res.factors, "head": res.head}
         errs = [v for v in res.subspace_error.values() if v == v]
+        top1 = [
+            d["error_top1"] for d in res.diagnostics.values() if d["error_top1"] == d["error_top1"]
+        ]
+        gaps = [
+            d["gap_to_noise"] for d in res.diagnostics.values() if d["gap_to_noise"] is not None
+        ]
         metrics.update(
             {
                 "subspace_error": sum(errs) / len(errs) if errs else None,
                 "subspace_error_max": max(errs) if errs else None,
+                "subspace_error_top1": sum(top1) / len(top1) if top1 else None,
+                "gap_to_noise_min": min(gaps) if gaps else None,
                 **clipping.stats(res.norms, self.clip()),
                 "releases_per_round": self.round_releases() if client_level else 0,
                 "release_noise_multiplier": sigma_rel,

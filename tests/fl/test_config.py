@@ -116,3 +116,30 @@ def test_clients_per_round_takes_a_fraction_or_a_count_from_files_and_flags():
     assert n == 4 and isinstance(n, int)
     with pytest.raises(SystemExit):
         p.parse_args(["--clients-per-round", "half"])
+
+
+def test_config_file_may_be_a_runs_config_json(tmp_path):
+    """--config takes TOML or a run directory's config.json (an object of fields, which
+    round-trips to the same TrainConfig); a broken or non-object JSON file is a
+    UsageError naming the file."""
+    import json
+
+    from fl.config import load_toml
+
+    cfg = TrainConfig.from_dict(
+        {"method": "ffa", "clients": 7, "epsilon": 3.0, "dp_level": "sample"}
+    )
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg.to_dict()))
+    assert TrainConfig.from_dict(load_toml(str(p))).to_dict() == cfg.to_dict()
+    t = tmp_path / "run.toml"
+    t.write_text('[train]\nmethod = "ffa"\nclients = 7\n')
+    assert load_toml(str(t)) == {"method": "ffa", "clients": 7}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UsageError, match="bad.json: invalid JSON"):
+        load_toml(str(bad))
+    arr = tmp_path / "arr.json"
+    arr.write_text("[1, 2]")
+    with pytest.raises(UsageError, match="object of fields"):
+        load_toml(str(arr))

@@ -340,3 +340,73 @@ def test_baseline_client_level_one_event_per_round(tiny_cfg, tmp_path, method):
     assert man["privacy"]["epsilon"]["pld"] == pytest.approx(
         epsilon(1.0, 1.0, 2, man["privacy"]["delta"]), rel=1e-9
     )
+
+
+def test_subspace_diagnostics_match_closed_forms():
+    """W̄ = U diag(s) Vᵀ built from known singular vectors: exact factors give errors 0;
+    a leading direction rotated by θ gives sin θ in error_top1 and in error; the gap
+    to noise is (s_r − s_{r+1}) / noise_norm, and release_noise_norm is Gordon's bound."""
+    from fl.methods.fedpower import release_noise_norm, subspace_diagnostics
+
+    g = torch.Generator().manual_seed(3)
+    m, n, r = 20, 16, 3
+    U, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=DT))
+    V, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=DT))
+    s = torch.tensor([5.0, 3.0, 2.0, 0.5, 0.25], dtype=DT)
+    # two clients whose weighted products sum to U_5 diag(s) V_5ᵀ
+    Bs = [U[:, :2] * s[:2], U[:, 2:5] * s[2:5]]
+    As = [V[:, :2].T, V[:, 2:5].T]
+    w = [1.0, 1.0]
+    B, A = U[:, :r] * s[:r], V[:, :r].T
+    d = subspace_diagnostics(B, A, Bs, As, w, r, noise_norm=0.75)
+    assert d["error"] < 1e-7 and d["error_top1"] < 1e-7
+    assert d["gap_to_noise"] == pytest.approx((2.0 - 0.5) / 0.75)
+    assert subspace_diagnostics(B, A, Bs, As, w, r)["gap_to_noise"] is None
+    # rotate the leading left direction towards u_4 (outside the top-3) by θ
+    th = 0.3
+    B2 = B.clone()
+    B2[:, 0] = s[0] * (math.cos(th) * U[:, 0] + math.sin(th) * U[:, 3])
+    d2 = subspace_diagnostics(B2, A, Bs, As, w, r)
+    assert d2["error_top1"] == pytest.approx(math.sin(th), rel=1e-9)
+    assert d2["error"] == pytest.approx(math.sin(th), rel=1e-9)
+    # rank-deficient W̄ (rank 2 < r): the r-subspace error is undefined, top-1 is not
+    d3 = subspace_diagnostics(B, A, Bs[:1], As[:1], [1.0], r, noise_norm=1.0)
+    assert math.isnan(d3["error"]) and d3["error_top1"] < 1e-7
+    assert d3["gap_to_noise"] == pytest.approx(0.0)
+    assert release_noise_norm("powerdp", 9, 16, 4, 0.5) == pytest.approx(0.5 * (4 + 2))
+    assert release_noise_norm("input", 9, 16, 4, 0.5) == pytest.approx(0.5 * (3 + 4))
+    assert release_noise_norm("output", 9, 16, 4, 0.5) == 0.0
+    assert release_noise_norm("powerdp", 9, 16, 4, 0.0) == 0.0
+
+
+def test_fedpower_round_reports_gap_to_noise_under_client_dp():
+    """server_aggregate under noise fills the diagnostics of every layer with the gap
+    to the release's noise norm (σ_rel·C·p·(√max(m, n) + √k))."""
+    glob, clients = make_states(6, seed=4)
+    p = 1 / 6
+    res = server_aggregate(
+        glob,
+        clients,
+        [p] * 6,
+        scaling=0.5,
+        rank=2,
+        perturbation="powerdp",
+        iters=1,
+        noise_multiplier=1.5,
+        clip=1.0,
+        weight_bound=p,
+        generator=torch.Generator().manual_seed(0),
+    )
+    for ly, (m, n) in SHAPES.items():
+        d = res.diagnostics[ly]
+        assert d["error"] == res.subspace_error[ly]
+        Bc, _, _ = joint_clip(
+            {k: [0.5 * c["factors"][k]["B"] for c in clients] for k in SHAPES},
+            {k: [c["factors"][k]["A"].clone() for c in clients] for k in SHAPES},
+            1.0,
+        )
+        sv = torch.linalg.svdvals(
+            sum(p * b @ c["factors"][ly]["A"] for b, c in zip(Bc[ly], clients))
+        )
+        want = float(sv[1] - sv[2]) / (1.5 * p * (math.sqrt(max(m, n)) + math.sqrt(2)))
+        assert d["gap_to_noise"] == pytest.approx(want, rel=1e-8)
