@@ -159,6 +159,13 @@ class TrainConfig:
     clip: float = _f(
         1.0, "clipping bound C (per example at sample level, per client update at client level)"
     )
+    head_clip_share: float = _f(
+        0.0,
+        "sample-level DP-SGD: the share s of the squared clipping bound kept for the "
+        "classification head; each example's head gradient is clipped to C·√s and the "
+        "rest (the LoRA factors) to C·√(1−s), so its whole gradient stays within C and "
+        "the noise and accounting are unchanged (0 = one joint clip)",
+    )
     accountant: str = _f(
         "pld", "accountant for calibration and the budget check", choices=("pld", "rdp")
     )
@@ -274,6 +281,15 @@ class TrainConfig:
         need(
             self.clip > 0 and math.isfinite(self.clip),
             f"clipping bound C must be > 0, got {self.clip}",
+        )
+        need(
+            0 <= self.head_clip_share < 1,
+            f"head_clip_share must be in [0, 1), got {self.head_clip_share}",
+        )
+        need(
+            self.head_clip_share == 0 or self.dp_level == "sample",
+            "head_clip_share splits the per-example clip of sample-level DP-SGD: it needs "
+            f"--dp-level sample (got {self.dp_level})",
         )
         need(self.canaries >= 0, f"canaries must be >= 0, got {self.canaries}")
         need(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")

@@ -129,9 +129,17 @@ def model_block(eng) -> dict:
 
 def _mechanism_text(cfg: TrainConfig) -> str:
     if cfg.dp_level == "sample":
+        share = getattr(cfg, "head_clip_share", 0.0)
+        clip = (
+            f"per-example ℓ2 clipping of the head to C·√{share:g} and of the other trainable "
+            f"parameters to C·√{1 - share:g} (within C together; one clip to C where only "
+            "one of the two is trained)"
+            if share > 0
+            else "per-example ℓ2 clipping to C over all trainable parameters"
+        )
         return (
-            "DP-SGD on each client: Poisson sampling, per-example ℓ2 clipping to C over all "
-            "trainable parameters (Opacus per-sample gradients), Gaussian noise σ·C per step"
+            f"DP-SGD on each client: Poisson sampling, {clip} (Opacus per-sample "
+            "gradients), Gaussian noise σ·C per step"
         )
     if cfg.dp_level == "client":
         return "server-side: each client update clipped to C, Gaussian noise σ·C on the sum"

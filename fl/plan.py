@@ -63,7 +63,9 @@ class PrivacyPlan:
         if self.cfg.dp_level != "sample":
             return None
         q = min(1.0, self.cfg.batch_size / n)
-        return DpSgdParams(self.sigma_for(n), self.cfg.clip, q, q * n)
+        return DpSgdParams(
+            self.sigma_for(n), self.cfg.clip, q, q * n, head_share=self.cfg.head_clip_share
+        )
 
     def client_sigmas(self) -> dict[str, float]:
         """σ_k of every client (sample level), by client id."""

@@ -22,6 +22,7 @@ import torch
 from fl import causal_lm
 from fl import factors as F
 from fl.config import TrainConfig
+from fl.errors import UsageError
 from fl.models import LoraSpec, load_base_model, wrap_lora
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams, DpStats, clip_and_noise
@@ -88,12 +89,25 @@ class DpSgd:
     dp: DpSgdParams
     noise: object
     per_sample = True
+    #: bool over the flattened coordinates of the trained parameters, True on the head's
+    #: (set by :meth:`start`; used when ``dp.head_share`` > 0)
+    head_cols: torch.Tensor | None = None
+
+    def start(self, params: list[torch.nn.Parameter], names: list[str]) -> None:
+        """Once per local training: which coordinates belong to the head."""
+        if self.dp.head_share > 0:
+            self.head_cols = torch.cat(
+                [
+                    torch.full((p.numel(),), nm.startswith("head/"), dtype=torch.bool)
+                    for p, nm in zip(params, names)
+                ]
+            )
 
     def __call__(self, params: list[torch.nn.Parameter], batch_size: int) -> dict:
         if batch_size == 0:
             for p in params:
                 p.grad_sample = None
-        return clip_and_noise(params, self.dp, self.noise, batch_size)
+        return clip_and_noise(params, self.dp, self.noise, batch_size, self.head_cols)
 
 
 @dataclass
@@ -234,6 +248,11 @@ def local_step(
     if dp is None:
         privatizer = NoPrivacy()
     elif grad_transform is not None:
+        if dp.head_share > 0:
+            raise UsageError(
+                "head_clip_share splits DP-SGD's flat per-example clip; this method clips "
+                "in its own space (FedASK's W-space clipping) and cannot split it"
+            )
         privatizer = SpaceDpSgd(dp, noise, grad_transform)
     else:
         privatizer = DpSgd(dp, noise)
@@ -399,6 +418,8 @@ class LocalTrainer:
             opt.load_state_dict(opt_state)
         for h in hooks:
             h.start(params, flat_names)
+        if isinstance(privatizer, DpSgd):
+            privatizer.start(params, flat_names)
         pos_t = torch.as_tensor(positions, dtype=torch.long)
         per_sample = privatizer.per_sample
         end_pass = getattr(privatizer, "end_pass", None)

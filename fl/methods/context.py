@@ -41,6 +41,11 @@ class RunSettings(Protocol):
         """N, the number of clients in the federation (SCAFFOLD's |S|/N)."""
         ...
 
+    @property
+    def head_clip_share(self) -> float:
+        """s: the share of C² kept for the head by sample-level DP-SGD (0 = joint)."""
+        ...
+
 
 class TrainOutcome(Protocol):
     """What ``ClientView.train`` returns (``fl.trainer.TrainResult`` has it; named here

@@ -205,6 +205,13 @@ class FedASK(Method):
     def __init__(self, server: ServerView, options):
         super().__init__(server, options)
         self.A0: dict[str, torch.Tensor] = {}
+        share = getattr(server.cfg, "head_clip_share", 0.0)
+        if share > 0 and server.dp_level == "sample" and self.opts.clip_space == "w":
+            raise UsageError(
+                "fedask: head_clip_share cannot split the W-space clip (clip_space=w clips "
+                "the joint norm of the per-layer W gradients and the head); use "
+                "--opt clip_space=b or leave head_clip_share at 0"
+            )
 
     def privacy_note(self) -> str:
         if self.server.dp_level != "sample":

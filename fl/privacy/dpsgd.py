@@ -39,8 +39,13 @@ class DpSgdParams:
     clip: float  # C (ℓ2 bound on each example's gradient)
     sample_rate: float  # q: Poisson inclusion probability of each example per step
     expected_batch: float  # q · n (the normalizer)
+    #: the share s of C² kept for the head: head gradient clipped to C·√s, the other
+    #: parameters to C·√(1−s) (each example's whole gradient stays within C); 0 = joint
+    head_share: float = 0.0
 
     def __post_init__(self):
+        if not (0 <= self.head_share < 1):
+            raise ValueError(f"head clip share must be in [0, 1), got {self.head_share}")
         if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
             raise ValueError(f"noise multiplier must be >= 0, got {self.noise_multiplier}")
         if not (self.clip > 0 and math.isfinite(self.clip)):
@@ -173,11 +178,25 @@ def flat_noise(
     return flat.to(device)
 
 
+def split_bounds(dp: DpSgdParams, head_cols: torch.Tensor | None) -> tuple[float, float] | None:
+    """(C_head, C_rest) = (C·√s, C·√(1−s)) when the step clips the head and the other
+    parameters separately: a head share s > 0 and both groups present among the trained
+    parameters. None means one joint clip to C (with a single group the split would
+    only shrink the sensitivity below the C that the noise is calibrated to)."""
+    if dp.head_share <= 0 or head_cols is None:
+        return None
+    n_head = int(head_cols.sum())
+    if n_head == 0 or n_head == head_cols.numel():
+        return None
+    return dp.clip * math.sqrt(dp.head_share), dp.clip * math.sqrt(1.0 - dp.head_share)
+
+
 def clip_and_noise(
     params: list[torch.nn.Parameter],
     dp: DpSgdParams,
     generator,
     batch_size: int,
+    head_cols: torch.Tensor | None = None,
 ) -> dict:
     """Replace each param's ``.grad`` with (Σ_i clip(g_i) + N(0, σ²C²I)) / (q·n), in one
     fused step over all ``params`` (module doc).
@@ -186,10 +205,35 @@ def clip_and_noise(
     ``grad_sample`` is ignored). The noise is always drawn and added. Returns the
     step's stats as 0-dim tensors on the parameters' device (:func:`device_clip_factors`;
     zeros for an empty batch); :class:`DpStats` accumulates them without a host sync.
+
+    ``head_cols``: a bool vector over the flattened coordinates, True on the head's;
+    with ``dp.head_share`` > 0 the head part and the rest of each example's gradient are
+    clipped separately (:func:`split_bounds`): ‖clipped g_i‖² ≤ C²s + C²(1−s) = C², so
+    the sensitivity, the noise N(0, σ²C²) and the accounting are those of the joint clip.
+    ``mean_norm`` is still the joint norm; ``frac_clipped`` counts an example whose head
+    or rest was clipped; an example with any non-finite entry contributes nothing.
     """
     device = params[0].device
     sizes = [p.numel() for p in params]
-    if batch_size > 0:
+    split = split_bounds(dp, head_cols) if batch_size > 0 else None
+    if batch_size > 0 and split is not None:
+        g = flat_per_sample(params)
+        cols = head_cols.to(device)
+        sq = g.square()
+        norms = sq.sum(dim=1).sqrt()
+        n_head = torch.where(cols, sq, torch.zeros_like(sq)).sum(dim=1).sqrt()
+        n_rest = torch.where(cols, torch.zeros_like(sq), sq).sum(dim=1).sqrt()
+        f_head, _ = device_clip_factors(n_head, split[0])
+        f_rest, _ = device_clip_factors(n_rest, split[1])
+        _, stats = device_clip_factors(norms, dp.clip)
+        finite = torch.isfinite(norms)
+        f_head = torch.where(finite, f_head, torch.zeros_like(f_head))
+        f_rest = torch.where(finite, f_rest, torch.zeros_like(f_rest))
+        clipped = finite & ((n_head > split[0]) | (n_rest > split[1]))
+        stats["frac_clipped"] = clipped.sum() / finite.sum().clamp(min=1)
+        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+        summed = torch.where(cols, f_head.to(g.dtype) @ g, f_rest.to(g.dtype) @ g)
+    elif batch_size > 0:
         g = flat_per_sample(params)
         factor, stats = device_clip_factors(g.square().sum(dim=1).sqrt(), dp.clip)
         # A row with a finite norm has only finite entries; the others have factor 0,

@@ -143,3 +143,15 @@ def test_config_file_may_be_a_runs_config_json(tmp_path):
     arr.write_text("[1, 2]")
     with pytest.raises(UsageError, match="object of fields"):
         load_toml(str(arr))
+
+
+def test_head_clip_share_is_validated_and_sample_level_only():
+    ok = TrainConfig(epsilon=8.0, head_clip_share=0.8).validate()
+    assert ok.dp_level == "sample" and ok.head_clip_share == 0.8
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(UsageError, match=r"head_clip_share must be in \[0, 1\)"):
+            TrainConfig(epsilon=8.0, head_clip_share=bad).validate()
+    with pytest.raises(UsageError, match="needs --dp-level sample"):
+        TrainConfig(head_clip_share=0.5).validate()
+    with pytest.raises(UsageError, match="needs --dp-level sample"):
+        TrainConfig(dp_level="client", epsilon=3.0, head_clip_share=0.5).validate()

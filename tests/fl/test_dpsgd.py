@@ -6,6 +6,8 @@ from scipy import stats
 
 from fl.privacy.dpsgd import DpSgdParams, clip_and_noise, gaussian_noise, per_sample_norms
 
+DT64 = torch.float64
+
 
 def _param_with_samples(gs):
     p = torch.nn.Parameter(torch.zeros(gs.shape[1:]))
@@ -240,3 +242,63 @@ def test_fused_step_never_reads_a_device_value():
     assert s["mean_norm"] == full["mean_norm"] and s["frac_clipped"] == full["frac_clipped"]
     assert 0 < s["frac_clipped"] < 1 and s["mean_norm"] > 0
     assert DpStats().summary() == {"mean_norm": [], "frac_clipped": [], "nonfinite": 0}
+
+
+def test_head_share_clips_each_group_against_per_example_reference():
+    """head_share s: example by example (float64), the head part is clipped to C·√s and
+    the rest to C·√(1−s), an example with a non-finite entry anywhere contributes
+    nothing; each clipped example lies within C (the sensitivity the noise is calibrated
+    to); the noise is the same draw as the joint path's."""
+    g = torch.Generator().manual_seed(7)
+    lora = torch.randn(8, 3, 4, generator=g) * 4
+    head = torch.randn(8, 5, generator=g) * torch.tensor([0.1, 3, 0.2, 5, 1, 0.05, 2, 9])[:, None]
+    lora[2, 1, 1] = float("nan")
+    C, s = 1.3, 0.7
+    dp = DpSgdParams(0.0, C, 0.5, 4.0, head_share=s)
+    pl, ph = _param_with_samples(lora.clone()), _param_with_samples(head.clone())
+    cols = torch.cat([torch.zeros(12, dtype=torch.bool), torch.ones(5, dtype=torch.bool)])
+    st = clip_and_noise([pl, ph], dp, None, batch_size=8, head_cols=cols)
+    ref_l, ref_h, clipped = torch.zeros(3, 4, dtype=DT64), torch.zeros(5, dtype=DT64), 0
+    for i in range(8):
+        a, b = lora[i].double(), head[i].double()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            continue
+        na, nb = float(a.norm()), float(b.norm())
+        fa = min(1.0, C * math.sqrt(1 - s) / (na + 1e-6))
+        fb = min(1.0, C * math.sqrt(s) / (nb + 1e-6))
+        assert math.hypot(fa * na, fb * nb) <= C + 1e-9
+        clipped += (na > C * math.sqrt(1 - s)) or (nb > C * math.sqrt(s))
+        ref_l += fa * a
+        ref_h += fb * b
+    assert torch.allclose(pl.grad.double(), ref_l / 4.0, atol=1e-6)
+    assert torch.allclose(ph.grad.double(), ref_h / 4.0, atol=1e-6)
+    assert int(st["nonfinite"]) == 1
+    assert float(st["frac_clipped"]) == pytest.approx(clipped / 7)
+    # the released noise is the joint path's draw (same σC, same order)
+    dpn = DpSgdParams(1.1, C, 0.5, 4.0, head_share=s)
+    zs = [_param_with_samples(torch.zeros(8, 3, 4)), _param_with_samples(torch.zeros(8, 5))]
+    clip_and_noise(zs, dpn, torch.Generator().manual_seed(3), 8, head_cols=cols)
+    src = torch.Generator().manual_seed(3)
+    for z in zs:
+        assert torch.equal(z.grad, gaussian_noise(tuple(z.shape), 1.1 * C, src) / 4.0)
+
+
+def test_head_share_with_one_group_is_the_joint_clip():
+    """With only head (or only non-head) coordinates trained, or s = 0, the step is the
+    joint clip to C (a split would only shrink the sensitivity the noise assumes)."""
+    from fl.privacy.dpsgd import split_bounds
+
+    g = torch.Generator().manual_seed(8)
+    gs = torch.randn(5, 6, generator=g) * 3
+    for cols in (torch.ones(6, dtype=torch.bool), torch.zeros(6, dtype=torch.bool), None):
+        p, q = _param_with_samples(gs.clone()), _param_with_samples(gs.clone())
+        clip_and_noise([p], DpSgdParams(0.0, 1.0, 0.5, 2.0, head_share=0.5), None, 5, cols)
+        clip_and_noise([q], DpSgdParams(0.0, 1.0, 0.5, 2.0), None, 5)
+        assert torch.equal(p.grad, q.grad)
+    half = torch.tensor([True, False] * 3)
+    assert split_bounds(DpSgdParams(1.0, 2.0, 0.5, 2.0), half) is None
+    hb, rb = split_bounds(DpSgdParams(1.0, 2.0, 0.5, 2.0, head_share=0.36), half)
+    assert (hb, rb) == pytest.approx((1.2, 1.6))
+    for bad in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match="head clip share"):
+            DpSgdParams(1.0, 1.0, 0.5, 2.0, head_share=bad)

@@ -300,3 +300,14 @@ def test_end_to_end_dp_w_with_client_killed_between_stages(tmp_path, tiny_cfg):
     assert any(e["unit"] == "client:1" and e["round"] == 0 and e["count"] == 2 for e in evs)
     assert len(evs) == 6
     _load_adapter(out)
+
+
+def test_head_clip_share_is_refused_with_w_space_clipping(small_engine):
+    """W-space clipping clips the joint norm in its own space: a head share cannot split
+    it, and the run stops at set-up (before any training), naming the option; the
+    B-space clip (flat DP-SGD) takes it."""
+    kw = dict(method="fedask", epsilon=8.0, head_clip_share=0.5)
+    with pytest.raises(UsageError, match="head_clip_share cannot split the W-space clip"):
+        small_engine("fedask-share-w", **kw, opts={"clip_space": "w"})
+    eng = small_engine("fedask-share-b", **kw, opts={"clip_space": "b"})
+    assert eng.method.opts.clip_space == "b"

@@ -401,3 +401,45 @@ def test_clip_and_noise_unchanged():
         assert all(torch.allclose(p.grad, q.grad, rtol=0, atol=1e-6) for p, q in zip(ps, qs))
         if b == 0:
             assert all(torch.equal(p.grad, q.grad) for p, q in zip(ps, qs))
+
+
+def test_head_clip_share_is_wired_through_local_training(engine, monkeypatch):
+    """With head_share s the trainer's DP-SGD step marks exactly the head's coordinates
+    (from the flat names) and every step clips with (C·√s, C·√(1−s)); the trained state
+    differs from the joint clip's; a grad transform (W-space) refuses the split."""
+    import fl.trainer as T
+    from fl.errors import UsageError
+    from fl.privacy import dpsgd
+
+    tr = engine.trainer
+    start = tr.initial_state()
+    g = torch.Generator().manual_seed(4)
+    for ab in start["factors"].values():
+        ab["B"] = 0.1 * torch.randn(ab["B"].shape, generator=g)
+    n_head = sum(v.numel() for v in start["head"].values())
+    n_all = sum(v.numel() for v in F.flatten_state(start).values())
+    seen = []
+    real = dpsgd.clip_and_noise
+
+    def spy(params, dp, gen, b, head_cols=None):
+        seen.append((dp.head_share, None if head_cols is None else head_cols.clone()))
+        return real(params, dp, gen, b, head_cols)
+
+    monkeypatch.setattr(T, "clip_and_noise", spy)
+
+    def run(share):
+        dp = DpSgdParams(0.0, 0.05, 16 / 60, 16.0, head_share=share)
+        streams = (engine.rand.stream("noise", 0), engine.rand.stream("batches", 0))
+        args = (start, engine.members_data, np.arange(60), 3, {"A", "B", "head"}, dp, streams, 7)
+        return F.flatten_state(tr.train(*args)[0].state)
+
+    split = run(0.5)
+    assert len(seen) == 3 and all(s == 0.5 for s, _ in seen)
+    cols = seen[0][1]
+    assert cols.numel() == n_all and int(cols.sum()) == n_head
+    seen.clear()
+    joint = run(0.0)
+    assert all(c is None for _, c in seen)
+    assert any(not torch.allclose(split[k], joint[k]) for k in split)
+    with pytest.raises(UsageError, match="head_clip_share"):
+        T.local_step(DpSgdParams(1.0, 1.0, 0.5, 2.0, head_share=0.5), None, grad_transform=object())
