@@ -14,9 +14,10 @@ the ``attacks`` grid):
   FedAvg-LoRA at rank 4, IID and Dirichlet(0.5), non-private and ε = 8;
 - ``attacks``  an overfit non-private run, a normal one, ε = 8 and ε = 1, each attacked by
   every attack with shadow models;
-- ``dplearn``  the DP recipes of configs/ (issue 18): the DP linear probe and FedAvg-LoRA on
+- ``dplearn``  the DP recipes of configs/ (issue 18): the DP linear probe, FedAvg-LoRA on
   the top two layers (mean pooling, zero head, LoRA lr 1e-3, head lr 3e-2, frozen-prefix
-  cache) at ε ∈ {1, 3, 8}; every run also reports its accuracy on the non-member pool
+  cache) and on the top layer with the probe's schedule (joint clip, and 0.8 of C² kept for
+  the head) at ε ∈ {1, 3, 8}; every run also reports its accuracy on the non-member pool
   (``val_*``), which chooses between candidates, never the test set.
 
 Jobs are independent tasks (:func:`fl.distributed.run_tasks`): ``--workers N`` (N > 1)
