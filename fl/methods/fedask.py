@@ -205,7 +205,7 @@ class FedASK(Method):
     def __init__(self, server: ServerView, options):
         super().__init__(server, options)
         self.A0: dict[str, torch.Tensor] = {}
-        share = getattr(server.cfg, "head_clip_share", 0.0)
+        share = server.cfg.head_clip_share
         if share > 0 and server.dp_level == "sample" and self.opts.clip_space == "w":
             raise UsageError(
                 "fedask: head_clip_share cannot split the W-space clip (clip_space=w clips "

@@ -104,7 +104,7 @@ def _harness(K=3, r=2, m=12, n=15, shared=False, fail=None, max_retries=2, overs
     }
     logs = []
     server = SimpleNamespace(
-        cfg=SimpleNamespace(rank=r, seed=0),
+        cfg=SimpleNamespace(rank=r, seed=0, head_clip_share=0.0),
         scaling=2.0,
         dp_level="none",
         expected_clients_per_round=float(K),

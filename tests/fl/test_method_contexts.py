@@ -236,10 +236,11 @@ def _initial(model) -> dict:
 
 
 class StrictSettings:
-    __slots__ = ("rank", "seed", "clients")
+    __slots__ = ("rank", "seed", "clients", "head_clip_share")
 
     def __init__(self):
         self.rank, self.seed, self.clients = RANK, 0, len(CLIENTS)
+        self.head_clip_share = 0.0
 
 
 class StrictClient:

@@ -344,7 +344,7 @@ def test_fedask_analysis_equals_method(oversketch):
         "head": _head(),
     }
     server = SimpleNamespace(
-        cfg=SimpleNamespace(rank=r, seed=0), scaling=1.0, dp_level="none",
+        cfg=SimpleNamespace(rank=r, seed=0, head_clip_share=0.0), scaling=1.0, dp_level="none",
         expected_clients_per_round=float(K), log=lambda *a: None,
     )  # fmt: skip
     meth = FedASK(server, parse_options(FedASKOptions, {"oversketch": oversketch}))
