@@ -149,6 +149,7 @@ def test_calibrated_sigma_never_overshoots(target, q, steps, acc):
     [
         ("minilm-tweets-dp.toml", 0.8989, "σ = 0.899"),
         ("minilm-tweets-probe.toml", 2.283, "σ = 2.28"),
+        ("minilm-tweets-dp-top1.toml", 2.283, "σ = 2.28"),
     ],
 )
 def test_shipped_dp_recipe_parses_and_calibrates_to_its_stated_sigma(name, sigma, text):
