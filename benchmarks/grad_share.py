@@ -30,12 +30,13 @@ def gradient_norms(run_dir: str, examples: int = 64) -> dict:
     """Per-example ℓ2 norms of the head's and the LoRA factors' loss gradients at the
     run's final adapter: {"head": [...], "lora": [...], "summary": {...}}."""
     from attacks.signals import load_adapter_model, load_run
+    from fl.errors import UsageError
     from fl.models import load_tokenizer
 
     rd = load_run(run_dir)
     cfg = rd.config
     if rd.task != "classification":
-        raise SystemExit("grad_share: classification runs only")
+        raise UsageError(f"{run_dir}: grad_share reads classification runs only")
     model = load_adapter_model(
         f"{run_dir}/adapter", cfg["model"], rd.num_labels, seed=int(cfg.get("seed", 0))
     )
@@ -103,7 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.examples < 1:
         ap.error("--examples must be >= 1")
-    res = gradient_norms(a.run_dir, a.examples)
+    from fl.errors import UsageError
+
+    try:
+        res = gradient_norms(a.run_dir, a.examples)
+    except UsageError as exc:
+        print(f"grad_share: error: {exc}", file=sys.stderr)
+        return 2
     if a.json:
         json.dump(res, sys.stdout, indent=1)
         print()

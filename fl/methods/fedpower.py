@@ -162,20 +162,6 @@ def _clip_head(updates: list[dict], clip: float) -> tuple[list[dict], list[float
     return out, [float(x) for x in norms]
 
 
-def subspace_error(
-    B: torch.Tensor,
-    A: torch.Tensor,
-    Bs: list[torch.Tensor],
-    As: list[torch.Tensor],
-    weights,
-    rank: int,
-) -> float:
-    """sin of the largest principal angle between the released rank-r subspaces
-    (col(B), row(A)) and the top-r singular subspaces (U_r, V_r) of W̄ = Σ p_k B_k A_k
-    (factored SVD; max of left and right). NaN if W̄ has rank < r (undefined)."""
-    return subspace_diagnostics(B, A, Bs, As, weights, rank)["error"]
-
-
 def subspace_diagnostics(
     B: torch.Tensor,
     A: torch.Tensor,
@@ -187,7 +173,9 @@ def subspace_diagnostics(
 ) -> dict:
     """How far the released factors are from the exact refactorization, and why.
 
-    ``error``: :func:`subspace_error` (the worst of the r directions); ``error_top1``:
+    ``error``: sin of the largest principal angle between the released rank-r subspaces
+    (col(B), row(A)) and the top-r singular subspaces (U_r, V_r) of W̄ = Σ p_k B_k A_k
+    (factored SVD; max of left and right: the worst of the r directions); ``error_top1``:
     the same for the leading direction alone (B's first column and A's first row
     against U_1, V_1; the released factors list their directions by decreasing
     singular value); ``gap_to_noise``: (s_r − s_{r+1}) of W̄ over ``noise_norm``, the
@@ -197,14 +185,16 @@ def subspace_diagnostics(
     does. None without noise. Errors are NaN where W̄ has rank < r."""
     U, s, Vh = linalg.factored_svd(Bs, As, weights)
     out: dict = {"error": math.nan, "error_top1": math.nan, "gap_to_noise": None}
+
+    def sin_max(k: int) -> float:  # the first k released directions against the exact
+        left = linalg.largest_principal_angle(B[:, :k], U[:, :k])
+        right = linalg.largest_principal_angle(A[:k].mT, Vh[:k].mT)
+        return float(torch.sin(torch.maximum(left, right)))
+
     if s.numel() >= 1 and float(s[0]) > 1e-300:
-        left = linalg.largest_principal_angle(B[:, :1], U[:, :1])
-        right = linalg.largest_principal_angle(A[:1].mT, Vh[:1].mT)
-        out["error_top1"] = float(torch.sin(torch.maximum(left, right)))
+        out["error_top1"] = sin_max(1)
     if s.numel() >= rank and float(s[rank - 1]) > 1e-12 * max(float(s[0]), 1e-300):
-        left = linalg.largest_principal_angle(B, U[:, :rank])
-        right = linalg.largest_principal_angle(A.mT, Vh[:rank].mT)
-        out["error"] = float(torch.sin(torch.maximum(left, right)))
+        out["error"] = sin_max(rank)
     if noise_norm > 0:
         s_r = float(s[rank - 1]) if s.numel() >= rank else 0.0
         s_next = float(s[rank]) if s.numel() > rank else 0.0

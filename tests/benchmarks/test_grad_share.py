@@ -41,3 +41,6 @@ def test_head_norms_match_the_closed_form_and_lora_share_is_a_fraction(tmp_path,
     assert 0.0 < s["head_kept_by_joint_clip_median"] <= 1.0
     assert main([str(out), "--examples", "3"]) == 0
     assert "lora_share_of_squared_norm_median" in capsys.readouterr().out
+    assert main([str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run directory not found" in err[0]
