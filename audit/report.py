@@ -246,11 +246,8 @@ def build_report(
     """Write report.html and report.md into ``out``; returns a summary dict (the
     numbers the report shows, for tests and for `fedlora run`'s final summary)."""
     outp = Path(out)
-    outp.mkdir(parents=True, exist_ok=True)
-    figdir = outp / "figures"
-    figdir.mkdir(exist_ok=True)
     rows = []
-    for d in run_dirs:
+    for d in run_dirs:  # read every input before anything is written
         p = Path(d)
         if not (p / rundir.MANIFEST).is_file():
             raise UsageError(
@@ -259,6 +256,9 @@ def build_report(
         r = _run_summary(p)
         r["bounds"] = empirical_bounds(r)
         rows.append(r)
+    outp.mkdir(parents=True, exist_ok=True)
+    figdir = outp / "figures"
+    figdir.mkdir(exist_ok=True)
 
     report = Report(title, datetime.now(UTC).isoformat(timespec="seconds"))
     summary: dict = {"runs": [], "sections": list(SECTIONS), "missing": []}

@@ -61,3 +61,14 @@ def test_lm_and_client_sections(lm_report):
     mi = md.split("\n## Membership inference\n")[1].split("\n## ")[0]
     assert "roc_clients" not in mi and "lm-run-roc.png" in mi
     assert page.count("<img") == md.count("![")
+
+
+def test_report_on_a_non_run_writes_nothing(tmp_path):
+    """A directory that is not a run is refused before the output folder is made."""
+    from fl.errors import UsageError
+
+    (tmp_path / "notarun").mkdir()
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match="no manifest.json"):
+        build_report([str(tmp_path / "notarun")], str(out))
+    assert not out.exists()
