@@ -112,6 +112,18 @@ class TrainConfig:
         True, "reset each client's optimizer state every round (else keep it per client)"
     )
     weight_decay: float = _f(0.0, "AdamW weight decay")
+    lr_schedule: str = _f(
+        "constant",
+        "per-round multiplier of both learning rates: constant, or cosine = "
+        "(1 + cos(π r / R)) / 2 in round r = 0 .. R-1 (1 in the first round, near 0 in the last)",
+        choices=("constant", "cosine"),
+    )
+    head_warmup_rounds: int = _f(
+        0,
+        "train only the classification head in the first N rounds, the LoRA factors "
+        "frozen (linear probing, then fine-tuning); FedAvg-LoRA and its variants only; "
+        "the DP mechanism and its accounting are unchanged",
+    )
     rank: int = _f(8, "LoRA rank R")
     alpha: float = _f(16.0, "LoRA alpha (scaling s = alpha / R)")
     lora_dropout: float = _f(0.0, "LoRA dropout")
@@ -291,6 +303,11 @@ class TrainConfig:
             "head_clip_share splits the per-example clip of sample-level DP-SGD: it needs "
             f"--dp-level sample (got {self.dp_level})",
         )
+        need(
+            0 <= self.head_warmup_rounds < self.rounds,
+            f"head_warmup_rounds must be in [0, rounds) = [0, {self.rounds}), got "
+            f"{self.head_warmup_rounds} (with every round head-only, use --method probe)",
+        )
         need(self.canaries >= 0, f"canaries must be >= 0, got {self.canaries}")
         need(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
         if self.dp_level != "none":
@@ -305,6 +322,17 @@ class TrainConfig:
                 "(leave --dp-level out for sample level, or say sample or client)",
             )
         return self
+
+    def lr_scale(self, round_index: int) -> float:
+        """The multiplier of both learning rates in round ``round_index`` (0-based):
+        1 for ``constant``; (1 + cos(π r / R)) / 2 for ``cosine``."""
+        if self.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * round_index / self.rounds))
+        return 1.0
+
+    def head_only(self, round_index: int) -> bool:
+        """Whether round ``round_index`` (0-based) trains the head alone (warm-up)."""
+        return round_index < self.head_warmup_rounds
 
     def to_dict(self) -> dict:
         return asdict(self)

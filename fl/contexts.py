@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from fl.config import TrainConfig
-from fl.errors import ClientFailure
+from fl.errors import ClientFailure, UsageError
 from fl.privacy import rng as R
 from fl.privacy.accounting import Event
 from fl.privacy.dpsgd import DpSgdParams
@@ -83,8 +83,18 @@ class ClientContext:
         eng = self.engine
         dp = self.dp_params()
         steps = self.steps()
+        r = self.round.index
+        if stage == "train" and eng.cfg.head_only(r):  # linear probing first
+            trainable = set(trainable) & {"head"}
+            if not trainable or grad_transform is not None:
+                raise UsageError(
+                    f"head_warmup_rounds: round {r} trains the head alone, which this "
+                    "method's local training cannot do"
+                )
         opt_state = None if eng.cfg.reset_optimizer else self.state.get("_opt")
-        r, cid = self.round.index, self.id
+        if r == eng.cfg.head_warmup_rounds and eng.cfg.head_warmup_rounds:
+            opt_state = None  # the factors join the head: a fresh optimizer
+        cid = self.id
         privatizer, hooks = local_step(
             dp,
             eng.rand.stream("dpsgd-noise", r, cid, stage),
@@ -104,6 +114,7 @@ class ClientContext:
             eng.rand.stream("poisson-batches", r, cid, stage),
             dropout_seed=derive_seed(eng.cfg.seed, "round", r, "client", cid, stage, "dropout"),
             opt_state=opt_state,
+            lr_scale=eng.cfg.lr_scale(r),
         )
         if not eng.cfg.reset_optimizer:
             self.state["_opt"] = opt_sd

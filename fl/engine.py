@@ -128,6 +128,12 @@ class Engine(PrivacyPlan):
             raise UsageError(
                 f"method {cfg.method!r} supports dp levels {self.method_cls.dp_levels}, not {cfg.dp_level!r}"
             )
+        if cfg.head_warmup_rounds and not self.method_cls.head_warmup:
+            raise UsageError(
+                f"head_warmup_rounds: method {cfg.method!r} re-factorizes, merges or sketches "
+                "its adapter every round, so head-only rounds do not leave its factors as "
+                "they were; use it with fedavg, ffa, fedsa, fedprox or scaffold"
+            )
         self.options = parse_options(self.method_cls.Options, cfg.opts)
         self._pending_log += check_task(cfg, self.method_cls)
         ds = load_task_dataset(cfg)

@@ -124,6 +124,8 @@ def model_block(eng) -> dict:
         "prefix_cache": prefix.enabled,
         "lr": cfg.lr,
         "head_lr": cfg.head_lr or cfg.lr,
+        "lr_schedule": cfg.lr_schedule,
+        "head_warmup_rounds": cfg.head_warmup_rounds,
     }
 
 

@@ -308,6 +308,7 @@ class LocalTrainer:
         self.lora = F.lora_param_map(self.model)
         self.head = F.head_param_map(self.model)
         self._in_train_mode = False  # see run()
+        self.lr_scale = 1.0  # the last run()'s lr_schedule multiplier (lr_of)
         self._hook_key = frozenset({"A", "B", "head"})
 
     def _ensure_hooks(self, trainable: set[str]) -> None:
@@ -387,6 +388,7 @@ class LocalTrainer:
         batch_source,
         dropout_seed: int,
         opt_state: dict | None = None,
+        lr_scale: float = 1.0,
     ) -> tuple[TrainResult, dict]:
         """Local training from ``start``: each step backward, ``privatizer``, then
         ``hooks`` (see :class:`Hook`), then the optimizer step. Batches are
@@ -394,6 +396,7 @@ class LocalTrainer:
         σ=0, C=∞ DP training equals non-DP training); the loss is summed and divided by
         the expected batch q·n (by the privatizer in DP mode). batch_source: the run's
         secret stream for this client's Poisson batches. dropout_seed: public.
+        lr_scale: this round's multiplier of both learning rates (``lr_schedule``).
         """
         cfg = self.cfg
         F.set_state(self.model, start, self._maps())
@@ -415,7 +418,10 @@ class LocalTrainer:
         expected = q * n
         opt = self._optimizer(params)
         if opt_state is not None:
-            opt.load_state_dict(opt_state)
+            opt.load_state_dict(opt_state)  # restores the saved lrs: set them after
+        self.lr_scale = float(lr_scale)
+        for g, base in zip(opt.param_groups, self._group_lrs(params), strict=True):
+            g["lr"] = base * self.lr_scale
         for h in hooks:
             h.start(params, flat_names)
         if isinstance(privatizer, DpSgd):
@@ -496,24 +502,33 @@ class LocalTrainer:
         parts = length_chunks(data.lengths[idx].numpy(), self.BUCKET_OVERHEAD_TOKENS)
         return [idx[torch.as_tensor(p, dtype=torch.long)] for p in parts]
 
-    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        """SGD or AdamW with two parameter groups: the LoRA factors at ``lr``, the head
-        at ``head_lr`` (``lr`` when 0)."""
+    def _groups(self, params: list[torch.nn.Parameter]) -> list[dict]:
+        """The optimizer's parameter groups: the LoRA factors at ``lr``, the head at
+        ``head_lr`` (``lr`` when 0); empty groups left out."""
         cfg = self.cfg
         head_ids = {id(p) for p in self.head.values()}
         groups = [
             {"params": [p for p in params if id(p) not in head_ids], "lr": cfg.lr},
             {"params": [p for p in params if id(p) in head_ids], "lr": cfg.head_lr or cfg.lr},
         ]
-        groups = [g for g in groups if g["params"]]
+        return [g for g in groups if g["params"]]
+
+    def _group_lrs(self, params: list[torch.nn.Parameter]) -> list[float]:
+        return [g["lr"] for g in self._groups(params)]
+
+    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """SGD or AdamW over :meth:`_groups` (their lrs before ``lr_scale``)."""
+        cfg = self.cfg
         if cfg.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=cfg.lr)
-        return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+            return torch.optim.SGD(self._groups(params), lr=cfg.lr)
+        return torch.optim.AdamW(self._groups(params), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def lr_of(self, flat_name: str) -> float:
-        """The learning rate of a flat state key (``head/...`` or ``factors/...``)."""
+        """The learning rate a flat state key (``head/...`` or ``factors/...``) had in
+        the last local training: its group's lr times that round's ``lr_scale``."""
         cfg = self.cfg
-        return (cfg.head_lr or cfg.lr) if flat_name.startswith("head/") else cfg.lr
+        base = (cfg.head_lr or cfg.lr) if flat_name.startswith("head/") else cfg.lr
+        return base * self.lr_scale
 
     def _flat_names(self, params: list[torch.nn.Parameter]) -> list[str]:
         ident = {id(p): None for p in params}

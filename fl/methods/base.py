@@ -74,6 +74,10 @@ class Method:
     # Stages whose handler runs local (DP-)SGD: a lost reply in one of them is charged
     # the DP-SGD event the server planned for that client (fl.transport.Dispatcher).
     train_stages: tuple[str, ...] = ("train",)
+    #: Whether ``head_warmup_rounds`` applies: the method's factors persist across
+    #: rounds, so head-only rounds leave them as they were (FedAvg-LoRA and its
+    #: variants). Methods that re-factorize, merge or sketch every round do not.
+    head_warmup: bool = False
 
     def __init__(self, server: ServerView, options):
         self.server = server

@@ -27,6 +27,7 @@ class FedAvg(Method):
     dp_levels = ("none", "sample", "client")
     trainable = ("A", "B", "head")
     averaged = ("A", "B")
+    head_warmup = True
 
     def payload(self, rnd: RoundInfo, cid: str) -> dict:
         return {"state": self.global_state}
