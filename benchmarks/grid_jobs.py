@@ -216,6 +216,26 @@ DPLEARN_CANDIDATES = {
     # squared gradient norm)
     "lora1-b500-s20-r10": dict(_LORA1),
     "lora1-hs0.8-b500-s20-r10": dict(_LORA1, head_clip_share=0.8),
+    # the same with both learning rates on a cosine across the rounds (the factors'
+    # training loss rose after round 4 at a constant rate); with the first five rounds
+    # head-only (linear probing, then fine-tuning); with fewer LoRA parameters (rank 1
+    # on query and value, rank 2 on value only: the noise's norm grows with their
+    # number); and the probe on the same cosine, as the control
+    "lora1-cos-b500-s20-r10": dict(_LORA1, lr_schedule="cosine"),
+    "lora1-wu5cos-b500-s20-r10": dict(_LORA1, lr_schedule="cosine", head_warmup_rounds=5),
+    "lora1-cos-r1qv-b500-s20-r10": dict(_LORA1, lr_schedule="cosine", rank=1, alpha=2.0),
+    "lora1-cos-r2v-b500-s20-r10": dict(
+        _LORA1, lr_schedule="cosine", rank=2, alpha=4.0, target_modules="value"
+    ),
+    "probe-cos-b500-s20-r10-lr5e-2": dict(
+        method="probe",
+        batch_size=500,
+        local_steps=20,
+        rounds=10,
+        lr=0.05,
+        eval_every=10,
+        lr_schedule="cosine",
+    ),
 }
 
 
