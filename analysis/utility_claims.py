@@ -133,6 +133,20 @@ def verdict_better(diff: dict, margin: float = MARGIN) -> bool | None:
     return None
 
 
+def verdict_reaches(diff: dict, margin: float = MARGIN) -> bool | None:
+    """ "A reaches B" (non-inferiority): True when the paired interval of A − B lies
+    above −``margin`` (A is at most one point behind, at 95 %), False when it lies
+    below 0 (A is worse), None otherwise or with fewer than 3 pairs."""
+    lo, hi = diff["ci"]
+    if diff["n"] < 3 or lo is None:
+        return None
+    if lo > -margin:
+        return True
+    if hi < 0:
+        return False
+    return None
+
+
 def verdict_word(holds: bool | None) -> str:
     return {True: "holds", False: "does not hold", None: "inconclusive"}[holds]
 
@@ -293,6 +307,52 @@ def hetero_claims(table: dict, grid: str = "claims-hetero") -> list[dict]:
     return [c for c in out if c is not None]
 
 
+#: the DP linear probe's group in the dplearn grid (benchmarks.grid_jobs)
+DPLEARN_PROBE = "probe-b500-s20-r10-lr5e-2"
+
+
+def recipe_claims(table: dict, grid: str = "dplearn") -> list[dict]:
+    """Issue 18 item 4: each DP-LoRA candidate of the dplearn grid against the DP linear
+    probe at the same ε, on the paired seeds: "beats" (:func:`verdict_better`) and
+    "reaches" (:func:`verdict_reaches`, within ``MARGIN``)."""
+    out = []
+    for tag in _eps_tags(table, grid):
+        probe = f"{DPLEARN_PROBE}/{tag}"
+        if (grid, probe) not in table:
+            continue
+        eps = tag[3:]
+        setting = {"epsilon": float(eps), "metric": METRIC, "level": "sample"}
+        for gr, group in sorted(table):
+            name = group.split("/")[0]
+            if gr != grid or not group.endswith(f"/{tag}") or name.startswith("probe"):
+                continue
+            c = compare(
+                table,
+                grid,
+                group,
+                probe,
+                f"recipe_beats_probe:{name}:eps{eps}",
+                "baseline (issue 18)",
+                f"At ε = {eps}, the DP-LoRA recipe {name} is more accurate than the DP "
+                "linear probe.",
+                setting,
+            )
+            out.append(c)
+            d = paired(table.get((grid, group)), table.get((grid, probe)))
+            out.append(
+                _claim(
+                    f"recipe_reaches_probe:{name}:eps{eps}",
+                    "baseline (issue 18)",
+                    f"At ε = {eps}, the DP-LoRA recipe {name} reaches the DP linear probe "
+                    f"(at most {MARGIN:g} behind).",
+                    verdict_reaches(d),
+                    c["measured"],
+                    {"grid": grid, **setting, "margin": MARGIN},
+                )
+            )
+    return out
+
+
 def mia_claims(rows: Sequence[dict]) -> list[dict]:
     """Membership inference near chance on the DP runs that were attacked."""
     by: dict[tuple[str, str, str], list[dict]] = {}
@@ -346,7 +406,7 @@ def decide(dirs: Sequence[str | Path]) -> dict:
     acc = cells(rows, "accuracy")
     claims = [*fedask_claims(table), *fedpower_claims(table), *hetero_claims(table)]
     claims += fedask_claims(table, "claims-bbc") + hetero_claims(table, "claims-bbc")
-    claims += mia_claims(rows)
+    claims += recipe_claims(table) + mia_claims(rows)
     cell_rows = []
     for (grid, group), c in sorted(table.items()):
         a = acc.get((grid, group)) or {}

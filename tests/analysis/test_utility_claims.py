@@ -246,3 +246,41 @@ def test_bbc_grid_holds_both_comparisons_and_fedpower_claims(tmp_path):
     assert by["powerdp_beats_input:eps6"]["verdict"] == "inconclusive"
     assert by["powerdp_beats_input:eps6"]["setting"]["level"] == "client"
     assert "powerdp_beats_output:eps6" not in by  # no output-perturbation cell ran
+
+
+@pytest.mark.parametrize(
+    "diffs, expected",
+    [
+        ([0.0, 0.001, 0.002], True),  # [-0.0015, 0.0035]: above -0.01
+        ([-0.02, -0.03, -0.025], False),  # interval below 0
+        ([-0.03, 0.0, 0.02], None),  # wide
+        ([0.05, 0.06], None),  # fewer than 3 pairs
+    ],
+)
+def test_verdict_reaches(diffs, expected):
+    d = U.mean_ci(diffs)
+    assert U.verdict_reaches(d) is expected, (diffs, d["ci"])
+
+
+def test_recipe_claims_pair_each_candidate_with_the_probe(tmp_path):
+    probe = U.DPLEARN_PROBE
+    rows = []
+    for s in range(3):
+        rows += [
+            _row("dplearn", f"{probe}/eps8", s, 0.80 + 0.02 * s),
+            _row("dplearn", "lora1-a/eps8", s, 0.83 + 0.02 * s + 0.001 * s),  # +0.03
+            _row("dplearn", "lora1-b/eps8", s, 0.80 + 0.02 * s - 0.001 * (s - 1)),  # ~0
+            _row("dplearn", "lora1-a/eps3", s, 0.75),  # no probe at ε = 3: no claim
+            _row("dplearn", "probe-cos/eps8", s, 0.9),  # another probe: not a recipe
+        ]
+    d = tmp_path / "g"
+    d.mkdir()
+    (d / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    by = {c["id"]: c for c in U.decide([d])["claims"] if c["id"].startswith("recipe_")}
+    assert set(by) == {
+        f"recipe_{v}_probe:lora1-{x}:eps8" for v in ("beats", "reaches") for x in "ab"
+    }
+    assert by["recipe_beats_probe:lora1-a:eps8"]["verdict"] == "holds"
+    assert by["recipe_beats_probe:lora1-a:eps8"]["measured"]["diff_mean"] == pytest.approx(0.031)
+    assert by["recipe_beats_probe:lora1-b:eps8"]["verdict"] == "does not hold"
+    assert by["recipe_reaches_probe:lora1-b:eps8"]["verdict"] == "holds"
