@@ -71,6 +71,8 @@ PUBLIC_MANIFEST = {
             "prefix_cache",
             "lr",
             "head_lr",
+            "lr_schedule",
+            "head_warmup_rounds",
         )
     },
     "seeds": {"seed": SCALAR},

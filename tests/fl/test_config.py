@@ -25,6 +25,7 @@ def test_choice_fields_are_the_expected_ones():
         "method",
         "client_sampling",
         "optimizer",
+        "lr_schedule",
         "partition",
         "dp_level",
         "accountant",
