@@ -290,7 +290,7 @@ def _count_syncs(trainer, start, data, pos, steps, trainable, dp) -> dict:
     """Host synchronizations CUDA reports (``set_sync_debug_mode("warn")``) inside the
     DP step's privatizer, and in one whole DP local training (the data transfer and
     the model's own checks included)."""
-    from fl import trainer as T
+    from fl import local_step as T
 
     inner = T.DpSgd.__call__
     counts = {"privatizer": 0, "local_training": 0}

@@ -14,12 +14,13 @@ import torch
 
 from fl.config import TrainConfig
 from fl.errors import ClientFailure, UsageError
+from fl.local_step import local_step
 from fl.privacy import rng as R
 from fl.privacy.accounting import Event
 from fl.privacy.dpsgd import DpSgdParams
 from fl.privacy.rng import derive_seed
 from fl.rounds import RoundInfo
-from fl.trainer import TrainResult, local_step
+from fl.trainer import TrainResult
 from fl.transport import Delivery
 
 

@@ -13,11 +13,12 @@ import torch
 
 from fl import factors as F
 from fl.config import TrainConfig
+from fl.local_step import DpSgd, NoPrivacy, SpaceDpSgd
 from fl.privacy.dpsgd import DpSgdParams
 from fl.privacy.rng import SeededSource
 from fl.privacy.wspace import WSpaceClipper
 from fl.tokenized import TokenizedData, length_chunks
-from fl.trainer import DpSgd, LocalTrainer, NoPrivacy, SpaceDpSgd
+from fl.trainer import LocalTrainer
 
 
 def _brute_force_cost(lengths: np.ndarray, overhead: float) -> float:

@@ -13,19 +13,18 @@ import pytest
 import torch
 
 from fl import factors as F
-from fl.privacy.dpsgd import DpSgdParams, clip_and_noise, gaussian_noise
-from fl.privacy.wspace import WSpaceClipper
-from fl.trainer import (
+from fl.local_step import (
     Correction,
     DpSgd,
     GradMask,
     NoPrivacy,
     Prox,
     SpaceDpSgd,
-    TrainResult,
     local_step,
-    poisson_masks,
 )
+from fl.privacy.dpsgd import DpSgdParams, clip_and_noise, gaussian_noise
+from fl.privacy.wspace import WSpaceClipper
+from fl.trainer import TrainResult, poisson_masks
 
 # ---- unit tests of each hook against element-by-element references ----------------
 
@@ -407,7 +406,7 @@ def test_head_clip_share_is_wired_through_local_training(engine, monkeypatch):
     """With head_share s the trainer's DP-SGD step marks exactly the head's coordinates
     (from the flat names) and every step clips with (C·√s, C·√(1−s)); the trained state
     differs from the joint clip's; a grad transform (W-space) refuses the split."""
-    import fl.trainer as T
+    import fl.local_step as T
     from fl.errors import UsageError
     from fl.privacy import dpsgd
 

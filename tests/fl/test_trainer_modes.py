@@ -9,10 +9,11 @@ import torch
 
 from fl import factors as F
 from fl.config import TrainConfig
+from fl.local_step import NoPrivacy
 from fl.models import load_tokenizer
 from fl.privacy.rng import SeededSource
 from fl.tokenized import TokenizedData
-from fl.trainer import LocalTrainer, NoPrivacy
+from fl.trainer import LocalTrainer
 
 TEXTS = ["short", "the cat sat on the mat", "ok then", "federated learning with privacy"] * 4
 
