@@ -284,3 +284,36 @@ def test_recipe_claims_pair_each_candidate_with_the_probe(tmp_path):
     assert by["recipe_beats_probe:lora1-a:eps8"]["measured"]["diff_mean"] == pytest.approx(0.031)
     assert by["recipe_beats_probe:lora1-b:eps8"]["verdict"] == "does not hold"
     assert by["recipe_reaches_probe:lora1-b:eps8"]["verdict"] == "holds"
+
+
+def test_plot_leaves_out_methods_measured_on_one_seed(tmp_path, monkeypatch):
+    """A candidate tried on one seed has no interval: the figure draws only the methods
+    with a cell of at least two seeds (the non-private one-seed point of a method that
+    has them stays)."""
+    from analysis import figures
+
+    rows = [_row("dplearn", f"{U.DPLEARN_PROBE}/eps8", s, 0.8 + 0.01 * s) for s in range(3)]
+    rows += [_row("dplearn", "lora1-once/eps8", 0, 0.81)]
+    rows += [_row("dplearn", f"{U.DPLEARN_PROBE}/nodp", 0, 0.85)]
+    d = tmp_path / "g"
+    d.mkdir()
+    (d / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    drawn = []
+    real = figures.save_figure
+
+    def spy(fig, out, name):
+        for ax in fig.axes:
+            drawn.extend(t.get_text() for t in ax.get_legend().get_texts())
+            drawn.append(len(ax.containers[0].lines[0].get_xdata()))
+        return real(fig, out, name)
+
+    monkeypatch.setattr(figures, "save_figure", spy)
+    doc = U.decide([d])  # a non-private probe row is no recipe claim (and no crash)
+    assert {c["id"] for c in doc["claims"] if c["id"].startswith("recipe_")} == {
+        f"recipe_{v}_probe:lora1-once:eps8" for v in ("beats", "reaches")
+    }
+    assert U.plot(doc, tmp_path / "fig")
+    assert drawn == [U.DPLEARN_PROBE, 2]  # the probe's ε = 8 and no-DP points
+    only_once = [_row("dplearn", "lora1-once/eps8", 0, 0.81)]
+    (d / "results.jsonl").write_text(json.dumps(only_once[0]) + "\n")
+    assert U.plot(U.decide([d]), tmp_path / "fig2") is None
