@@ -107,6 +107,13 @@ def _loss(i: Inputs):
     return loss.loss_scores(i.x.loss)
 
 
+@register(
+    "loss_class", "loss", loss.THREAT_MODEL_CLASS, needs_shadows=False, tasks=("classification",)
+)
+def _loss_class(i: Inputs):
+    return loss.class_centered_scores(i.x.loss, i.x.labels)
+
+
 @register("calibration", "calibration", calibration.THREAT_MODEL)
 def _calibration(i: Inputs):
     return calibration.calibration_scores(i.x.loss, i.shadows.loss[:, i.eval_idx], i.x_in)

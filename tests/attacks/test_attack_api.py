@@ -85,16 +85,20 @@ def test_global_variance():
 
 def test_registry_names_families_and_order():
     lm = ["perplexity", "reference", "zlib", "lowercase", "min_k", "min_k_pp"]
-    assert list(REGISTRY) == ["loss", "calibration", "shadow", "shadow_single", "lira_online",
-                              "lira_offline", "rmia_online", "rmia_offline", *lm]  # fmt: skip
+    assert list(REGISTRY) == ["loss", "loss_class", "calibration", "shadow", "shadow_single",
+                              "lira_online", "lira_offline", "rmia_online", "rmia_offline",
+                              *lm]  # fmt: skip
     assert {a.family for a in REGISTRY.values()} == set(FAMILIES)
-    assert [a.name for a in REGISTRY.values() if not a.needs_shadows] == ["loss", *lm]
+    assert [a.name for a in REGISTRY.values() if not a.needs_shadows] == ["loss", "loss_class", *lm]
     # a classifier gets no LM signal and a causal LM no Shokri attack (it has no logits)
-    assert [a.name for a in select(FAMILIES)] == list(REGISTRY)[:8]
+    assert [a.name for a in select(FAMILIES)] == list(REGISTRY)[:9]
     assert "shadow" not in [a.name for a in select(FAMILIES, "causal-lm")]
+    assert "loss_class" not in [a.name for a in select(FAMILIES, "causal-lm")]
     assert [a.name for a in select(("lm",), "causal-lm")] == lm
     # results follow the registry's order, not the order asked for
-    assert [a.name for a in select(("rmia", "loss"))] == ["loss", "rmia_online", "rmia_offline"]
+    assert [a.name for a in select(("rmia", "loss"))] == [
+        "loss", "loss_class", "rmia_online", "rmia_offline"
+    ]  # fmt: skip
     cfg = AttackConfig(rmia_a=0.25, shadows=4)
     assert REGISTRY["rmia_offline"].threat_model(cfg).endswith(" (offline a=0.25)")
     assert REGISTRY["lira_online"].threat_model(cfg).endswith(" (global variance: True)")

@@ -20,7 +20,7 @@ def test_cli_writes_results_and_json(run_dir, tmp_path, capsys):
                "--device", "cpu", "--bootstrap", "10"])  # fmt: skip
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)  # --json: stdout is exactly one JSON document
-    assert set(doc["attacks"]) == {"loss"}
+    assert set(doc["attacks"]) == {"loss", "loss_class"}  # the loss family's two results
     assert list(doc) == ["schema_version", "target", "seed", "attacks", "shadows"]
     assert doc["target"] == {"run_dir": str(run_dir), "model": "tiny-bert", "dataset": "synthetic",
                              "method": "fedavg", "dp_level": "none", "n_members": 16,

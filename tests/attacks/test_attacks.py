@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from scipy.stats import norm
 
-from attacks import calibration, lira, rmia, shadow
+from attacks import calibration, lira, loss, rmia, shadow
 from attacks.metrics import roc_metrics
 
 
@@ -114,6 +114,30 @@ def test_calibration_matches_loop():
         outs = [ref[j, i] for j in range(k) if not inm[j, i]] or list(ref[:, i])
         want.append(-(t[i] - np.mean(outs)))
     np.testing.assert_allclose(calibration.calibration_scores(t, ref, inm), want)
+
+
+def test_class_centered_loss_matches_loop():
+    rng = np.random.default_rng(3)
+    t, y = rng.random(30), rng.integers(0, 4, 30)
+    want = [-(t[i] - np.mean([t[j] for j in range(30) if y[j] == y[i]])) for i in range(30)]
+    np.testing.assert_allclose(loss.class_centered_scores(t, y), want, rtol=1e-12)
+    with pytest.raises(ValueError, match="labels must have"):
+        loss.class_centered_scores(t, y[:-1])
+
+
+def test_class_mix_moves_the_loss_attack_not_the_class_centered_one():
+    """No memorization, but the non-members over-represent the harder class: the loss
+    attack's AUC leaves 0.5, the class-centered attack's does not."""
+    rng = np.random.default_rng(4)
+    n = 20000
+    is_member = np.arange(n) < n // 2
+    # class 1 (loss ~ 1 + noise) is 30 % of the members and 60 % of the non-members
+    y = np.where(is_member, rng.random(n) < 0.3, rng.random(n) < 0.6).astype(int)
+    t = y * 1.0 + rng.normal(scale=0.5, size=n)  # the same law for members and non-members
+    plain = roc_metrics(loss.loss_scores(t), is_member, n_bootstrap=0)["auc"]
+    centered = roc_metrics(loss.class_centered_scores(t, y), is_member, n_bootstrap=0)["auc"]
+    assert plain > 0.6
+    assert abs(centered - 0.5) < 0.02
 
 
 def test_shadow_classifier_learns_what_the_shadows_show():

@@ -405,7 +405,7 @@ def test_attack_and_report_on_a_bundle(tmp_path, tiny_cfg, capsys):
                str(files["nonmember"]), "--device", "cpu", "--bootstrap", "0", "--json"])  # fmt: skip
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["target"]["bundle"] == str(bundle) and set(doc["attacks"]) == {"loss"}
+    assert doc["target"]["bundle"] == str(bundle) and set(doc["attacks"]) == {"loss", "loss_class"}
     assert json.loads((bundle / "attacks" / "attacks.json").read_text())["target"]["bundle"]
     rc = main(["attack", str(run), "--attacks", "loss", "--out", str(tmp_path / "r"),
                "--device", "cpu", "--bootstrap", "0"])  # fmt: skip
