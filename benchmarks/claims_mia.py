@@ -7,9 +7,12 @@ For every finished run of ``GRID_DIR/results.jsonl`` whose group contains one of
 non-members, :func:`attacks.run.run_attacks`) and append one row per run to
 ``GRID_DIR/mia.jsonl``: ``grid`` (the run's grid), ``group``, ``seed``, ``key`` and
 ``attacks`` (AUC, TPR at the FPR targets and their bootstrap intervals), the layout that
-:func:`analysis.utility_claims.mia_claims` reads. A resumed call skips runs already there.
-Without shadows only the loss attack applies; ``--shadows N`` adds the shadow-model
-attacks (each shadow is a training run of the target's configuration).
+:func:`analysis.utility_claims.mia_claims` reads. A resumed call skips runs already
+there with every result the chosen attack families give; a run whose row lacks one (a
+family that gained a result) is attacked again, from its cached signals, and its row
+replaced. Without shadows only the loss family applies (``loss``, ``loss_class``);
+``--shadows N`` adds the shadow-model attacks (each shadow is a training run of the
+target's configuration).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from fl.io import atomic_write_text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,14 +41,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{root}: no results.jsonl")
     rows = [json.loads(x) for x in res.read_text().splitlines() if x.strip()]
     out = root / "mia.jsonl"
-    done = (
-        {json.loads(x)["key"] for x in out.read_text().splitlines() if x.strip()}
-        if out.exists()
-        else set()
-    )
+    old = [json.loads(x) for x in out.read_text().splitlines() if x.strip()] if out.exists() else []
+    from attacks.config import parse_attacks
+    from attacks.registry import select
     from attacks.run import run_attacks
 
-    attacks = tuple(a.strip() for a in args.attacks.split(",") if a.strip())
+    attacks = parse_attacks(args.attacks)
+    # a run is done when its row has every result these families give (a family that
+    # gained a result, e.g. loss → loss_class, re-scores the run from its cached signals)
+    want = {a.name for a in select(attacks)}
+    done = {m["key"] for m in old if want <= set(m.get("attacks") or {})}
     todo = [
         r
         for r in rows
@@ -77,8 +84,13 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(v, dict)
             },
         }
-        with out.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        if any(m["key"] == row["key"] for m in old):  # replace the older row, in place
+            old = [row if m["key"] == row["key"] else m for m in old]
+            atomic_write_text(out, "".join(json.dumps(m) + "\n" for m in old))
+        else:
+            old.append(row)
+            with out.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
         aucs = {k: v.get("auc") for k, v in row["attacks"].items()}
         print(f"[{i + 1}/{len(todo)}] {r['group']} seed {r.get('seed')}: {aucs}", flush=True)
     return 0

@@ -118,7 +118,19 @@ def test_claims_mia_attacks_a_grid_run(tmp_path):
     assert [m["key"] for m in mia] == ["k0", "k1", "k2"]  # eps8 only
     auc = mia[0]["attacks"]["loss"]["auc"]
     assert 0.0 <= auc <= 1.0 and len(mia[0]["attacks"]["loss"]["ci"]["auc"]) == 2
+    assert set(mia[0]["attacks"]) == {"loss", "loss_class"}
+    before = (root / "mia.jsonl").read_text()
     assert claims_mia.main([str(root)]) == 0  # resumed: nothing attacked twice
-    assert len((root / "mia.jsonl").read_text().splitlines()) == 3
+    assert (root / "mia.jsonl").read_text() == before
+    # a row from before the loss family gained loss_class is attacked again and replaced
+    mia[1]["attacks"].pop("loss_class")
+    mia[1]["seconds"] = -1.0
+    (root / "mia.jsonl").write_text("".join(json.dumps(m) + "\n" for m in mia))
+    assert claims_mia.main([str(root)]) == 0
+    again = [json.loads(x) for x in (root / "mia.jsonl").read_text().splitlines()]
+    assert [m["key"] for m in again] == ["k0", "k1", "k2"]
+    assert again[0] == mia[0] and again[2] == mia[2] and again[1]["seconds"] >= 0
+    assert set(again[1]["attacks"]) == {"loss", "loss_class"}
+    assert again[1]["attacks"]["loss"]["auc"] == mia[1]["attacks"]["loss"]["auc"]
     claims = {c["id"] for c in U.decide([root])["claims"]}
     assert "mia_near_chance:loss:ffa/eps8" in claims
