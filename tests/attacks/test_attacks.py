@@ -161,8 +161,8 @@ def test_shadow_classifier_learns_what_the_shadows_show():
 
 
 # ---------------------------------------------------------------- end to end, tiny-bert
-ALL = ("loss", "calibration", "shadow", "shadow_single", "lira_online", "lira_offline",
-       "rmia_online", "rmia_offline")  # fmt: skip
+ALL = ("loss", "loss_class", "calibration", "shadow", "shadow_single", "lira_online",
+       "lira_offline", "rmia_online", "rmia_offline")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
