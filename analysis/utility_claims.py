@@ -68,17 +68,29 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> dict:
 
 
 def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
-    """The finished rows of the grids in ``dirs`` (a results.jsonl file or its folder;
-    a folder's ``mia.jsonl``, written by ``benchmarks.claims_mia``, adds the attacks to
-    the rows of the same ``key``)."""
+    """The finished rows of the grids in ``dirs`` (a results.jsonl file or its folder,
+    or a folder of such folders, e.g. ``benchmarks/results/claims``; a folder's
+    ``mia.jsonl``, written by ``benchmarks.claims_mia``, adds the attacks to the rows of
+    the same ``key``)."""
     rows: dict[str, dict] = {}
     anon = 0
     paths = []
+    expanded: list[Path] = []
     for d in dirs:
         p = Path(d)
+        if p.is_dir() and not (p / "results.jsonl").is_file():
+            expanded += sorted(c.parent for c in p.glob("*/results.jsonl")) or [p]
+        else:
+            expanded.append(p)
+    for p in expanded:
+        d = p
         path = p / "results.jsonl" if p.is_dir() else p
         if not path.is_file():
-            raise UsageError(f"{d}: no results.jsonl (a benchmarks.grids --out folder)")
+            raise UsageError(
+                f"{d}: no results.jsonl (a benchmarks.grids --out folder, or a folder of them)"
+            )
+        if path.suffix != ".jsonl":
+            raise UsageError(f"{d}: not a results.jsonl file or a grid folder")
         paths.append(path)
         if p.is_dir() and (p / "mia.jsonl").is_file():
             paths.append(p / "mia.jsonl")

@@ -160,6 +160,25 @@ def test_bad_input(tmp_path):
         U.decide([tmp_path])
 
 
+def test_a_folder_of_grids_is_read_grid_by_grid(tmp_path):
+    """``--grids benchmarks/results/claims`` (the folder of the committed grids) reads
+    each subfolder's results.jsonl (and mia.jsonl); a stray file such as a README named
+    as a grid is refused by name."""
+    for name, shift in (("a", 0.0), ("b", 0.1)):
+        d = tmp_path / "claims" / name
+        d.mkdir(parents=True)
+        rows = [_row("claims-fedask", "ffa/eps8", s, 0.7 + shift) for s in range(3)]
+        for r in rows:
+            r["key"] = f"{name}{r['seed']}"
+        (d / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "claims" / "README.md").write_text("# not a grid\n")
+    both = U.load_rows([tmp_path / "claims"])
+    assert sorted(r["key"] for r in both) == ["a0", "a1", "a2", "b0", "b1", "b2"]
+    assert both == U.load_rows([tmp_path / "claims" / "a", tmp_path / "claims" / "b"])
+    with pytest.raises(UsageError, match="README.md: not a results.jsonl file"):
+        U.load_rows([tmp_path / "claims" / "a", tmp_path / "claims" / "README.md"])
+
+
 def test_claims_cli_with_grids(tmp_path):
     """`fedlora analyze claims --grids DIR` adds the utility claims, their cells and the
     accuracy-vs-ε figure; the report's claims section shows both."""
