@@ -83,14 +83,13 @@ def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
         else:
             expanded.append(p)
     for p in expanded:
-        d = p
         path = p / "results.jsonl" if p.is_dir() else p
         if not path.is_file():
             raise UsageError(
-                f"{d}: no results.jsonl (a benchmarks.grids --out folder, or a folder of them)"
+                f"{p}: no results.jsonl (a benchmarks.grids --out folder, or a folder of them)"
             )
         if path.suffix != ".jsonl":
-            raise UsageError(f"{d}: not a results.jsonl file or a grid folder")
+            raise UsageError(f"{p}: not a results.jsonl file or a grid folder")
         paths.append(path)
         if p.is_dir() and (p / "mia.jsonl").is_file():
             paths.append(p / "mia.jsonl")

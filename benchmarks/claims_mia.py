@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from fl.errors import UsageError
 from fl.io import atomic_write_text
 
 
@@ -46,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     from attacks.registry import select
     from attacks.run import run_attacks
 
-    attacks = parse_attacks(args.attacks)
+    try:
+        attacks = parse_attacks(args.attacks)
+    except UsageError as exc:
+        ap.error(str(exc))
     # a run is done when its row has every result these families give (a family that
     # gained a result, e.g. loss → loss_class, re-scores the run from its cached signals)
     want = {a.name for a in select(attacks)}

@@ -132,5 +132,9 @@ def test_claims_mia_attacks_a_grid_run(tmp_path):
     assert again[0] == mia[0] and again[2] == mia[2] and again[1]["seconds"] >= 0
     assert set(again[1]["attacks"]) == {"loss", "loss_class"}
     assert again[1]["attacks"]["loss"]["auc"] == mia[1]["attacks"]["loss"]["auc"]
+    with pytest.raises(SystemExit) as exc:  # argparse: one line, exit code 2
+        claims_mia.main([str(root), "--attacks", "bogus"])
+    assert exc.value.code == 2
+    assert (root / "mia.jsonl").read_text() == "".join(json.dumps(m) + "\n" for m in again)
     claims = {c["id"] for c in U.decide([root])["claims"]}
     assert "mia_near_chance:loss:ffa/eps8" in claims
