@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from audit.empirical import epsilon_lower_bound
-from audit.report import best_bound, empirical_bounds
+from audit.report_empirical import best_bound, empirical_bounds
 
 
 def _row(tmp_path, k: int, shift: float = 1.5):
