@@ -325,8 +325,11 @@ DPLEARN_PROBE = "probe-b500-s20-r10-lr5e-2"
 def recipe_claims(table: dict, grid: str = "dplearn") -> list[dict]:
     """Issue 18 item 4: each DP-LoRA candidate of the dplearn grid against the DP linear
     probe at the same ε, on the paired seeds: "beats" (:func:`verdict_better`) and
-    "reaches" (:func:`verdict_reaches`, within ``MARGIN``)."""
+    "reaches" (:func:`verdict_reaches`, within ``MARGIN``). Another scale of the grid
+    (``dplearn-m21k``) compares within itself; its claim ids carry its name
+    (``m21k:recipe_beats_probe:…``)."""
     out = []
+    pre = "" if grid == "dplearn" else grid.removeprefix("dplearn-") + ":"
     for tag in _eps_tags(table, grid):
         probe = f"{DPLEARN_PROBE}/{tag}"
         if tag == "nodp" or (grid, probe) not in table:  # the claim is about DP at one ε
@@ -342,7 +345,7 @@ def recipe_claims(table: dict, grid: str = "dplearn") -> list[dict]:
                 grid,
                 group,
                 probe,
-                f"recipe_beats_probe:{name}:eps{eps}",
+                f"{pre}recipe_beats_probe:{name}:eps{eps}",
                 "baseline (issue 18)",
                 f"At ε = {eps}, the DP-LoRA recipe {name} is more accurate than the DP "
                 "linear probe.",
@@ -352,7 +355,7 @@ def recipe_claims(table: dict, grid: str = "dplearn") -> list[dict]:
             d = paired(table.get((grid, group)), table.get((grid, probe)))
             out.append(
                 _claim(
-                    f"recipe_reaches_probe:{name}:eps{eps}",
+                    f"{pre}recipe_reaches_probe:{name}:eps{eps}",
                     "baseline (issue 18)",
                     f"At ε = {eps}, the DP-LoRA recipe {name} reaches the DP linear probe "
                     f"(at most {MARGIN:g} behind).",
@@ -417,7 +420,9 @@ def decide(dirs: Sequence[str | Path]) -> dict:
     acc = cells(rows, "accuracy")
     claims = [*fedask_claims(table), *fedpower_claims(table), *hetero_claims(table)]
     claims += fedask_claims(table, "claims-bbc") + hetero_claims(table, "claims-bbc")
-    claims += recipe_claims(table) + mia_claims(rows)
+    for grid in sorted({gr for (gr, _) in table if gr == "dplearn" or gr.startswith("dplearn-")}):
+        claims += recipe_claims(table, grid)
+    claims += mia_claims(rows)
     cell_rows = []
     for (grid, group), c in sorted(table.items()):
         a = acc.get((grid, group)) or {}

@@ -305,6 +305,31 @@ def test_recipe_claims_pair_each_candidate_with_the_probe(tmp_path):
     assert by["recipe_reaches_probe:lora1-b:eps8"]["verdict"] == "holds"
 
 
+def test_recipe_claims_of_another_scale_pair_within_their_own_grid(tmp_path):
+    """dplearn-m21k holds the same candidates at 21 000 members: its recipe is compared
+    with its own probe (never the 10 000-member one), under ids that name the grid."""
+    probe = U.DPLEARN_PROBE
+    rows = []
+    for s in range(3):
+        rows += [
+            _row("dplearn", f"{probe}/eps8", s, 0.90),  # would make m21k's recipe lose
+            _row("dplearn", "lora1-a/eps8", s, 0.80 + 0.001 * s),
+            _row("dplearn-m21k", f"{probe}/eps8", s, 0.80 + 0.02 * s),
+            _row("dplearn-m21k", "lora1-a/eps8", s, 0.83 + 0.02 * s + 0.001 * s),  # +0.031
+        ]
+    d = tmp_path / "g"
+    d.mkdir()
+    (d / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    by = {c["id"]: c for c in U.decide([d])["claims"] if "recipe_" in c["id"]}
+    assert set(by) == {
+        f"{pre}recipe_{v}_probe:lora1-a:eps8" for v in ("beats", "reaches") for pre in ("", "m21k:")
+    }
+    m = by["m21k:recipe_beats_probe:lora1-a:eps8"]
+    assert m["verdict"] == "holds" and m["setting"]["grid"] == "dplearn-m21k"
+    assert m["measured"]["diff_mean"] == pytest.approx(0.031)
+    assert by["recipe_beats_probe:lora1-a:eps8"]["verdict"] == "does not hold"
+
+
 def test_plot_leaves_out_methods_measured_on_one_seed(tmp_path, monkeypatch):
     """A candidate tried on one seed has no interval: the figure draws only the methods
     with a cell of at least two seeds (the non-private one-seed point of a method that

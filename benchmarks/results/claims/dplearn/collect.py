@@ -1,5 +1,7 @@
 """The rows of results.jsonl from the runs' folders:
-``python benchmarks/results/claims/dplearn/collect.py RUNS_DIR OUT.jsonl``.
+``python benchmarks/results/claims/dplearn/collect.py RUNS_DIR OUT.jsonl [GRID]``
+(GRID: ``dplearn``, the default, or ``dplearn-m21k``, whose folders are named
+``probe-m21k-eps<E>[-s<S>]`` and ``r1qv-m21k-eps<E>[-s<S>]``).
 
 The runs were ``fedlora train`` calls in folders named ``<candidate>-eps<E>[-s<S>]``
 (no ``-s``: seed 0). Each finished run becomes one row in the grid runner's format; its
@@ -24,20 +26,24 @@ GROUPS = {
     "cos-r1qv": "lora1-cos-r1qv-b500-s20-r10",
     "probecos": "probe-cos-b500-s20-r10-lr5e-2",
     "probe": "probe-b500-s20-r10-lr5e-2",
+    "probe-m21k": "probe-b500-s20-r10-lr5e-2",
+    "r1qv-m21k": "lora1-cos-r1qv-b500-s20-r10",
 }
 KEEP = ("method", "members", "clients", "rounds", "local_steps", "batch_size", "lr", "head_lr",
         "lora_layers", "alpha", "rank", "target_modules", "lr_schedule", "head_warmup_rounds",
         "head_clip_share", "max_length", "epsilon", "seed", "clip")  # fmt: skip
 
 
-def main(runs: str, out_path: str) -> None:
+def main(runs: str, out_path: str, grid: str = "dplearn") -> None:
     jobs = {}
-    for job in GRIDS["dplearn"]({}, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)):
+    for job in GRIDS[grid]({}, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)):
         jobs[(job["group"], job["cfg"]["seed"])] = job
     out = []
     for p in sorted(pathlib.Path(runs).iterdir()):
         m = re.fullmatch(r"(.+)-eps(\d+)(?:-s(\d))?", p.name)
         if not p.is_dir() or not m or m.group(1) not in GROUPS:
+            continue
+        if ("m21k" in m.group(1)) != (grid == "dplearn-m21k"):
             continue
         if not (p / "manifest.json").exists():
             continue
@@ -49,15 +55,15 @@ def main(runs: str, out_path: str) -> None:
         cfg = json.load(open(p / "config.json"))
         group = f"{GROUPS[m.group(1)]}/eps{m.group(2)}"
         job = jobs.get((group, cfg.get("seed")))
-        job = job | {"grid": "dplearn", "group": group} if job else None
+        job = job | {"grid": grid, "group": group} if job else None
         if job and all(cfg.get(k) == v for k, v in job["cfg"].items()):
             key = job_key(job)
         else:
             key = p.name
-            print(f"{p.name}: no dplearn job has this configuration; key = folder name")
+            print(f"{p.name}: no {grid} job has this configuration; key = folder name")
         wall = man.get("wall_seconds") or man.get("wall_s")
         out.append({
-            "grid": "dplearn", "group": group, "run": p.name, "key": key,
+            "grid": grid, "group": group, "run": p.name, "key": key,
             "seed": cfg.get("seed"), "seconds": wall,
             **{k: last.get(k) for k in ("accuracy", "balanced_accuracy", "val_accuracy",
                                         "val_balanced_accuracy", "loss")},
@@ -79,4 +85,4 @@ def main(runs: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
