@@ -82,7 +82,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         k, v = item.split("=", 1)
         opts[k.strip()] = parse_opt_value(v.strip())
     data["opts"] = opts
-    return TrainConfig.from_dict(data).validate()
+    cfg = TrainConfig.from_dict(data).validate()
+    if cfg.method == "probe" and "lr" in data and cfg.head_lr > 0 and cfg.head_lr != cfg.lr:
+        # the probe trains only the head, whose rate is head_lr (lr when head_lr is 0):
+        # a given --lr would otherwise be silently unused
+        raise UsageError(
+            f"the probe trains only the head, at --head-lr {cfg.head_lr:g}; --lr {cfg.lr:g} "
+            "would be unused: give the head's rate as --head-lr (or --head-lr 0 to use --lr)"
+        )
+    return cfg
 
 
 def register(sub) -> None:

@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,6 +217,9 @@ def test_client_level_dp_fedavg_records_one_event_per_round(tmp_path, tiny_cfg):
         (["--config", "/nonexistent.toml"], "config file not found"),
         (["--dp-level", "none", "--epsilon", "8"], "--dp-level none"),
         (["--opt", "mu=0.1"], "unknown option"),
+        # the probe trains only the head: an --lr it would not use is refused
+        (["--method", "probe", "--lr", "0.05"], "--head-lr 0.03; --lr 0.05 would be unused"),
+        (["--method", "probe", "--lr", "0.05", "--head-lr", "0.01"], "--lr 0.05 would be"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
@@ -244,6 +248,24 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     assert rc == 2
     assert len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args,head",
+    [
+        (["--lr", "0.05", "--head-lr", "0"], 0.05),  # head_lr 0: the head takes --lr
+        (["--head-lr", "0.05"], 0.05),
+        (["--lr", "0.05", "--head-lr", "0.05"], 0.05),
+        ([], 0.03),  # neither given: the head's default rate
+        (["--config", str(Path(__file__).parents[2] / "configs/minilm-tweets-probe.toml")], 0.05),
+    ],
+)
+def test_probe_learning_rate_forms_that_say_what_they_do(args, head):
+    from fl.cli import build_parser
+    from fl.cli_train import config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["train", "--method", "probe", *args]))
+    assert (cfg.head_lr or cfg.lr) == pytest.approx(head)
 
 
 def test_existing_output_is_not_overwritten(tmp_path, capsys):
