@@ -34,7 +34,9 @@ class ClientContext:
         self.id = cid
         self.round = rnd
         self.positions = engine.client_positions[cid]
-        self.n = len(self.positions)
+        # the public size (before secret canaries): aggregation weights and sampling
+        # rates must not depend on how many canaries a client received
+        self.n = engine.public_size(cid)
         self.state: dict = engine.client_states.setdefault(cid, {})
         self.events: list[Event] = []
 
@@ -116,6 +118,7 @@ class ClientContext:
             dropout_seed=derive_seed(eng.cfg.seed, "round", r, "client", cid, stage, "dropout"),
             opt_state=opt_state,
             lr_scale=eng.cfg.lr_scale(r),
+            sample_size=self.n,
         )
         if not eng.cfg.reset_optimizer:
             self.state["_opt"] = opt_sd

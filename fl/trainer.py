@@ -209,6 +209,7 @@ class LocalTrainer:
         dropout_seed: int,
         opt_state: dict | None = None,
         lr_scale: float = 1.0,
+        sample_size: int | None = None,
     ) -> tuple[TrainResult, dict]:
         """Local training from ``start``: each step backward, ``privatizer``, then
         ``hooks`` (see :class:`Hook`), then the optimizer step. Batches are
@@ -217,6 +218,9 @@ class LocalTrainer:
         the expected batch q·n (by the privatizer in DP mode). batch_source: the run's
         secret stream for this client's Poisson batches. dropout_seed: public.
         lr_scale: this round's multiplier of both learning rates (``lr_schedule``).
+        sample_size: the client's public size n (default ``len(positions)``): q and the
+        expected batch use it, so that secret canaries among ``positions`` change neither
+        (each position, canary or not, is in a batch with probability q = B/n).
         """
         cfg = self.cfg
         F.set_state(self.model, start, self._maps())
@@ -234,8 +238,8 @@ class LocalTrainer:
         else:
             torch.manual_seed(dropout_seed)
         n = len(positions)
-        q = min(1.0, cfg.batch_size / n)
-        expected = q * n
+        q = min(1.0, cfg.batch_size / (sample_size or n))
+        expected = q * (sample_size or n)
         opt = self._optimizer(params)
         if opt_state is not None:
             opt.load_state_dict(opt_state)  # restores the saved lrs: set them after

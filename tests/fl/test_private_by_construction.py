@@ -213,3 +213,33 @@ def test_canaries_are_added_not_substituted(tmp_path, tiny_cfg):
     other.setup()
     bits = [c["included"] for c in can]
     assert bits != [c["included"] for c in other._canaries["canaries"]]
+
+
+def test_canaries_change_neither_weights_nor_sampling_rate(tmp_path, tiny_cfg, monkeypatch):
+    """Secret canaries are added to a client's positions, but the client's weight (its
+    reply's n) and its executed Poisson rate stay those of its public size: otherwise the
+    aggregate and every other example's inclusion would depend on the canary count,
+    outside the mechanism the ledger accounts for."""
+    import fl.trainer as T
+    from fl.contexts import ClientContext
+    from fl.rounds import RoundInfo
+
+    cfg = tiny_cfg(canaries=24, nonmembers=60, dp_level="sample", noise_multiplier=1.0, rounds=1)
+    eng = Engine(cfg, tmp_path / "c", quiet=True)
+    eng.setup()
+    got = {c for c in eng.client_ids() if len(eng.client_positions[c]) > eng.public_size(c)}
+    assert got, "no client received a canary"
+    rates = []
+    real = T.poisson_masks
+    monkeypatch.setattr(
+        T, "poisson_masks", lambda src, n, q, steps: rates.append((n, q)) or real(src, n, q, steps)
+    )
+    for cid in eng.client_ids():
+        ctx = ClientContext(eng, cid, RoundInfo(0, 0, eng.client_ids()))
+        assert ctx.n == eng.public_size(cid)
+        rates.clear()
+        ctx.train(eng.method.released_state())
+        (n_drawn, q), *_ = rates
+        assert n_drawn == len(eng.client_positions[cid])  # every position, canaries too
+        assert q == min(1.0, cfg.batch_size / eng.public_size(cid))
+        assert q == eng.dp_params_for(eng.public_size(cid)).sample_rate
