@@ -89,6 +89,8 @@ class Code(StrEnum):
     LEDGER_INCOMPLETE = "ledger_incomplete"
     #: σ differs between config, block and ledger
     SIGMA_MISMATCH = "sigma_mismatch"
+    #: the ledger's δ differs from the privacy block's
+    DELTA_MISMATCH = "delta_mismatch"
     #: a recorded sampling rate is not batch / n
     SAMPLE_RATE_MISMATCH = "sample_rate_mismatch"
     #: retrained from config and key, the run differs
@@ -132,6 +134,7 @@ TAMPER_CODES = frozenset(
         Code.CONFIG_FILE_MISMATCH,
         Code.LEDGER_INCOMPLETE,
         Code.SIGMA_MISMATCH,
+        Code.DELTA_MISMATCH,
         Code.SAMPLE_RATE_MISMATCH,
         Code.REPLAY_MISMATCH,
     }

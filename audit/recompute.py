@@ -9,6 +9,7 @@ consistency findings → :class:`PrivacyAudit` (the comparison, what the audit r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -421,7 +422,18 @@ class PrivacyAudit:
 def compare(stated: Stated, ce: ConfigEpsilon, ledger_incomplete: bool):
     """Stated ε against the recomputation; returns (recomputed, understated, findings)."""
     found: list[Finding] = []
-    ledger_eps = {a: stated.ledger.epsilon(a) for a in ACCOUNTANTS}
+    ledger = stated.ledger
+    if ledger.delta != stated.delta:
+        # a larger ledger δ would lower the ledger's ε: recompute at the smaller δ
+        found.append(
+            Finding(
+                Code.DELTA_MISMATCH,
+                f"The ledger's δ ({ledger.delta:g}) differs from privacy.delta "
+                f"({stated.delta:g}); its ε is recomputed at the smaller δ.",
+            )
+        )
+        ledger = dataclasses.replace(ledger, delta=min(ledger.delta, stated.delta))
+    ledger_eps = {a: ledger.epsilon(a) for a in ACCOUNTANTS}
     recomputed = {a: max(ledger_eps[a], ce.epsilon[a]) for a in ACCOUNTANTS}
     understated = False
     for a in ACCOUNTANTS:

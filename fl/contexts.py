@@ -100,7 +100,7 @@ class ClientContext:
         cid = self.id
         privatizer, hooks = local_step(
             dp,
-            eng.rand.stream("dpsgd-noise", r, cid, stage),
+            eng.rand.round_stream("dpsgd-noise", r, cid, stage),
             prox_mu=prox_mu,
             correction=correction,
             grad_transform=grad_transform,
@@ -114,7 +114,7 @@ class ClientContext:
             set(trainable),
             privatizer,
             hooks,
-            eng.rand.stream("poisson-batches", r, cid, stage),
+            eng.rand.round_stream("poisson-batches", r, cid, stage),
             dropout_seed=derive_seed(eng.cfg.seed, "round", r, "client", cid, stage, "dropout"),
             opt_state=opt_state,
             lr_scale=eng.cfg.lr_scale(r),
@@ -201,7 +201,7 @@ class ServerContext:
 
     def noise_generator(self, rnd: RoundInfo, purpose: str) -> R.NoiseSource:
         """The run's secret noise stream for this round's server-side release."""
-        return self.e.rand.stream("server", rnd.index, purpose)
+        return self.e.rand.round_stream("server", rnd.index, purpose)
 
     def noise(self, shape, std, gen) -> torch.Tensor:
         return R.draw_normal(gen, shape, std)

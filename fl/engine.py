@@ -358,6 +358,22 @@ class Engine(PrivacyPlan):
         kernels) or over Flower (node-side state outlives a server kill) it may not."""
         return self.device.type == "cpu" and self.cfg.transport == "inprocess"
 
+    def environment(self) -> dict:
+        """What a CPU computation's float results depend on besides its inputs: the
+        torch build, the instruction set its kernels dispatch to, the thread count (a
+        reduction split over other threads rounds differently) and the processor."""
+        import platform
+
+        import torch
+
+        return {
+            "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "processor": _cpu_model(),
+        }
+
     def _inflight_path(self) -> Path:
         return self.out / "checkpoint" / "inflight.json"
 
@@ -368,8 +384,10 @@ class Engine(PrivacyPlan):
         path.parent.mkdir(exist_ok=True)
         doc = {
             "round": r,
+            "attempt": self.rand.attempts.get(r, 0),
             "device": self.device.type,
             "transport": self.cfg.transport,
+            "environment": self.environment(),
             "planned": [e.to_dict() for e in planned],
         }
         atomic_write_json(path, doc)
@@ -380,8 +398,11 @@ class Engine(PrivacyPlan):
     def _account_inflight(self) -> None:
         """On resume: a round that was started but not completed may have released
         (a Flower message, a log line). If re-running it replays the same releases bit
-        for bit, the re-run releases nothing new and nothing is charged; otherwise its
-        planned events are composed into the ledger now, before it is run again."""
+        for bit (the CPU, in process, in the environment that journaled it), the re-run
+        releases nothing new and nothing is charged. Otherwise its planned events are
+        composed into the ledger now, and the round is re-run as a new attempt with
+        fresh noise, batch and cohort streams: re-using the first attempt's noise over a
+        computation that may differ would release a noiseless difference."""
         path = self._inflight_path()
         if not path.is_file():
             return
@@ -391,12 +412,18 @@ class Engine(PrivacyPlan):
             path.unlink(missing_ok=True)
             return
         same = doc.get("device") == "cpu" and doc.get("transport") == "inprocess"
-        if (same and self.replays_bit_exact()) or self.cfg.dp_level == "none":
+        # a journal written before the environment was recorded keeps the old test
+        env = doc.get("environment")
+        same_env = env is None or env == self.environment()
+        attempt = int(doc.get("attempt", 0))
+        if (same and same_env and self.replays_bit_exact()) or self.cfg.dp_level == "none":
+            self.rand.attempts[r] = attempt
             self.log(
                 f"round {r + 1} was started before the run stopped; it is re-run with the same "
                 "noise streams (bit-exact on CPU), so its releases are not charged twice"
             )
         else:
+            self.rand.attempts[r] = attempt + 1
             evs = [Event.from_dict(e) for e in doc.get("planned", [])]
             for ev in evs:
                 self.ledger.record(
@@ -408,12 +435,15 @@ class Engine(PrivacyPlan):
                         unit=ev.unit,
                         round=ev.round,
                         stage="interrupted",
-                        note="round started before a stop; its noise may have been observed",
+                        note=f"round started before a stop (attempt {attempt}); its noise "
+                        "may have been observed",
                     )
                 )
+            why = "" if same_env else " (the CPU environment differs from the journal's)"
             self.log(
                 f"round {r + 1} was started before the run stopped and cannot be replayed "
-                f"bit-exactly here; its {len(evs)} planned event(s) are charged before re-running it"
+                f"bit-exactly here{why}; its {len(evs)} planned event(s) are charged, and it is "
+                f"re-run as attempt {attempt + 1} with fresh noise streams"
             )
         path.unlink(missing_ok=True)
 
@@ -546,3 +576,17 @@ __all__ = [
     "poisson_masks",
     "InProcessTransport",
 ]
+
+
+def _cpu_model() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), else platform.processor()."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

@@ -214,7 +214,7 @@ class PrivacyPlan:
         m = int(round(self.expected_clients_per_round()))
         if cfg.client_sampling != "poisson" and m >= len(ids):
             return ids
-        src = self.rand.stream("cohort", rnd)
+        src = self.rand.round_stream("cohort", rnd)
         if cfg.client_sampling == "poisson":
             keep = R.bernoulli_mask(src, len(ids), self.client_rate())
             return [c for c, k in zip(ids, keep.tolist()) if k]

@@ -91,6 +91,10 @@ def client_engine(cfg_dict: dict, sigma: float, noise_key=None, mechanism_sigmas
             noise_key=noise_key,
         )
         eng.setup()
+        # this engine serves every run of this configuration and key that reaches the
+        # node (a replay re-issues the same streams); each message names its streams by
+        # (round, client, stage, attempt)
+        eng.rand.refuse_reuse = False
         _ENGINE.clear()
         _ENGINE.update(key=key, engine=eng)
     eng = _ENGINE["engine"]
@@ -132,6 +136,7 @@ def handle_stage(message: Message, context: Context) -> Message:
     skey = f"{STATE}.{config_key(meta['cfg'])}"
     eng.client_states[cid] = R.decode(context.state, skey) if R.has(context.state, skey) else {}
     rnd = RoundInfo(index=int(meta["index"]), seed=int(meta["seed"]), clients=list(meta["clients"]))
+    eng.rand.attempts[rnd.index] = int(meta.get("attempt", 0))
     ctx = ClientContext(eng, cid, rnd)
     handler = getattr(eng.method, f"on_{stage}", None)
     out: dict = {"cid": cid}

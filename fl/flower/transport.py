@@ -153,6 +153,8 @@ class FlowerTransport:
                     [q, s, float(v)] for (q, s), v in getattr(eng, "mechanism_sigmas", {}).items()
                 ],
                 "index": rnd.index,
+                # a round re-run after a stop draws fresh streams (Engine._account_inflight)
+                "attempt": eng.rand.attempts.get(rnd.index, 0),
                 "seed": rnd.seed,
                 "clients": list(rnd.clients),
                 "cid": cid,

@@ -277,15 +277,37 @@ class RunRandomness:
         self.no_dp = no_dp
         self.key = None if self.insecure else key
         self.seed = seed
+        # round -> attempt: a round re-run after a stop that could not replay it bit for
+        # bit draws fresh streams (its first attempt's releases may have been observed)
+        self.attempts: dict[int, int] = {}
+        self._issued: set[tuple] = set()
+        # a Flower node's engine outlives runs (same configuration and key: a replay);
+        # it turns this off, the server's engine keeps it
+        self.refuse_reuse = True
 
     @property
     def private(self) -> bool:
         return not self.insecure
 
     def stream(self, *parts) -> NoiseSource:
+        """The stream named ``parts``. A private stream is issued once per process: the
+        same noise released twice over different data would cancel in a difference, so a
+        second request for one name is a bug and is refused."""
         if self.insecure:
             return SeededSource(self.seed, parts)
+        if self.refuse_reuse and parts in self._issued:
+            raise RuntimeError(
+                f"noise stream {parts!r} was already issued in this run: reusing it would "
+                "release the same noise twice"
+            )
+        self._issued.add(parts)
         return self.key.stream(*parts)
+
+    def round_stream(self, name: str, r: int, *rest) -> NoiseSource:
+        """A stream of round ``r``: ``(name, r, *rest)``, with ``("attempt", a)`` appended
+        when the round is re-run as attempt a > 0 (``attempts``)."""
+        a = self.attempts.get(int(r), 0)
+        return self.stream(name, r, *rest, *(("attempt", a) if a else ()))
 
     def describe(self) -> dict:
         """The manifest's ``privacy.noise`` block (public)."""

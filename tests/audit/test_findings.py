@@ -17,6 +17,7 @@ TAMPERING = {
     "noise_not_applied",
     "ledger_incomplete",
     "sigma_mismatch",
+    "delta_mismatch",
     "sample_rate_mismatch",
     "replay_mismatch",
 }

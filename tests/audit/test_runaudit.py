@@ -115,6 +115,24 @@ def test_ledger_incomplete(copy):
     assert "ledger_file_mismatch" not in codes(res)
 
 
+def test_ledger_delta_raised_is_caught_and_not_used(copy, run):
+    """A larger δ in the ledger would lower the ledger's ε: the audit names the mismatch
+    and recomputes the ledger at the smaller δ (the clean run's ε)."""
+    clean = audit_run(run)
+
+    def raise_delta(ledger):
+        ledger["delta"] = ledger["delta"] * 100
+
+    _edit_json(copy / "manifest.json", lambda d: raise_delta(d["privacy"]["ledger"]))
+    _edit_json(copy / "ledger.json", raise_delta)
+    res = audit_run(copy)
+    assert "delta_mismatch" in codes(res) and res["tampered"]
+    for a in ("pld", "rdp"):
+        assert res["recomputed"]["ledger"][a] == pytest.approx(
+            clean["recomputed"]["ledger"][a], rel=1e-12
+        )
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [

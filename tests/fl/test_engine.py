@@ -168,6 +168,78 @@ def test_resume_equals_uninterrupted_and_keeps_budget(tmp_path, tiny_cfg):
     assert [json.loads(r)["round"] for r in rows] == [1, 2, 3]
 
 
+def _kill_in_round_three(eng_cls_train, monkeypatch):
+    """Make ClientContext.train raise (as a kill would stop it) in round 3."""
+    from fl.contexts import ClientContext
+
+    def train_or_die(self, *a, **kw):
+        if self.round.index == 2:
+            raise KeyboardInterrupt
+        return eng_cls_train(self, *a, **kw)
+
+    monkeypatch.setattr(ClientContext, "train", train_or_die)
+
+
+@pytest.mark.parametrize("same_environment", [True, False])
+def test_round_killed_midway_is_replayed_or_rerun_with_fresh_noise(
+    tmp_path, tiny_cfg, monkeypatch, same_environment
+):
+    """A round killed after it started may have released. Resumed in the environment that
+    journaled it (CPU, in process), it is replayed bit for bit and charged once; in another
+    environment (here: another thread count) its planned events are charged again and it
+    is re-run with fresh noise streams, never the first attempt's noise over a computation
+    that may differ."""
+    from fl.contexts import ClientContext
+
+    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
+    full = train(cfg, tmp_path / "full")
+    real = ClientContext.train
+    _kill_in_round_three(real, monkeypatch)
+    run = tmp_path / "killed"
+    eng = Engine(cfg, run, quiet=True, noise_key=tmp_path / "full/private/noise.key")
+    with pytest.raises(KeyboardInterrupt):
+        eng.run()
+    journal = json.loads((run / "checkpoint" / "inflight.json").read_text())
+    assert journal["round"] == 2 and journal["attempt"] == 0
+    assert journal["environment"]["threads"] == torch.get_num_threads()
+    if not same_environment:
+        journal["environment"]["threads"] += 1
+        (run / "checkpoint" / "inflight.json").write_text(json.dumps(journal))
+    monkeypatch.setattr(ClientContext, "train", real)
+    resumed = train(cfg, run, resume=True)
+    events = resumed["privacy"]["ledger"]["events"]
+    charged = [e for e in events if e["stage"] == "interrupted"]
+    diff = _max_diff(_adapter(tmp_path / "full"), _adapter(run))
+    log = (run / "run.log").read_text()
+    if same_environment:
+        assert not charged and diff < 1e-6
+        assert resumed["privacy"]["epsilon"]["pld"] == pytest.approx(
+            full["privacy"]["epsilon"]["pld"], rel=1e-12
+        )
+    else:
+        assert {(e["unit"], e["round"]) for e in charged} == {
+            (e["unit"], 2) for e in full["privacy"]["ledger"]["events"] if e["round"] == 2
+        }
+        assert "attempt 1 with fresh noise streams" in log and "CPU environment" in log
+        assert diff > 1e-3  # round 3's noise is not the first attempt's
+        assert resumed["privacy"]["epsilon"]["pld"] > full["privacy"]["epsilon"]["pld"]
+
+
+def test_a_private_stream_is_issued_once_and_attempts_rename_round_streams():
+    from fl.privacy.rng import NoiseKey, RunRandomness, draw_normal
+
+    rand = RunRandomness(NoiseKey.generate(), seed=0)
+    a = draw_normal(rand.round_stream("dpsgd-noise", 2, "0", "train"), (4,), 1.0)
+    with pytest.raises(RuntimeError, match="already issued"):
+        rand.stream("dpsgd-noise", 2, "0", "train")
+    rand.attempts[2] = 1
+    b = draw_normal(rand.round_stream("dpsgd-noise", 2, "0", "train"), (4,), 1.0)
+    assert not torch.equal(a, b)
+    c = draw_normal(rand.round_stream("dpsgd-noise", 3, "0", "train"), (4,), 1.0)
+    ref = RunRandomness(rand.key, seed=0)  # attempt 0 of another round: the plain name
+    assert torch.equal(c, draw_normal(ref.stream("dpsgd-noise", 3, "0", "train"), (4,), 1.0))
+
+
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_cfg, capsys):
     cfg = tiny_cfg(rounds=1)
     train(cfg, tmp_path / "r")

@@ -324,14 +324,22 @@ def test_flower_resume_keeps_ledger(tmp_path, tiny_cfg, flower_sim, inprocess):
     resumed = eng.run()
     # Round 2 had started (journaled) when the server stopped: over Flower a re-run is
     # not guaranteed bit-exact (node-side state outlives the server), so its planned
-    # events are charged once more before it is re-run. The adapter is the same.
+    # events are charged once more and it is re-run as attempt 1, with fresh noise: the
+    # first attempt's noise over a computation that may differ would cancel in a
+    # difference. The adapter therefore differs from the uninterrupted run's.
     charged = [e for e in _events(resumed) if e["stage"] == "interrupted"]
     assert [(e["unit"], e["round"]) for e in charged] == [("client:0", 1), ("client:1", 1)]
     rest = [e for e in _events(resumed) if e["stage"] != "interrupted"]
     assert rest == _events(full)
     assert resumed["privacy"]["epsilon"]["pld"] > full["privacy"]["epsilon"]["pld"]
-    _compare(out_full, tmp_path / "part", full, full)  # adapters and per-round rows
-    assert "cannot be replayed bit-exactly" in (tmp_path / "part" / "run.log").read_text()
+    a, b = _adapter(out_full), _adapter(tmp_path / "part")
+    assert set(a) == set(b)
+    assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) > 1e-3
+    keep = ("round", "accuracy", "clients", "bytes_per_client", "epsilon")
+    (first,) = [{k: r.get(k) for k in keep} for r in _rows(tmp_path / "part") if r["round"] == 1]
+    assert first == {k: _rows(out_full)[0].get(k) for k in keep}  # round 1 is kept
+    log = (tmp_path / "part" / "run.log").read_text()
+    assert "cannot be replayed bit-exactly" in log and "attempt 1 with fresh noise" in log
     assert "resumed from checkpoint after round 1" in (tmp_path / "part" / "run.log").read_text()
 
 
