@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from fl.errors import UsageError
+from fl.errors import StoppedAtRound, UsageError
 
 # (module, sub-commands it registers). Each module has register(subparsers).
 _COMMAND_MODULES = (
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         sys.stderr.write(f"fedlora: error: {exc}\n")
         return 2
+    except StoppedAtRound as exc:
+        sys.stderr.write(f"fedlora: {exc}\n")
+        return 3
     except KeyboardInterrupt:
         sys.stderr.write("fedlora: interrupted\n")
         return 130

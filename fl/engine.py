@@ -43,7 +43,7 @@ from fl.checkpoint import (  # noqa: F401 (re-exported)
 from fl.config import TrainConfig
 from fl.contexts import ClientContext, InProcessTransport, ServerContext
 from fl.data import partition, split_dataset
-from fl.errors import UsageError
+from fl.errors import StoppedAtRound, UsageError
 from fl.io import RunLock, atomic_write_json, read_json
 from fl.lm_data import load_task_dataset, subset, tokenize
 from fl.manifest import (  # noqa: F401 (re-exported)
@@ -72,6 +72,9 @@ from fl.runsetup import draw_client_ranks, make_canaries, run_randomness
 from fl.tokenized import TokenizedData
 from fl.trainer import LocalTrainer, TrainResult, poisson_masks
 from fl.transport import Dispatcher, transport_class
+
+#: touch RUN/STOP to stop a run after its current round (clean: nothing in flight)
+STOP_FILE = "STOP"
 
 
 # ---------------------------------------------------------------------------------
@@ -321,6 +324,14 @@ class Engine(PrivacyPlan):
             self.log(self._summary_line(row))
             self._save_checkpoint(r + 1)
             self._clear_inflight()
+            stop = self.out / STOP_FILE
+            if stop.exists() and r + 1 < cfg.rounds:
+                stop.unlink()
+                self.log(f"stopped after round {r + 1} ({STOP_FILE} found); resume with --resume")
+                raise StoppedAtRound(
+                    f"{self.out}: stopped after round {r + 1} of {cfg.rounds} as {STOP_FILE} "
+                    f"asked; no round is in flight: `fedlora train --resume {self.out}` goes on"
+                )
         return self._finish(time.time() - t0)
 
     def _validation_data(self) -> TokenizedData:

@@ -225,6 +225,46 @@ def test_round_killed_midway_is_replayed_or_rerun_with_fresh_noise(
         assert resumed["privacy"]["epsilon"]["pld"] > full["privacy"]["epsilon"]["pld"]
 
 
+def test_stop_file_stops_at_a_round_boundary_and_resume_charges_nothing_twice(
+    tmp_path, tiny_cfg, monkeypatch, capsys
+):
+    """RUN/STOP stops a run after its current round's checkpoint (exit 3, one line), with
+    no round in flight; --resume then finishes it as if it had never stopped."""
+    from fl.contexts import ClientContext
+    from fl.engine import STOP_FILE
+
+    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
+    full = train(cfg, tmp_path / "full")
+    run = tmp_path / "stopped"
+    real = ClientContext.train
+
+    def touch_in_round_two(self, *a, **kw):
+        if self.round.index == 1:
+            (self.engine.out / STOP_FILE).touch()
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(ClientContext, "train", touch_in_round_two)
+    from fl.errors import StoppedAtRound
+
+    eng = Engine(cfg, run, quiet=True, noise_key=tmp_path / "full/private/noise.key")
+    with pytest.raises(StoppedAtRound, match="stopped after round 2 of 3"):
+        eng.run()
+    assert not (run / STOP_FILE).exists() and not (run / "manifest.json").exists()
+    assert not (run / "checkpoint" / "inflight.json").exists()
+    monkeypatch.setattr(ClientContext, "train", real)
+    resumed = train(cfg, run, resume=True)
+    assert _max_diff(_adapter(tmp_path / "full"), _adapter(run)) < 1e-6
+    assert resumed["privacy"]["ledger"]["events"] == full["privacy"]["ledger"]["events"]
+    # the CLI's form: exit code 3 and one line
+    monkeypatch.setattr(ClientContext, "train", touch_in_round_two)
+    run2 = tmp_path / "cli"
+    rc = cli_main(["train", "--model", "tiny-bert", "--dataset", "synthetic", "--members",
+                   "240", "--nonmembers", "10", "--test", "50", "--clients", "3", "--rounds",
+                   "3", "--no-progress", "--out", str(run2)])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert rc == 3 and len(err.splitlines()) == 1 and "--resume" in err, err
+
+
 def test_a_private_stream_is_issued_once_and_attempts_rename_round_streams():
     from fl.privacy.rng import NoiseKey, RunRandomness, draw_normal
 
