@@ -4,7 +4,8 @@
 ``probe-m21k-eps<E>[-s<S>]`` and ``r1qv-m21k-eps<E>[-s<S>]``).
 
 The runs were ``fedlora train`` calls in folders named ``<candidate>-eps<E>[-s<S>]``
-(no ``-s``: seed 0). Each finished run becomes one row in the grid runner's format; its
+or ``<candidate>-nodp[-s<S>]`` (no ``-s``: seed 0). Each finished run becomes one row in
+the grid runner's format; its
 ``key`` is the grid job's (``benchmarks.grids.job_key``) when the run's configuration
 equals that job's on every field the job sets, so that
 ``python -m benchmarks.grids dplearn --out <this folder>`` skips it; a run that matches
@@ -40,7 +41,7 @@ def main(runs: str, out_path: str, grid: str = "dplearn") -> None:
         jobs[(job["group"], job["cfg"]["seed"])] = job
     out = []
     for p in sorted(pathlib.Path(runs).iterdir()):
-        m = re.fullmatch(r"(.+)-eps(\d+)(?:-s(\d))?", p.name)
+        m = re.fullmatch(r"(.+)-(?:eps(\d+)|nodp)(?:-s(\d))?", p.name)
         if not p.is_dir() or not m or m.group(1) not in GROUPS:
             continue
         if ("m21k" in m.group(1)) != (grid == "dplearn-m21k"):
@@ -53,7 +54,7 @@ def main(runs: str, out_path: str, grid: str = "dplearn") -> None:
             continue
         man = json.load(open(p / "manifest.json"))
         cfg = json.load(open(p / "config.json"))
-        group = f"{GROUPS[m.group(1)]}/eps{m.group(2)}"
+        group = f"{GROUPS[m.group(1)]}/" + (f"eps{m.group(2)}" if m.group(2) else "nodp")
         job = jobs.get((group, cfg.get("seed")))
         job = job | {"grid": grid, "group": group} if job else None
         if job and all(cfg.get(k) == v for k, v in job["cfg"].items()):
