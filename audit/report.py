@@ -38,6 +38,7 @@ from audit.report_doc import (
     Table,
     render_html,
     render_markdown,
+    save_figure,
 )
 from audit.report_doc import format_cell as _fmt
 from audit.report_empirical import _empirical_section, best_bound, empirical_bounds
@@ -447,9 +448,4 @@ def _plot_accuracy(rows: list[dict], stem: Path) -> list[Path]:
     ax.set_title("Test accuracy of the released global adapter")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths = [stem.with_suffix(".png"), stem.with_suffix(".svg")]
-    for p in paths:
-        fig.savefig(p, dpi=130)
-    plt.close(fig)
-    return paths
+    return save_figure(fig, stem)

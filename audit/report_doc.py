@@ -122,6 +122,18 @@ class Report:
         return [s.title for s in self.sections if s.missing]
 
 
+def save_figure(fig, stem: Path) -> list[Path]:
+    """Write ``fig`` as STEM.png (130 dpi) and STEM.svg, close it; the two paths."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    paths = [stem.with_suffix(".png"), stem.with_suffix(".svg")]
+    for p in paths:
+        fig.savefig(p, dpi=130)
+    plt.close(fig)
+    return paths
+
+
 def format_cell(x, nd: int = 4) -> str:
     if x is None:
         return "—"

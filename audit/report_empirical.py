@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.report_doc import Paragraph, Section, Table
+from audit.report_doc import Paragraph, Section, Table, save_figure
 from audit.report_sections import _figure
 
 
@@ -93,12 +93,7 @@ def _plot_bounds(rows: list[dict], path_stem: Path) -> list[Path]:
     ax.set_ylabel("ε (privacy loss, nats)")
     ax.set_title("Empirical ε lower bounds (95% confidence) vs claimed ε")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths = [path_stem.with_suffix(".png"), path_stem.with_suffix(".svg")]
-    for p in paths:
-        fig.savefig(p, dpi=130)
-    plt.close(fig)
-    return paths
+    return save_figure(fig, path_stem)
 
 
 def best_bound(row: dict) -> dict | None:

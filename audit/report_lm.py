@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.report_doc import Paragraph, Section, Table
+from audit.report_doc import Paragraph, Section, Table, save_figure
 from audit.report_doc import format_cell as _fmt
 from audit.report_sections import _figure
 
@@ -101,11 +101,7 @@ def _plot_perplexity(bars: list[tuple[str, list]], stem: Path) -> Path:
     ax.set_ylabel("perplexity (log scale)")
     ax.set_title("Perplexity of the base model and the adapter")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    png = stem.with_suffix(".png")
-    fig.savefig(png, dpi=130)
-    fig.savefig(stem.with_suffix(".svg"))
-    return png
+    return save_figure(fig, stem)[0]
 
 
 def client_section(rows: list[dict], figdir: Path) -> Section | None:
