@@ -3,7 +3,8 @@
 # finished): the recipe (configs/minilm-tweets-dp-top1.toml) at seeds 3-9 for ε 8, 3, 1, so
 # that recipe vs probe is decided once, on 10 paired seeds per ε (the probe's seeds 3-9:
 # benchmarks.grids dplearn --only probe-b500; rows in planned-seeds.jsonl).
-# Usage: queue.sh RUNS_DIR   (run two copies at once for two slots)
+# Usage: queue.sh RUNS_DIR [SEEDS]   (run two copies at once for two slots; SEEDS, e.g.
+# "6 7 8 9", skips seeds whose rows are already collected; default: 3 to 9)
 # Resumable and safe in several slots: a job is claimed with mkdir (RUNS_DIR/locks); a
 # finished job (manifest.json) is skipped; a started one resumes from its last round.
 # `touch RUNS_DIR/cos-r1qv-eps<E>-s<S>/STOP` stops a run cleanly after its current round.
@@ -11,7 +12,8 @@ set -u
 runs=$(realpath "${1:?usage: queue.sh RUNS_DIR}")
 cd "$(dirname "$0")/../../../.." || exit 1
 mkdir -p "$runs/locks"
-for s in 3 4 5 6 7 8 9; do for e in 8 3 1; do
+seeds=${2:-3 4 5 6 7 8 9}
+for s in $seeds; do for e in 8 3 1; do
   d=$runs/cos-r1qv-eps$e-s$s
   [ -f "$d/manifest.json" ] && continue
   if ! mkdir "$runs/locks/eps$e-s$s" 2>/dev/null; then
