@@ -114,14 +114,9 @@ def _load():
 
 
 def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+    from fl.inflight import cpu_model
+
+    return cpu_model() or None
 
 
 def _meta(quick: bool, device: str, note: str | None = None) -> dict:

@@ -11,8 +11,9 @@ cohorts, server noise, canary choices) comes from the run's secret noise key
 client, stage). Both are functions of their names only, so a resumed run — or a new
 run given the same config and key — replays exactly what the first one did.
 
-This module is the round loop: :class:`Engine` (set-up orchestration, the run loop,
-the journal of a round in flight) and :func:`train`. Its parts live beside it:
+This module is the round loop: :class:`Engine` (set-up orchestration, the run loop)
+and :func:`train`. Its parts live beside it: :mod:`fl.inflight` (the journal of a round
+in flight and what resume charges for it),
 :mod:`fl.tokenized` (TokenizedData), :mod:`fl.trainer` (LocalTrainer, TrainResult,
 poisson_masks), :mod:`fl.contexts` (ClientContext, ServerContext, InProcessTransport),
 :mod:`fl.plan` (the privacy plan: rates, σ/δ, ledger events, cohorts),
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from fl import factors as F
+from fl import inflight
 from fl.causal_lm import check_setup as check_task
 from fl.checkpoint import (  # noqa: F401 (re-exported)
     _decode_nested,
@@ -102,6 +104,7 @@ class Engine(PrivacyPlan):
         self._log_lines: list[str] = []
         self._pending_log: list[str] = []
         self.rejected_updates = 0
+        self._inflight_charged: dict[int, list[Event]] = {}
 
     # ---- output helpers ----------------------------------------------------------
     def progress(self, it, **kw):
@@ -323,7 +326,7 @@ class Engine(PrivacyPlan):
             self._append_metrics(row)
             self.log(self._summary_line(row))
             self._save_checkpoint(r + 1)
-            self._clear_inflight()
+            self._clear_inflight(r)
             stop = self.out / STOP_FILE
             if stop.exists() and r + 1 < cfg.rounds:
                 stop.unlink()
@@ -369,94 +372,32 @@ class Engine(PrivacyPlan):
         kernels) or over Flower (node-side state outlives a server kill) it may not."""
         return self.device.type == "cpu" and self.cfg.transport == "inprocess"
 
-    def environment(self) -> dict:
-        """What a CPU computation's float results depend on besides its inputs: the
-        torch build, the instruction set its kernels dispatch to, the thread count (a
-        reduction split over other threads rounds differently) and the processor."""
-        import platform
-
-        import torch
-
-        return {
-            "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "processor": _cpu_model(),
-        }
-
-    def _inflight_path(self) -> Path:
-        return self.out / "checkpoint" / "inflight.json"
-
     def _write_inflight(self, r: int, planned: list[Event]) -> None:
-        """Journal a round before anything of it is sent: if the run is killed in it,
-        resume knows its releases may have been observed."""
-        path = self._inflight_path()
-        path.parent.mkdir(exist_ok=True)
-        doc = {
-            "round": r,
-            "attempt": self.rand.attempts.get(r, 0),
-            "device": self.device.type,
-            "transport": self.cfg.transport,
-            "environment": self.environment(),
-            "planned": [e.to_dict() for e in planned],
-        }
-        atomic_write_json(path, doc)
+        """Journal a round before anything of it is sent (:mod:`fl.inflight`)."""
+        attempt = self.rand.attempts.get(r, 0)
+        charged = self._inflight_charged.get(r, [])
+        inflight.write(self.out, r, attempt, self.device.type, self.cfg.transport, planned, charged)
 
-    def _clear_inflight(self) -> None:
-        self._inflight_path().unlink(missing_ok=True)
+    def _clear_inflight(self, r: int) -> None:
+        inflight.clear(self.out)
+        self._inflight_charged.pop(r, None)  # the checkpoint just written holds them
 
     def _account_inflight(self) -> None:
-        """On resume: a round that was started but not completed may have released
-        (a Flower message, a log line). If re-running it replays the same releases bit
-        for bit (the CPU, in process, in the environment that journaled it), the re-run
-        releases nothing new and nothing is charged. Otherwise its planned events are
-        composed into the ledger now, and the round is re-run as a new attempt with
-        fresh noise, batch and cohort streams: re-using the first attempt's noise over a
-        computation that may differ would release a noiseless difference."""
-        path = self._inflight_path()
-        if not path.is_file():
+        """On resume: a round that was started but not completed may have released. Replayed
+        bit for bit it is charged nothing new; otherwise its planned events are charged and
+        it is re-run as a new attempt with fresh streams (:mod:`fl.inflight`)."""
+        res = inflight.resume(
+            self.out, self.start_round, self.replays_bit_exact(), self.cfg.dp_level
+        )
+        if res is None:
             return
-        doc = read_json(path)
-        r = int(doc.get("round", -1))
-        if r < self.start_round:
-            path.unlink(missing_ok=True)
-            return
-        same = doc.get("device") == "cpu" and doc.get("transport") == "inprocess"
-        # a journal written before the environment was recorded keeps the old test
-        env = doc.get("environment")
-        same_env = env is None or env == self.environment()
-        attempt = int(doc.get("attempt", 0))
-        if (same and same_env and self.replays_bit_exact()) or self.cfg.dp_level == "none":
-            self.rand.attempts[r] = attempt
-            self.log(
-                f"round {r + 1} was started before the run stopped; it is re-run with the same "
-                "noise streams (bit-exact on CPU), so its releases are not charged twice"
-            )
-        else:
-            self.rand.attempts[r] = attempt + 1
-            evs = [Event.from_dict(e) for e in doc.get("planned", [])]
-            for ev in evs:
-                self.ledger.record(
-                    Event(
-                        ev.kind,
-                        ev.noise_multiplier,
-                        ev.sample_rate,
-                        ev.count,
-                        unit=ev.unit,
-                        round=ev.round,
-                        stage="interrupted",
-                        note=f"round started before a stop (attempt {attempt}); its noise "
-                        "may have been observed",
-                    )
-                )
-            why = "" if same_env else " (the CPU environment differs from the journal's)"
-            self.log(
-                f"round {r + 1} was started before the run stopped and cannot be replayed "
-                f"bit-exactly here{why}; its {len(evs)} planned event(s) are charged, and it is "
-                f"re-run as attempt {attempt + 1} with fresh noise streams"
-            )
-        path.unlink(missing_ok=True)
+        self.rand.attempts[res.round] = res.attempt
+        for ev in res.charged:
+            self.ledger.record(ev)
+        self._inflight_charged[res.round] = list(res.charged)
+        self.log(res.message())
+        # the journal stays until the re-run journals the round again (an atomic
+        # overwrite): a stop before then still finds these charges
 
     def make_transport(self):
         if self.cfg.transport == "inprocess":
@@ -587,17 +528,3 @@ __all__ = [
     "poisson_masks",
     "InProcessTransport",
 ]
-
-
-def _cpu_model() -> str:
-    """The processor's model name (Linux: /proc/cpuinfo), else platform.processor()."""
-    import platform
-
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()

@@ -225,6 +225,41 @@ def test_round_killed_midway_is_replayed_or_rerun_with_fresh_noise(
         assert resumed["privacy"]["epsilon"]["pld"] > full["privacy"]["epsilon"]["pld"]
 
 
+def test_round_killed_twice_keeps_the_first_attempts_charge(tmp_path, tiny_cfg, monkeypatch):
+    """Killed in round 3, resumed where it cannot replay (charged, attempt 1), killed again
+    in the same round and resumed where attempt 1 replays bit for bit: the first attempt's
+    charge lived only in memory, so the second journal carries it and the final ledger
+    holds it once; the third pass charges nothing new."""
+    from fl.contexts import ClientContext
+
+    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
+    full = train(cfg, tmp_path / "full")
+    key = tmp_path / "full/private/noise.key"
+    real = ClientContext.train
+    _kill_in_round_three(real, monkeypatch)
+    run = tmp_path / "killed"
+    journal_path = run / "checkpoint" / "inflight.json"
+    with pytest.raises(KeyboardInterrupt):
+        Engine(cfg, run, quiet=True, noise_key=key).run()
+    journal = json.loads(journal_path.read_text())
+    journal["environment"]["threads"] += 1  # written elsewhere: no bit-exact replay here
+    journal_path.write_text(json.dumps(journal))
+    with pytest.raises(KeyboardInterrupt):
+        Engine(cfg, run, resume=True, quiet=True, noise_key=key).run()
+    second = json.loads(journal_path.read_text())
+    round3 = [e for e in full["privacy"]["ledger"]["events"] if e["round"] == 2]
+    assert second["attempt"] == 1 and len(second["charged"]) == len(round3)
+    monkeypatch.setattr(ClientContext, "train", real)
+    resumed = train(cfg, run, resume=True)
+    charged = [e for e in resumed["privacy"]["ledger"]["events"] if e["stage"] == "interrupted"]
+    assert sorted((e["unit"], e["round"]) for e in charged) == sorted(
+        (e["unit"], 2) for e in round3
+    )
+    assert "charged again" in (run / "run.log").read_text()
+    assert not journal_path.exists()
+    assert resumed["privacy"]["epsilon"]["pld"] > full["privacy"]["epsilon"]["pld"]
+
+
 def test_stop_file_stops_at_a_round_boundary_and_resume_charges_nothing_twice(
     tmp_path, tiny_cfg, monkeypatch, capsys
 ):
