@@ -233,11 +233,13 @@ def _candidates(in_sorted, out_sorted, candidates: str, n_thresholds: int) -> np
     return cand if cand.size else np.array([np.inf])
 
 
-def _bound_at(in_sorted, out_sorted, thr, delta, a_each, method):
-    """Per-threshold bound: returns (value to maximise, eps, fpr_ub, fnr_ub, mu)."""
+def _bound_at(in_sorted, out_sorted, thr, delta, a_rates, method):
+    """Per-threshold bound: returns (value to maximise, eps, fpr_ub, fnr_ub, mu).
+    ``a_rates``: the failure probability of each FPR and each FNR upper bound."""
+    a_fpr, a_fnr = a_rates
     fp, fn = _counts(in_sorted, out_sorted, thr)
-    fpr_ub = clopper_pearson_upper(fp, out_sorted.size, a_each)
-    fnr_ub = clopper_pearson_upper(fn, in_sorted.size, a_each)
+    fpr_ub = clopper_pearson_upper(fp, out_sorted.size, a_fpr)
+    fnr_ub = clopper_pearson_upper(fn, in_sorted.size, a_fnr)
     if method == "gdp":
         mu = _gdp_mu_from_rates(fpr_ub, fnr_ub)
         return mu, None, fpr_ub, fnr_ub, mu
@@ -261,7 +263,8 @@ def epsilon_lower_bound(
     The test says "member" iff score >= t. For a DP mechanism, FPR(t) = P(out >= t) and
     FNR(t) = P(in < t) must satisfy FPR + e^eps FNR >= 1 - delta and FNR + e^eps FPR >= 1 - delta.
     One-sided Clopper-Pearson upper bounds FPR_hi, FNR_hi (each at level alpha/2, or
-    alpha/(2K) with Bonferroni) then give, with probability >= 1 - alpha,
+    simultaneous over all thresholds with Bonferroni, below) then give, with probability
+    >= 1 - alpha,
 
         eps >= max(ln((1 - delta - FNR_hi) / FPR_hi), ln((1 - delta - FPR_hi) / FNR_hi), 0).
 
@@ -270,7 +273,10 @@ def epsilon_lower_bound(
     (Nasr et al. 2023, "Tight auditing of DP-SGD"). This is a valid bound on eps(delta) *if the
     mechanism's privacy profile is Gaussian* (e.g. the Gaussian mechanism / DP-SGD in the
     final-model threat model is well approximated by it); for arbitrary mechanisms it is a
-    heuristic, while ``clopper_pearson`` is assumption-free.
+    heuristic, while ``clopper_pearson`` assumes nothing about the mechanism. Both assume
+    that the scores are independent trials: each from its own run of the mechanism on one
+    fixed neighbouring pair (the in/out runs of a multi-run audit). One model's scores of
+    its members and non-members are not; for one run use :func:`epsilon_one_run`.
 
     Candidate thresholds (``candidates``): ``"hull"`` (default) takes the vertices of the
     empirical ROC's upper concave hull (without its two ends), which contain the maximiser of
@@ -281,8 +287,14 @@ def epsilon_lower_bound(
       * ``"split"``: the in/out samples are each randomly halved; t maximises the bound over
         the candidates of the first half, and the bound is evaluated on the second
         (independent) half at alpha/2 per rate bound.
-      * ``"bonferroni"``: all K candidates are evaluated on the full data with alpha/(2K) per
-        rate bound (K counts exactly the thresholds tried).
+      * ``"bonferroni"``: the candidates are evaluated on the full data with the rate bounds
+        made simultaneous over every threshold: a threshold with j false positives has
+        FPR ≤ P(out > (j+1)-th largest out-score), a Beta(j+1, n_out − j) variable whose
+        1 − a quantile is exactly the Clopper–Pearson bound at count j, so a union over the
+        n_out + 1 possible counts (a = alpha/(2(n_out + 1))), and likewise for FNR
+        (alpha/(2(n_in + 1))), holds for any threshold, however the data chose it. (A union
+        over only the K candidates tried, alpha/(2K), is not valid: the candidates are
+        chosen from the same data.)
 
     Args:
         in_scores: shape (n_in,), scores of canaries that were in the training set.
@@ -300,7 +312,8 @@ def epsilon_lower_bound(
         ``threshold`` (chosen t), ``fpr_ub``, ``fnr_ub`` (Clopper-Pearson upper bounds at t on
         the evaluation data), ``fpr_hat``, ``fnr_hat`` (empirical rates there), ``n_in``,
         ``n_out`` (inputs), ``n_in_eval``, ``n_out_eval`` (samples the bound was computed on),
-        ``n_candidates`` (K), ``alpha_per_bound``, and for gdp ``mu_lb``.
+        ``n_candidates`` (K), ``alpha_fpr_bound``, ``alpha_fnr_bound`` (each rate bound's
+        failure probability), and for gdp ``mu_lb``.
 
     Raises:
         ValueError: naming the problem, for NaN/Inf/empty/non-1-D scores, delta or alpha outside
@@ -334,15 +347,15 @@ def epsilon_lower_bound(
         cand = _candidates(sel_in, sel_out, candidates, int(n_thresholds))
         # Selection half: any rule is valid since evaluation data is independent; use the
         # same bound so the chosen t is the one most likely to certify on fresh data.
-        crit, *_ = _bound_at(sel_in, sel_out, cand, delta, alpha / 2, method)
+        crit, *_ = _bound_at(sel_in, sel_out, cand, delta, (alpha / 2, alpha / 2), method)
         cand = cand[[int(np.argmax(crit))]]
-        a_each = alpha / 2
+        a_rates = (alpha / 2, alpha / 2)
     else:
         ev_in, ev_out = np.sort(x_in), np.sort(x_out)
         cand = _candidates(ev_in, ev_out, candidates, int(n_thresholds))
-        a_each = alpha / (2 * cand.size)
+        a_rates = (alpha / (2 * (ev_out.size + 1)), alpha / (2 * (ev_in.size + 1)))
 
-    crit, eps, fpr_ub, fnr_ub, mu = _bound_at(ev_in, ev_out, cand, delta, a_each, method)
+    crit, eps, fpr_ub, fnr_ub, mu = _bound_at(ev_in, ev_out, cand, delta, a_rates, method)
     j = int(np.argmax(crit))
     fp, fn = _counts(ev_in, ev_out, cand[j : j + 1])
     out = {
@@ -361,7 +374,8 @@ def epsilon_lower_bound(
         "n_in_eval": int(ev_in.size),
         "n_out_eval": int(ev_out.size),
         "n_candidates": int(cand.size) if threshold_selection == "bonferroni" else 1,
-        "alpha_per_bound": float(a_each),
+        "alpha_fpr_bound": float(a_rates[0]),
+        "alpha_fnr_bound": float(a_rates[1]),
     }
     if method == "gdp":
         out["mu_lb"] = float(mu[j])

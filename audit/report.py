@@ -7,12 +7,13 @@ The report gathers what exists and says plainly what does not: a section whose i
 were not produced is marked *missing*, never filled with placeholders.
 
 Sections: the verdict (one table, one row per run: utility, ε claimed and recomputed,
-the best empirical ε lower bound, the strongest attack, the audit's findings and a
+the certified empirical ε lower bound (one-run canary audit), the strongest attack, the audit's findings and a
 one-line verdict from :func:`audit.verdict.verdict`), runs (method, level, σ, δ,
 findings, accuracy per round), noise analyses (each analysis's figure and a few key
 numbers; the full rows stay in its JSON), membership-inference attacks (ROC figures
 and tables), optionally the causal-LM runs' perplexities and the client-level attack
-(:mod:`audit.report_lm`, only when a run has them), empirical ε lower bounds vs the claimed ε, the papers' claims check (claim,
+(:mod:`audit.report_lm`, only when a run has them), empirical privacy (the attacks' ε
+estimates and the canaries' certified bound vs the claimed ε), the papers' claims check (claim,
 setting, measured value, verdict, the figure behind it), environment, and the exact
 commands to reproduce every run.
 """
@@ -243,6 +244,8 @@ def run_verdict(r: dict) -> dict:
         audit_error=a.get("error") if r.get("audit") is not None else "audit not available",
         empirical_lb=bound["epsilon_lb"] if bound else None,
         alpha=bound["alpha"] if bound else 0.05,
+        empirical_limit=bound.get("limit") if bound else None,
+        empirical_exceeds=bound.get("exceeds") if bound else None,
         balanced_accuracy=r.get("balanced_accuracy"),
     )
     strongest = strongest_attack(r)
@@ -289,12 +292,14 @@ def _verdict_section(rows: list[dict]) -> Section:
     return sec.add(
         Paragraph.of(
             "ε in nats at the run's δ; recomputed by the run audit from the composed DP "
-            "events (fedlora audit RUN). The empirical lower bound is a one-sided 95% "
-            "interval on the run's true ε: Clopper–Pearson (CP) over an attack's member / "
-            "non-member scores, or the one-run audit over the run's canaries; – where the "
-            "run has neither. The strongest attack is the one with the highest AUC; its "
-            "intervals are bootstrap 95% intervals. Findings are counted by severity, the "
-            "errors named; the Runs section lists them in full."
+            "events (fedlora audit RUN). The empirical lower bound is the one-run audit over "
+            "the run's canaries (fedlora train --canaries M), a one-sided interval on the "
+            "run's true ε at the confidence shown; – where the run has none. The attacks' "
+            "member / non-member scores give estimates only (Empirical privacy section), "
+            "never this bound. The strongest attack is the one with the highest AUC, chosen "
+            "after the fact among the run's attacks, so its bootstrap 95% intervals are "
+            "optimistic for it. Findings are counted by severity, the errors named; the Runs "
+            "section lists them in full."
         )
     )
 

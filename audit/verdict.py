@@ -8,10 +8,12 @@ model's balanced accuracy — checked in order of severity, the first that appli
 2. a tampering finding → ``tampered: adapter hash mismatch``;
 3. no DP claimed → ``no DP claimed`` (with the empirical bound when there is one);
 4. the stated ε is below the recomputation → ``ε understated (recomputed 9.1 > claimed 8)``;
-5. the empirical lower bound exceeds the recomputed ε → ``leaks more than claimed: …``;
+5. the empirical lower bound exceeds what the recomputed ε allows → ``leaks more than
+   claimed: …`` (the recomputed ε itself, or at client level the replace-one-client
+   (2ε, (1 + e^ε)δ) that one canary falls under: ``empirical_limit``);
 6. another error finding → ``claim not supported: noise reproducible``;
-7. otherwise ``private as claimed (ε = 8); empirical ε ≥ 0.41 at 95%`` (``no attack
-   certifies ε > 0 at 95%`` when the bound is 0, ``no empirical bound`` without one).
+7. otherwise ``private as claimed (ε = 8); empirical ε ≥ 0.41 at 95%`` (``the canary
+   audit certifies no ε > 0 at 95%`` when the bound is 0, ``no empirical bound`` without one).
 
 A model at chance level (balanced accuracy at most :data:`CHANCE_BALANCED`) gets
 ``; utility at chance (balanced acc. 0.5)`` appended: private, but not useful.
@@ -44,6 +46,10 @@ class Evidence:
     empirical_lb: float | None = None  # the best empirical ε lower bound
     alpha: float = 0.05  # the lower bound holds with probability 1 − alpha
     balanced_accuracy: float | None = None
+    # what the claim allows the bound to reach, when not the recomputed ε (client level),
+    # and whether the bound (recomputed at that relation's δ) exceeds it
+    empirical_limit: float | None = None
+    empirical_exceeds: bool | None = None
 
 
 def _eps(x: float | None) -> str:
@@ -62,7 +68,7 @@ def _privacy(e: Evidence) -> str:
     if e.empirical_lb is not None:
         lb = f"empirical ε ≥ {_eps(e.empirical_lb)} at {conf}"
         if e.empirical_lb == 0:
-            lb = f"no attack certifies ε > 0 at {conf}"
+            lb = f"the canary audit certifies no ε > 0 at {conf}"
     if e.audit_error:
         return f"not audited: {e.audit_error}"
     tampered = [f for f in e.findings if f.tampering]
@@ -76,8 +82,18 @@ def _privacy(e: Evidence) -> str:
             f"{_eps(e.epsilon_claimed)})"
         )
     eps = e.epsilon_recomputed
-    if e.empirical_lb is not None and eps is not None and e.empirical_lb > eps:
-        return f"leaks more than claimed: {lb} > recomputed {_eps(eps)}"
+    limit = e.empirical_limit if e.empirical_limit is not None else eps
+    if e.empirical_exceeds is not None:
+        exceeds = e.empirical_exceeds
+    else:
+        exceeds = e.empirical_lb is not None and limit is not None and e.empirical_lb > limit
+    if exceeds:
+        if limit == eps:
+            return f"leaks more than claimed: {lb} > recomputed {_eps(eps)}"
+        return (
+            f"leaks more than claimed: {lb} > {_eps(limit)}, what recomputed "
+            f"{_eps(eps)} allows for one record"
+        )
     errors = [f for f in e.findings if f.is_error]
     if errors:
         return f"claim not supported: {_names(errors)}"

@@ -1,6 +1,6 @@
-"""The report's empirical ε lower bound is the largest over the run's attacks, so each
-attack's bound is computed at α / k and the maximum holds at 1 − α jointly (a maximum of
-k bounds at α each would hold only at 1 − kα)."""
+"""The report's empirical ε: each attack's member/non-member estimate is computed at α / k
+so that their maximum holds at 1 − α jointly (a maximum of k at α each would hold only at
+1 − kα); the verdict's certified bound is the one-run canary audit alone."""
 
 from __future__ import annotations
 
@@ -37,18 +37,18 @@ def test_each_attack_at_alpha_over_k(tmp_path, k):
             b for b in bounds if b["attack"] == "attack0" and b["method"] == "clopper_pearson"
         )
         assert 0 < cp0["epsilon_lb"] < naive
+    # one model's member/non-member scores are not independent trials: however well the
+    # attacks separate them (here CP > 0), they never become the certified bound
     row["bounds"] = bounds
-    best = best_bound(row)
-    cps = [b["epsilon_lb"] for b in bounds if b["method"] == "clopper_pearson"]
-    assert best["epsilon_lb"] == max(cps) and best["alpha"] == pytest.approx(0.05)
+    assert max(b["epsilon_lb"] for b in bounds if b["method"] == "clopper_pearson") > 0
+    assert best_bound(row) is None
 
 
-def test_a_one_run_bound_beside_the_attacks_adds_its_alpha(tmp_path):
+def test_the_certified_bound_is_the_one_run_canary_audit(tmp_path):
     row, _, _ = _row(tmp_path, 2)
     row["bounds"] = empirical_bounds(row, alpha=0.05)
-    row["audit"] = {"one_run": {"epsilon_lb": 99.0, "alpha": 0.05, "m": 1000}}
+    row["audit"] = {"one_run": {"epsilon_lb": 0.25, "alpha": 0.05, "m": 1000}}
     best = best_bound(row)
-    assert best == {"epsilon_lb": 99.0, "source": "1000 canaries, one run", "alpha": 0.1}
-    del row["bounds"]
-    assert best_bound(row)["alpha"] == pytest.approx(0.05)  # the one-run bound alone
+    assert max(b["epsilon_lb"] for b in row["bounds"]) > 0.25  # the estimates are larger
+    assert best == {"epsilon_lb": 0.25, "source": "1000 canaries, one run", "alpha": 0.05}
     assert best_bound({}) is None

@@ -92,7 +92,8 @@ def report(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("browser")
     run = tmp / "dp-run"
-    train(tiny_config(rounds=1, dp_level="sample", noise_multiplier=2.0), run, quiet=True)
+    cfg = tiny_config(rounds=1, dp_level="sample", noise_multiplier=2.0, canaries=20)
+    train(cfg, run, quiet=True)
     rc = main(["attack", str(run), "--attacks", "loss", "--device", "cpu", "--bootstrap", "20"])
     assert rc == 0
     claims = _analyses(tmp / "analysis")
@@ -117,8 +118,8 @@ def test_verdict_first_and_no_raw_dicts(report):
     assert cells[3] == f"{eps:.4g}"
     assert cells[-1] == s["runs"][0]["verdict"]
     assert cells[-1].startswith("private as claimed (ε = ")
-    # the bound's interval, at 95 % jointly over the loss family's two attacks
-    assert re.fullmatch(r"\[[\d.]+, ∞\) at 95% · loss(_class)?, CP", cells[4]), cells[4]
+    # the certified bound is the canaries' one-run audit, never the attacks' CP estimates
+    assert re.fullmatch(r"\[[\d.]+, ∞\) at 95% · 20 canaries, one run", cells[4]), cells[4]
     assert re.fullmatch(r"[\d.]+ \[[\d.]+, [\d.]+\] · loss(_class)?", cells[5])  # AUC, interval
     # analyses: a summary, not the rows; claims: readable, with a verdict each
     assert "| both | 2 | 4 |" in md and "Full rows (20) in " in md and "| 0.01 |" not in md

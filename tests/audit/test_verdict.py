@@ -25,7 +25,7 @@ def dp(**kw) -> Evidence:
         (dp(empirical_lb=0.41), "private as claimed (ε = 7.99); empirical ε ≥ 0.41 at 95%"),
         (
             dp(empirical_lb=0.0, alpha=0.1),
-            "private as claimed (ε = 7.99); no attack certifies ε > 0 at 90%",
+            "private as claimed (ε = 7.99); the canary audit certifies no ε > 0 at 90%",
         ),
         (dp(), "private as claimed (ε = 7.99); no empirical bound"),
         (dp(findings=(WARN,)), "private as claimed (ε = 7.99); no empirical bound"),
@@ -37,6 +37,15 @@ def dp(**kw) -> Evidence:
         (
             dp(empirical_lb=9.5),
             "leaks more than claimed: empirical ε ≥ 9.5 at 95% > recomputed 7.99",
+        ),
+        (  # client level: one canary may reach 2ε (replace-one-client) without a leak
+            dp(empirical_lb=12.0, empirical_limit=15.98, empirical_exceeds=False),
+            "private as claimed (ε = 7.99); empirical ε ≥ 12 at 95%",
+        ),
+        (
+            dp(empirical_lb=17.0, empirical_limit=15.98, empirical_exceeds=True),
+            "leaks more than claimed: empirical ε ≥ 17 at 95% > 16, what recomputed 7.99 "
+            "allows for one record",
         ),
         (dp(findings=(NOISE, WARN)), "claim not supported: noise reproducible"),
         (Evidence(False, findings=(NO_DP,)), "no DP claimed"),
@@ -67,7 +76,7 @@ def test_the_worse_finding_wins():
 def test_utility_at_chance_is_appended():
     at = dp(empirical_lb=0.0, balanced_accuracy=CHANCE_BALANCED)
     assert verdict(at) == (
-        "private as claimed (ε = 7.99); no attack certifies ε > 0 at 95%; "
+        "private as claimed (ε = 7.99); the canary audit certifies no ε > 0 at 95%; "
         "utility at chance (balanced acc. 0.52)"
     )
     assert "chance" not in verdict(dp(balanced_accuracy=CHANCE_BALANCED + 0.01))
