@@ -69,7 +69,8 @@ def test_zero_gradient_model_drifts_by_sigma_c_lr_over_batch():
 def test_noise_distribution(keyed):
     from fl.privacy.rng import NoiseKey
 
-    src = NoiseKey.generate().stream("t") if keyed else torch.Generator().manual_seed(0)
+    # a fixed key: the p-value cut-off must not fail at random on a fresh one
+    src = NoiseKey(bytes(range(32))).stream("t") if keyed else torch.Generator().manual_seed(0)
     z = gaussian_noise((50000,), 2.0, src).numpy()
     assert abs(z.mean()) < 0.05 and abs(z.std() - 2.0) < 0.05
     assert stats.kstest(z / 2.0, "norm").pvalue > 1e-3

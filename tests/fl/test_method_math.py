@@ -165,6 +165,62 @@ def test_three_call_sites_give_the_same_clipped_sum(C, bad):
     assert torch.allclose(B @ A_out, s1, atol=1e-9)
 
 
+class _NoisyServer(_DPServer):
+    """The real keyed noise (fl.privacy.rng.draw_normal on a key stream), σ > 0, m > 1."""
+
+    def __init__(self, clip, sigma, m):
+        super().__init__(clip)
+        self.noise_multiplier, self.expected_clients_per_round = sigma, m
+
+    def noise_generator(self, rnd, purpose):
+        from fl.privacy.rng import NoiseKey
+
+        return NoiseKey(bytes(range(32))).stream(purpose, rnd.index)
+
+    def noise(self, shape, std, gen):
+        from fl.privacy.rng import draw_normal
+
+        return draw_normal(gen, shape, std)
+
+
+def test_client_level_average_adds_noise_of_std_sigma_c_over_m():
+    """Clients that send back the global state unchanged (zero updates): the new global
+    minus the old is the server's noise alone, N(0, (σC/m)²) in every released
+    coordinate (A, B and the head), and nothing is added to what is not released."""
+    C, sigma, m = 0.8, 1.5, 4.0
+    srv = _NoisyServer(C, sigma, m)
+    meth = Method(srv, Options())
+    g = torch.Generator().manual_seed(3)
+    glob = {
+        "factors": {"l": {"A": torch.randn(40, 300, generator=g), "B": torch.randn(300, 40, generator=g)}},
+        "head": {"w": torch.randn(2, 300, generator=g)},
+    }  # fmt: skip
+    meth.global_state = glob
+    replies = Replies(ok={str(k): {"state": glob} for k in range(3)})
+    new, st = meth.client_level_dp_average(RoundInfo(0, 1, list(replies.ok)), replies)
+    assert st["nonfinite_updates"] == 0 and srv.releases == 1
+    want = sigma * C / m  # 0.3
+    pairs = {
+        "A": (new["factors"]["l"]["A"], glob["factors"]["l"]["A"]),
+        "B": (new["factors"]["l"]["B"], glob["factors"]["l"]["B"]),
+        "head": (new["head"]["w"], glob["head"]["w"]),
+    }
+    for key, (after, before) in pairs.items():
+        d = (after - before).double().flatten()
+        n = d.numel()
+        # std of a sample std ≈ want/√(2n): 5 of those is far beyond chance
+        assert abs(float(d.std()) - want) < 5 * want / math.sqrt(2 * n), (key, float(d.std()))
+        assert abs(float(d.mean())) < 5 * want / math.sqrt(n), key
+    # B-only release (FFA-style keys): A is left exactly as it was
+    meth.global_state = glob
+    new_b, _ = meth.client_level_dp_average(
+        RoundInfo(1, 1, list(replies.ok)), replies, keys=("B",), head=False
+    )
+    assert torch.equal(new_b["factors"]["l"]["A"], glob["factors"]["l"]["A"])
+    assert torch.equal(new_b["head"]["w"], glob["head"]["w"])
+    assert float((new_b["factors"]["l"]["B"] - glob["factors"]["l"]["B"]).std()) > 0.25
+
+
 # ------------------------------------------------------------------ hetero methods
 
 

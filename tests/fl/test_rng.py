@@ -59,7 +59,7 @@ def test_streams_replay_and_are_independent():
 
 
 def test_distributions():
-    s = R.NoiseKey.generate().stream("stats")
+    s = R.NoiseKey(bytes(range(32))).stream("stats")  # fixed: p-value cut-offs stay reproducible
     z = s.normal((200_000,), 3.0, torch.float64).numpy() / 3.0
     assert stats.kstest(z, "norm").pvalue > 1e-4
     assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01
@@ -74,7 +74,7 @@ def test_distributions():
 
 
 def test_random_subset_is_uniform():
-    s = R.NoiseKey.generate().stream("subset")
+    s = R.NoiseKey(bytes(range(32))).stream("subset")  # fixed: reproducible p-value
     n, m, reps = 6, 2, 6000
     seen = {}
     for _ in range(reps):
