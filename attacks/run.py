@@ -103,6 +103,14 @@ def attack(target: Target, config: AttackConfig = _D, out=None, shadow_dir=None)
     needs_shadows = any(a.needs_shadows for a in chosen)
     if needs_shadows and config.shadows < 2:
         raise UsageError(f"reference-model attacks need --shadows >= 2, got {config.shadows}")
+    if any(a.family == "lira" for a in chosen) and config.shadows < 4:
+        # complementary pairs: with 2 shadows every example is IN one and OUT of one, so
+        # no within-example spread of φ exists and LiRA's Gaussians cannot be fitted
+        raise UsageError(
+            f"LiRA needs --shadows >= 4 (got {config.shadows}): with 2 every example is IN "
+            "one shadow and OUT of the other, so the spread of its confidence cannot be "
+            "estimated; use 4 or more, or drop lira from --attacks"
+        )
     if needs_shadows and target.prompts is not None:
         raise UsageError(
             "shadow models of instruction-format (prompt/response) data are not supported; "
