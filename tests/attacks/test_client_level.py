@@ -3,7 +3,6 @@ aggregation and the calibrated threshold against slow references; end to end on 
 run with --client-level."""
 
 import json
-import math
 from collections import Counter
 
 import numpy as np
@@ -93,7 +92,13 @@ def test_client_level_roc_equals_roc_of_the_slow_means():
     non = np.flatnonzero(~pop.participated)
     assert op["n_calibration"] + op["n_held_out"] == len(non)
     assert op["tpr"] == pytest.approx(np.mean(slow[pop.participated] > tau))
-    assert math.isfinite(op["fpr_held_out"])
+    # τ is calibrated on one seeded half of the non-participants only: the smallest of
+    # their scores with at most 10% of them above it; the FPR is that of the other half
+    perm = np.random.default_rng([0, 0xCA1]).permutation(non)
+    cal, held = slow[perm[: len(non) // 2]], slow[perm[len(non) // 2 :]]
+    assert op["n_calibration"] == len(cal) and tau in cal
+    assert np.mean(cal > tau) <= 0.1 < np.mean(cal >= tau)
+    assert op["fpr_held_out"] == pytest.approx(np.mean(held > tau), rel=1e-12)
 
 
 def test_population_errors_are_named():

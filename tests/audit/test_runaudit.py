@@ -183,6 +183,20 @@ def test_one_run_cli(run, capsys):
     assert {"epsilon_lb", "m", "r", "v", "alpha", "delta"} <= set(one)
     assert one["m"] == 20 and math.isfinite(one["epsilon_lb"]) and one["epsilon_lb"] >= 0
     assert one["epsilon_lb"] <= doc["epsilon_pld"]
+    # the same figures from splits.json's canaries scored here: the scores and the
+    # included flags are aligned canary by canary (a mix-up would change r, v or k)
+    from audit.empirical import epsilon_one_run
+
+    canaries = json.loads((run / "splits.json").read_text())["canaries"]
+    s = canary_scores(run, [c["text"] for c in canaries], [int(c["label"]) for c in canaries])
+    inc = np.array([bool(c["included"]) for c in canaries])
+    ref = epsilon_one_run(s, inc, one["delta"], alpha=one["alpha"])
+    assert one["n_included"] == int(inc.sum())
+    for k in ("epsilon_lb", "r", "v", "k_pos", "k_neg"):
+        assert one[k] == pytest.approx(ref[k], rel=1e-12), k
+    # and they are not what swapped flags give, unless the guesses happen to agree
+    flipped = epsilon_one_run(s, ~inc, one["delta"], alpha=one["alpha"])
+    assert (flipped["r"], flipped["v"]) != (one["r"], one["v"]) or one["v"] * 2 == one["r"]
 
 
 def test_cli_exit_codes(run, copy, capsys, tmp_path):
