@@ -412,6 +412,19 @@ def _attacks_section(rows: list[dict], figdir: Path) -> Section:
         hd = ["attack", "AUC", "AUC 95% CI", "TPR@1%FPR", "TPR@0.1%FPR", "threat model"]
         sub = Section(r["run"], [Table.of(hd, t)])
         sec.add(sub)
+        n_non = [
+            a.get("n_nonmembers")
+            for a in (att.get("attacks") or {}).values()
+            if isinstance(a, dict) and isinstance(a.get("n_nonmembers"), int)
+        ]
+        if n_non and min(n_non) < 1000:
+            sub.add(
+                Paragraph.of(
+                    f"With {min(n_non)} non-members, 0.1% FPR is less than one false "
+                    "positive: the TPR@0.1%FPR column is the TPR at zero false positives, "
+                    "and its bootstrap interval is unreliable there."
+                )
+            )
         for fig in r["roc_figures"]:
             dst = figdir / f"{r['run']}-{Path(fig).name}"
             shutil.copyfile(fig, dst)

@@ -60,6 +60,8 @@ def test_lm_and_client_sections(lm_report):
     # the client figures are not repeated among the example-level ROC figures
     mi = md.split("\n## Membership inference\n")[1].split("\n## ")[0]
     assert "roc_clients" not in mi and "lm-run-roc.png" in mi
+    # 24 non-members: 0.1% FPR is no false positive at all, and the page says so
+    assert "With 24 non-members, 0.1% FPR is less than one false positive" in mi
     assert page.count("<img") == md.count("![")
 
 
