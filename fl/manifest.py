@@ -6,6 +6,7 @@ checksum. :func:`build_manifest` assembles it from a finished
 
 from __future__ import annotations
 
+import math
 import platform
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,6 +17,20 @@ from fl.io import file_sha256
 from fl.lm_data import resolved_format
 from fl.privacy.accounting import NEIGHBOURING
 from fl.rundir import ADAPTER_WEIGHTS, SCHEMA_VERSION, SPLITS, jsonable
+
+
+def _clip_used(eng) -> float | None:
+    """The clip bound σ is relative to: the method's own server-side clip at client level
+    (FedPower's ``server_clip``), else the configured C."""
+    cfg = eng.cfg
+    if cfg.dp_level == "none":
+        return None
+    own = getattr(eng.method, "clip", None)
+    if cfg.dp_level == "client" and callable(own):
+        c = float(own())
+        if math.isfinite(c):
+            return c
+    return cfg.clip
 
 
 def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> dict:
@@ -40,7 +55,7 @@ def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> d
             # sample level: σ_k of each client (calibrated to its own q_k and steps);
             # noise_multiplier is their maximum
             "client_noise_multipliers": eng.client_sigmas() if cfg.dp_level == "sample" else {},
-            "clipping_norm": cfg.clip if cfg.dp_level != "none" else None,
+            "clipping_norm": _clip_used(eng),
             "delta": eng.delta,
             "target_epsilon": cfg.epsilon if cfg.epsilon > 0 else None,
             "sampling": "poisson",

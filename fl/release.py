@@ -18,7 +18,9 @@ run, or ``fedlora export RUN --out DIR``) holds:
 
 What the public manifest discloses on purpose is listed in its ``disclosed`` field: the
 per-client sampling rates q_k = B/n_k (hence each client's size) are needed to
-recompute ε and are therefore released.
+recompute ε and are therefore released (sample level only: at client level neither the
+rates nor the per-client steps are published); the config and its public seed, which
+determine the benchmark's membership split for whoever holds the data set.
 """
 
 from __future__ import annotations
@@ -101,6 +103,11 @@ DISCLOSED = [
     "privacy.ledger: which clients trained in which round (sample level; no amplification "
     "by client sampling is claimed there)",
     "metrics: accuracy and loss of the released model on the public test split",
+    "config and seeds: the membership split and the client partition are functions of the "
+    "public seed and the data set, so whoever holds the data set can recompute which of its "
+    "examples were members (a benchmark's split, drawn from a public corpus; the DP guarantee "
+    "does not rest on hiding it, and membership-inference scores of a bundle assume an "
+    "attacker who does not use it)",
 ]
 
 
@@ -116,6 +123,10 @@ def public_manifest(manifest: dict) -> dict:
     """The allow-listed part of an operator manifest (plus ``visibility`` and
     ``disclosed``)."""
     out = _filter(manifest, PUBLIC_FIELDS)
+    priv = out.get("privacy")
+    if isinstance(priv, dict) and priv.get("level") != "sample" and "steps_per_round" in priv:
+        # ε needs per-client steps at sample level only; with local_epochs they give n_k
+        priv["steps_per_round"] = {}
     out["visibility"] = "public"
     out["disclosed"] = list(DISCLOSED)
     return out

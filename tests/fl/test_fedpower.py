@@ -410,3 +410,21 @@ def test_fedpower_round_reports_gap_to_noise_under_client_dp():
         )
         want = float(sv[1] - sv[2]) / (1.5 * p * (math.sqrt(max(m, n)) + math.sqrt(2)))
         assert d["gap_to_noise"] == pytest.approx(want, rel=1e-8)
+
+
+def test_manifest_states_the_server_clip_that_noise_is_relative_to(tiny_cfg, tmp_path):
+    """--opt server_clip sets FedPower's client-level clip, which the noise std is relative
+    to: the manifest's clipping_norm (public) says that C, not --clip; and the public
+    bundle publishes no per-client steps at client level (with local epochs they give n_k)."""
+    import json
+
+    from fl.engine import train
+
+    cfg = tiny_cfg(method="fedpower", dp_level="client", noise_multiplier=1.0, rounds=1,
+                   clip=1.0, opts={"server_clip": 0.25}, **SMALL)  # fmt: skip
+    man = train(cfg, tmp_path / "run")
+    assert man["privacy"]["clipping_norm"] == 0.25
+    public = json.loads((tmp_path / "run" / "release" / "manifest.json").read_text())
+    assert public["privacy"]["clipping_norm"] == 0.25
+    assert public["privacy"]["steps_per_round"] == {} and public["privacy"]["sample_rates"] == {}
+    assert man["privacy"]["steps_per_round"]  # the operator's manifest keeps them
