@@ -68,7 +68,8 @@ class Code(StrEnum):
     RELEASES_FROM_LEDGER = "releases_from_ledger"
     #: the run claims no differential privacy
     NO_DP = "no_dp"
-    #: the one-run lower bound exceeds the recomputed ε
+    #: the one-run lower bound exceeds what the recomputed ε allows for one canary (ε;
+    #: at client level 2ε at δ' = (1 + e^ε)δ, replace-one-client)
     EMPIRICAL_EXCEEDS_CLAIM = "empirical_exceeds_claim"
     # --- tampering: the run's files contradict each other or the replay
     #: σ = 0: no privacy

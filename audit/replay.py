@@ -19,6 +19,7 @@ from audit.findings import Code, Findings
 from fl import rundir
 from fl.errors import UsageError
 from fl.io import read_json
+from fl.release import public_manifest
 
 __all__ = ["replay", "compare_adapters", "CUDA_RTOL"]
 
@@ -227,6 +228,8 @@ def replay(
             raise UsageError(f"replay of {run} failed: {exc}") from None
         seconds = time.perf_counter() - t0
         rm = read_json(Path(tmp) / "replay" / "manifest.json")
+        if bundle:  # compare like with like: a bundle's manifest is the public one
+            rm = public_manifest(rm)
         released = run / "adapter" / "adapter_model.safetensors"
         if released.is_file():
             cmp = compare_adapters(

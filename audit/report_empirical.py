@@ -122,6 +122,10 @@ def best_bound(row: dict) -> dict | None:
     }
     check = one.get("claim_check") or {}
     if check and check.get("epsilon") is not None:
+        # the bound the claim is tested with (client level: at δ' = (1 + e^ε)δ)
+        out["epsilon_lb"] = check.get("epsilon_lb", out["epsilon_lb"])
+        if check.get("delta") != one.get("delta"):
+            out["source"] += f", at δ' = {check['delta']:.2g}"
         out["limit"], out["exceeds"] = check["epsilon"], bool(check.get("exceeds"))
     return out
 

@@ -83,17 +83,14 @@ def _privacy(e: Evidence) -> str:
         )
     eps = e.epsilon_recomputed
     limit = e.empirical_limit if e.empirical_limit is not None else eps
+    if lb and limit != eps:  # client level: a canary changes one client's data
+        lb += f" (one client's data changed: replace-one-client allows 2ε = {_eps(limit)})"
     if e.empirical_exceeds is not None:
         exceeds = e.empirical_exceeds
     else:
         exceeds = e.empirical_lb is not None and limit is not None and e.empirical_lb > limit
     if exceeds:
-        if limit == eps:
-            return f"leaks more than claimed: {lb} > recomputed {_eps(eps)}"
-        return (
-            f"leaks more than claimed: {lb} > {_eps(limit)}, what recomputed "
-            f"{_eps(eps)} allows for one record"
-        )
+        return f"leaks more than claimed: {lb} > recomputed {_eps(eps)}"
     errors = [f for f in e.findings if f.is_error]
     if errors:
         return f"claim not supported: {_names(errors)}"

@@ -165,8 +165,10 @@ def decide(doc: dict, bit_exact_here: bool, environment: dict, dp_level: str) ->
 
 
 def resume(out: str | Path, start_round: int, bit_exact_here: bool, dp_level: str) -> Resume | None:
-    """Read and remove the journal under ``out``: None when there is none or it belongs
-    to a round the checkpoint already completed, else the :class:`Resume` decision."""
+    """Read the journal under ``out``: None when there is none, or when it belongs to a
+    round the checkpoint already completed (then it is removed), else the
+    :class:`Resume` decision. The journal is kept: the re-run overwrites it, so a stop
+    before then still finds the charges."""
     p = path(out)
     if not p.is_file():
         return None

@@ -32,7 +32,7 @@ def _train(tmp_path, tiny_cfg, name="run", **kw):
     from fl.engine import train
 
     out = tmp_path / name
-    train(tiny_cfg(dp_level="sample", **kw), out, quiet=True)
+    train(tiny_cfg(**{"dp_level": "sample", **kw}), out, quiet=True)
     return out
 
 
@@ -157,6 +157,16 @@ def test_honest_bundle_is_verified_and_privacy_fields_are_compared(tmp_path, tin
     assert "privacy.delta" in res["replay"]["privacy_fields_differing"]
     msg = next(f["message"] for f in res["findings"] if f["code"] == "replay_mismatch")
     assert "privacy.delta (audited 0.001, replay 1e-05)" in msg
+
+
+def test_honest_client_level_bundle_is_verified(tmp_path, tiny_cfg):
+    """A client-level bundle publishes no per-client steps: the replay is compared with the
+    public manifest it would have released, not the operator's."""
+    run = _train(tmp_path, tiny_cfg, dp_level="client", noise_multiplier=1.0, rounds=1)
+    assert _read(run / "release" / "manifest.json")["privacy"]["steps_per_round"] == {}
+    res = audit_run(run / "release", key=run / "private" / "noise.key")
+    assert res["replay"]["verified"] and res["findings"] == []
+    assert res["replay"]["privacy_fields_differing"] == []
 
 
 def test_wrong_key_is_key_mismatch(tmp_path, tiny_cfg, capsys):

@@ -40,12 +40,13 @@ def dp(**kw) -> Evidence:
         ),
         (  # client level: one canary may reach 2ε (replace-one-client) without a leak
             dp(empirical_lb=12.0, empirical_limit=15.98, empirical_exceeds=False),
-            "private as claimed (ε = 7.99); empirical ε ≥ 12 at 95%",
+            "private as claimed (ε = 7.99); empirical ε ≥ 12 at 95% (one client's data "
+            "changed: replace-one-client allows 2ε = 16)",
         ),
         (
             dp(empirical_lb=17.0, empirical_limit=15.98, empirical_exceeds=True),
-            "leaks more than claimed: empirical ε ≥ 17 at 95% > 16, what recomputed 7.99 "
-            "allows for one record",
+            "leaks more than claimed: empirical ε ≥ 17 at 95% (one client's data changed: "
+            "replace-one-client allows 2ε = 16) > recomputed 7.99",
         ),
         (dp(findings=(NOISE, WARN)), "claim not supported: noise reproducible"),
         (Evidence(False, findings=(NO_DP,)), "no DP claimed"),

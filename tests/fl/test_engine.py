@@ -259,6 +259,41 @@ def test_round_killed_twice_keeps_the_first_attempts_charge(tmp_path, tiny_cfg, 
     assert resumed["privacy"]["epsilon"]["pld"] > full["privacy"]["epsilon"]["pld"]
 
 
+def test_a_stop_before_the_rerun_is_journaled_keeps_the_charge(tmp_path, tiny_cfg, monkeypatch):
+    """Resume charges an interrupted round that cannot be replayed, then stops before the
+    re-run has journaled it: the journal was kept, so the next resume charges that attempt
+    (once: the charge of the stopped resume was never checkpointed)."""
+    from fl.contexts import ClientContext
+
+    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
+    full = train(cfg, tmp_path / "full")
+    key = tmp_path / "full/private/noise.key"
+    real = ClientContext.train
+    _kill_in_round_three(real, monkeypatch)
+    run = tmp_path / "killed"
+    journal_path = run / "checkpoint" / "inflight.json"
+    with pytest.raises(KeyboardInterrupt):
+        Engine(cfg, run, quiet=True, noise_key=key).run()
+    journal = json.loads(journal_path.read_text())
+    journal["environment"]["threads"] += 1  # no bit-exact replay here
+    journal_path.write_text(json.dumps(journal))
+
+    def stop(self, r, planned):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "_write_inflight", stop)
+    with pytest.raises(KeyboardInterrupt):
+        Engine(cfg, run, resume=True, quiet=True, noise_key=key).run()
+    assert json.loads(journal_path.read_text()) == journal  # kept as it was
+    monkeypatch.undo()
+    resumed = train(cfg, run, resume=True)
+    charged = [e for e in resumed["privacy"]["ledger"]["events"] if e["stage"] == "interrupted"]
+    round3 = [e for e in full["privacy"]["ledger"]["events"] if e["round"] == 2]
+    assert sorted((e["unit"], e["round"]) for e in charged) == sorted(
+        (e["unit"], 2) for e in round3
+    )
+
+
 def test_stop_file_stops_at_a_round_boundary_and_resume_charges_nothing_twice(
     tmp_path, tiny_cfg, monkeypatch, capsys
 ):
