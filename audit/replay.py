@@ -223,7 +223,9 @@ def replay(
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedlora-replay-") as tmp:
         try:
-            train(cfg, Path(tmp) / "replay", quiet=True, noise_key=key)
+            # rounds re-run after a stop are re-run as the same attempt (fl.inflight)
+            events = ((m.get("privacy") or {}).get("ledger") or {}).get("events") or []
+            train(cfg, Path(tmp) / "replay", quiet=True, noise_key=key, reenact=events)
         except UsageError as exc:
             raise UsageError(f"replay of {run} failed: {exc}") from None
         seconds = time.perf_counter() - t0

@@ -105,6 +105,7 @@ class Engine(PrivacyPlan):
         self._pending_log: list[str] = []
         self.rejected_updates = 0
         self._inflight_charged: dict[int, list[Event]] = {}
+        self._reenact: dict[int, list[Event]] = {}
 
     # ---- output helpers ----------------------------------------------------------
     def progress(self, it, **kw):
@@ -276,6 +277,11 @@ class Engine(PrivacyPlan):
         )
         for r in rounds:
             rt = time.time()
+            if r in self._reenact:  # a replay of a run whose round r was re-run
+                evs = self._reenact.pop(r)
+                self.rand.attempts[r] = inflight.final_attempt(evs)
+                for ev in evs:
+                    self.ledger.record(ev)
             clients = self.sample_clients(r)
             rnd = RoundInfo(index=r, seed=derive_seed(cfg.seed, "round", r), clients=clients)
             planned = self._planned_events(r, clients)
@@ -507,10 +513,16 @@ def train(
     resume: bool = False,
     quiet: bool = False,
     noise_key: str | Path | R.NoiseKey | None = None,
+    reenact: list | None = None,
 ) -> dict:
     """Run (or resume) a federated training run; returns the manifest. ``noise_key``: a
-    key file (or key) to reuse instead of a fresh secret one (a replay)."""
-    return Engine(cfg, out, resume=resume, quiet=quiet, noise_key=noise_key).run()
+    key file (or key) to reuse instead of a fresh secret one (a replay). ``reenact``: the
+    replayed run's ledger events; the rounds it re-run after a stop are re-run here as
+    the same attempt, with its ``interrupted`` charges at the same place in the ledger."""
+    eng = Engine(cfg, out, resume=resume, quiet=quiet, noise_key=noise_key)
+    if reenact:
+        eng._reenact = inflight.attempts_from_ledger(reenact)
+    return eng.run()
 
 
 __all__ = [

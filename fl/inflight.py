@@ -25,14 +25,19 @@ decision and the CPU environment it compares.
 from __future__ import annotations
 
 import platform
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fl.errors import UsageError
 from fl.io import atomic_write_json, read_json
 from fl.privacy.accounting import Event
 
 FILE = "inflight.json"
+#: the ledger note of a charged attempt (parsed back by :func:`attempts_from_ledger`)
+NOTE = "round started before a stop (attempt {a}); its noise may have been observed"
+_NOTE_RE = re.compile(r"^round started before a stop \(attempt (\d+)\)")
 
 
 def cpu_model() -> str:
@@ -157,8 +162,7 @@ def decide(doc: dict, bit_exact_here: bool, environment: dict, dp_level: str) ->
                 unit=ev.unit,
                 round=ev.round,
                 stage="interrupted",
-                note=f"round started before a stop (attempt {attempt}); its noise "
-                "may have been observed",
+                note=NOTE.format(a=attempt),
             )
         )
     return Resume(r, attempt + 1, charged, False, not same_env, len(earlier))
@@ -177,3 +181,35 @@ def resume(out: str | Path, start_round: int, bit_exact_here: bool, dp_level: st
         p.unlink(missing_ok=True)
         return None
     return decide(doc, bit_exact_here, cpu_environment(), dp_level)
+
+
+def attempts_from_ledger(events) -> dict[int, list]:
+    """Round → its ``interrupted`` events, in ledger order, for the rounds that were re-run
+    (a replay re-enacts them: :meth:`fl.engine.Engine.reenact`). Events are ledger event
+    dicts or :class:`Event` objects."""
+    out: dict[int, list] = {}
+    for i, e in enumerate(events):
+        if isinstance(e, dict) and e.get("stage") != "interrupted":
+            continue
+        try:
+            ev = e if isinstance(e, Event) else Event.from_dict(e)
+        except (TypeError, ValueError, KeyError, UsageError) as exc:  # PrivacyError too
+            raise UsageError(f"ledger event {i} cannot be read: {exc}") from None
+        if ev.stage == "interrupted":
+            out.setdefault(int(ev.round), []).append(ev)
+    for evs in out.values():
+        final_attempt(evs)  # every note names its attempt
+    return out
+
+
+def final_attempt(charged: Sequence[Event]) -> int:
+    """The attempt a round was completed as, from the charges of its earlier attempts:
+    one more than the last charged attempt (each charge re-runs as the next attempt; a
+    bit-exact replay of that attempt adds no charge)."""
+    seen = [int(m.group(1)) for ev in charged if (m := _NOTE_RE.match(ev.note or ""))]
+    if len(seen) != len(charged):
+        raise UsageError(
+            "an interrupted ledger event does not name its attempt in its note "
+            f"({NOTE.format(a='N')!r} expected)"
+        )
+    return max(seen) + 1 if seen else 0

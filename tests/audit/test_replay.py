@@ -248,3 +248,37 @@ def test_trained_device(tmp_path):
     # a run directory: the engine's start line in run.log says where it actually ran
     (tmp_path / "run.log").write_text("fedlora train: method=fedavg dp=sample device=cuda:0\n")
     assert _trained_device(tmp_path, {"config": {"device": "auto"}}, bundle=False)[0] == "cuda"
+
+
+def test_a_run_with_a_round_rerun_after_a_stop_is_verified(tmp_path, tiny_cfg, monkeypatch):
+    """Round 2 stopped midway and re-run (not bit-exactly: another thread count) as attempt
+    1 with fresh streams and a charge: the replay re-runs it as attempt 1 too, with the
+    charge at the same place in the ledger, and verifies the run."""
+    from fl.contexts import ClientContext
+    from fl.engine import Engine, train
+
+    cfg = tiny_cfg(dp_level="sample", noise_multiplier=2.0, rounds=2)
+    real = ClientContext.train
+
+    def die_in_round_two(self, *a, **kw):
+        if self.round.index == 1:
+            raise KeyboardInterrupt
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(ClientContext, "train", die_in_round_two)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        Engine(cfg, run, quiet=True).run()
+    journal = run / "checkpoint" / "inflight.json"
+    doc = _read(journal)
+    doc["environment"]["threads"] += 1
+    _write(journal, doc)
+    monkeypatch.setattr(ClientContext, "train", real)
+    man = train(cfg, run, resume=True)
+    assert any(e["stage"] == "interrupted" for e in man["privacy"]["ledger"]["events"])
+    key = run / "private" / "noise.key"
+    for target in (run, run / "release"):
+        res = audit_run(target, key=key)
+        assert res["replay"]["verified"] and res["replay"]["exact"], target
+        # the re-run round's charge: more steps than one call per round, included in ε
+        assert codes(res) == {"ledger_extra_events"}, (target, res["findings"])

@@ -1,5 +1,7 @@
 """fl.inflight.decide: what resume charges for a journaled round, on hand-built journals."""
 
+import pytest
+
 from fl.inflight import decide
 from fl.privacy.accounting import Event
 
@@ -68,3 +70,25 @@ def test_earlier_attempts_charges_are_carried_in_both_branches():
 def test_non_private_runs_charge_nothing():
     res = decide(_journal(device="cuda"), False, ENV, "none")
     assert res.replay and res.charged == [] and res.attempt == 0
+
+
+def test_final_attempt_and_the_ledger_parse():
+    from fl.errors import UsageError
+    from fl.inflight import NOTE, attempts_from_ledger, final_attempt
+
+    def charged(a, unit):
+        return Event("poisson_gaussian", 1.5, 0.1, 20, unit=unit, round=4,
+                     stage="interrupted", note=NOTE.format(a=a))  # fmt: skip
+
+    assert final_attempt([]) == 0
+    assert final_attempt([charged(0, "client:0"), charged(0, "client:1")]) == 1
+    assert final_attempt([charged(0, "client:0"), charged(1, "client:0")]) == 2
+    ledger = [_ev("client:0", rnd=3).to_dict(), charged(0, "client:0").to_dict(),
+              _ev("client:0").to_dict(), charged(0, "client:1").to_dict()]  # fmt: skip
+    got = attempts_from_ledger(ledger)
+    assert list(got) == [4] and [e.unit for e in got[4]] == ["client:0", "client:1"]
+    bad = dict(charged(0, "client:0").to_dict(), note="edited")
+    with pytest.raises(UsageError, match="does not name its attempt"):
+        attempts_from_ledger([bad])
+    with pytest.raises(UsageError, match="ledger event 0"):
+        attempts_from_ledger([dict(bad, noise_multiplier=-1.0)])
