@@ -224,14 +224,12 @@ def test_round_killed_midway_is_replayed_or_rerun_with_fresh_noise(
         assert resumed["privacy"]["epsilon"]["pld"] > full["privacy"]["epsilon"]["pld"]
 
 
-def test_round_killed_twice_keeps_the_first_attempts_charge(tmp_path, tiny_cfg, monkeypatch):
-    """Killed in round 3, resumed where it cannot replay (charged, attempt 1), killed again
-    in the same round and resumed where attempt 1 replays bit for bit: the first attempt's
-    charge lived only in memory, so the second journal carries it and the final ledger
-    holds it once; the third pass charges nothing new."""
+def _killed_elsewhere(cfg, tmp_path, monkeypatch):
+    """A full run, then the same run (its key) killed in round 3 whose journal says another
+    CPU environment (no bit-exact replay here). Returns (full manifest, key, run, journal
+    path, journal, the real ClientContext.train); the kill stays patched in."""
     from fl.contexts import ClientContext
 
-    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
     full = train(cfg, tmp_path / "full")
     key = tmp_path / "full/private/noise.key"
     real = ClientContext.train
@@ -241,8 +239,20 @@ def test_round_killed_twice_keeps_the_first_attempts_charge(tmp_path, tiny_cfg, 
     with pytest.raises(KeyboardInterrupt):
         Engine(cfg, run, quiet=True, noise_key=key).run()
     journal = json.loads(journal_path.read_text())
-    journal["environment"]["threads"] += 1  # written elsewhere: no bit-exact replay here
+    journal["environment"]["threads"] += 1
     journal_path.write_text(json.dumps(journal))
+    return full, key, run, journal_path, journal, real
+
+
+def test_round_killed_twice_keeps_the_first_attempts_charge(tmp_path, tiny_cfg, monkeypatch):
+    """Killed in round 3, resumed where it cannot replay (charged, attempt 1), killed again
+    in the same round and resumed where attempt 1 replays bit for bit: the first attempt's
+    charge lived only in memory, so the second journal carries it and the final ledger
+    holds it once; the third pass charges nothing new."""
+    from fl.contexts import ClientContext
+
+    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
+    full, key, run, journal_path, journal, real = _killed_elsewhere(cfg, tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         Engine(cfg, run, resume=True, quiet=True, noise_key=key).run()
     second = json.loads(journal_path.read_text())
@@ -263,20 +273,9 @@ def test_a_stop_before_the_rerun_is_journaled_keeps_the_charge(tmp_path, tiny_cf
     """Resume charges an interrupted round that cannot be replayed, then stops before the
     re-run has journaled it: the journal was kept, so the next resume charges that attempt
     (once: the charge of the stopped resume was never checkpointed)."""
-    from fl.contexts import ClientContext
 
     cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
-    full = train(cfg, tmp_path / "full")
-    key = tmp_path / "full/private/noise.key"
-    real = ClientContext.train
-    _kill_in_round_three(real, monkeypatch)
-    run = tmp_path / "killed"
-    journal_path = run / "checkpoint" / "inflight.json"
-    with pytest.raises(KeyboardInterrupt):
-        Engine(cfg, run, quiet=True, noise_key=key).run()
-    journal = json.loads(journal_path.read_text())
-    journal["environment"]["threads"] += 1  # no bit-exact replay here
-    journal_path.write_text(json.dumps(journal))
+    full, key, run, journal_path, journal, real = _killed_elsewhere(cfg, tmp_path, monkeypatch)
 
     def stop(self, r, planned):
         raise KeyboardInterrupt
