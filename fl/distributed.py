@@ -150,6 +150,9 @@ def _init(ray, address: str, num_cpus: int | None) -> None:
             address="local",
             num_cpus=max(usable_cpus(), num_cpus or 0),
             runtime_env={"env_vars": env},
+            # no niceness increment for the workers (Ray's default is +15): they keep
+            # the driver's priority without the privilege match_driver_priority needs
+            _system_config={"worker_niceness": 0},
             **kw,
         )
     else:

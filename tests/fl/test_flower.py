@@ -246,6 +246,29 @@ def test_flower_simulation_matches_inprocess(tmp_path, tiny_cfg, flower_sim, inp
     print(f"\n{method} seconds/round: in-process {ref}, Flower simulation {sim}")
 
 
+def _actor_niceness() -> list[int]:
+    """Niceness of this machine's Flower simulation actors (Ray worker processes)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and b"ClientAppActor" in (d / "cmdline").read_bytes():
+                stat = (d / "stat").read_text()
+                found.append(int(stat[stat.rindex(")") + 2 :].split()[16]))
+        except OSError:  # the process ended while being read
+            continue
+    return found
+
+
+def test_simulation_actors_keep_the_drivers_priority(tmp_path, tiny_cfg, flower_sim):
+    """Ray would start the actors at niceness 15; they do the clients' work while the
+    server waits, so beside other work they were starved (185 s for a first round that
+    takes 21 s at the driver's priority)."""
+    _run(_small(tiny_cfg, method="fedprox", transport="flower", rounds=1), tmp_path / "x")
+    nice = _actor_niceness()
+    assert len(nice) >= CLIENTS
+    assert set(nice) == {os.getpriority(os.PRIO_PROCESS, 0)}
+
+
 def test_fedask_client_failing_between_stages(tmp_path, tiny_cfg, flower_sim):
     """Client 1 fails in stage 2 (project) of round 1 after training in stage 1: the
     round completes with the survivor (Y and Q recomputed from it), client 1's DP steps
