@@ -6,13 +6,15 @@
 # Usage: queue.sh RUNS_DIR [SEEDS]   (run two copies at once for two slots; SEEDS, e.g.
 # "7 8 9", limits the seeds; default: 3 to 9). A job whose row is already in
 # planned-seeds.jsonl is skipped.
+# (All 42 were in on 2026-12-02 15:12 UTC and their rows moved into results.jsonl, where
+# the queue now looks for them.)
 # Resumable and safe in several slots: a job is claimed with mkdir (RUNS_DIR/locks); a
 # finished job (manifest.json) is skipped; a started one resumes from its last round.
 # `touch RUNS_DIR/cos-r1qv-eps<E>-s<S>/STOP` stops a run cleanly after its current round.
 set -u
 runs=$(realpath "${1:?usage: queue.sh RUNS_DIR}")
 cd "$(dirname "$0")/../../../.." || exit 1
-rows=benchmarks/results/claims/dplearn/planned-seeds.jsonl
+rows=benchmarks/results/claims/dplearn/results.jsonl
 mkdir -p "$runs/locks"
 seeds=${2:-3 4 5 6 7 8 9}
 for s in $seeds; do for e in 8 3 1; do
