@@ -246,14 +246,29 @@ def test_flower_simulation_matches_inprocess(tmp_path, tiny_cfg, flower_sim, inp
     print(f"\n{method} seconds/round: in-process {ref}, Flower simulation {sim}")
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after "pid (comm)": [state, ppid, ...]."""
+    stat = (Path("/proc") / str(pid) / "stat").read_text()
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        pid = int(_stat(pid)[1])
+        if pid == ancestor:
+            return True
+    return False
+
+
 def _actor_niceness() -> list[int]:
-    """Niceness of this machine's Flower simulation actors (Ray worker processes)."""
+    """Niceness of the Flower simulation actors (Ray worker processes) started by this
+    process (its descendants: another session's actors on the machine do not count)."""
     found = []
     for d in Path("/proc").iterdir():
         try:
             if d.name.isdigit() and b"ClientAppActor" in (d / "cmdline").read_bytes():
-                stat = (d / "stat").read_text()
-                found.append(int(stat[stat.rindex(")") + 2 :].split()[16]))
+                if _descends_from(int(d.name), os.getpid()):
+                    found.append(int(_stat(int(d.name))[16]))
         except OSError:  # the process ended while being read
             continue
     return found
