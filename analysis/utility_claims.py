@@ -108,7 +108,13 @@ def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
             key = row.get("key")
             if key is None:
                 key, anon = f"anon{anon}", anon + 1
-            rows[key] = {**rows.get(key, {}), **row}
+            if path.name == "mia.jsonl":
+                # an attack adds to its run; its own wall time must not replace the
+                # training's (the tables' s/run), nor any other field of the run
+                row = {("attack_seconds" if k == "seconds" else k): v for k, v in row.items()}
+                rows[key] = {**row, **rows.get(key, {})}
+            else:
+                rows[key] = {**rows.get(key, {}), **row}
     return list(rows.values())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from statistics import fmean
 
 import pytest
 
@@ -219,6 +220,7 @@ def test_mia_rows_merge_into_their_runs(tmp_path):
             "group": r["group"],
             "seed": r["seed"],
             "key": r["key"],
+            "seconds": 1.5,
             "attacks": {"loss": {"auc": 0.5, "ci": {"auc": [0.47, 0.53]}}},
         }
         for r in rows
@@ -227,6 +229,10 @@ def test_mia_rows_merge_into_their_runs(tmp_path):
     doc = U.decide([tmp_path])
     cell = next(c for c in doc["cells"] if c["group"] == "ffa/eps8")
     assert cell["n"] == 3 and cell["balanced_mean"] == pytest.approx(0.8)
+    # the attack's wall time is its own: s/run stays the training's
+    assert cell["seconds_mean"] == pytest.approx(fmean(r["seconds"] for r in rows))
+    merged = [r for r in U.load_rows([tmp_path]) if r["group"] == "ffa/eps8"]
+    assert {r["attack_seconds"] for r in merged} == {1.5}
     by = {c["id"]: c for c in doc["claims"]}
     assert by["mia_near_chance:loss:ffa/eps8"]["verdict"] == "holds"
 
