@@ -121,11 +121,23 @@ def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
 def cells(rows: Sequence[dict], metric: str = METRIC) -> dict[tuple[str, str], dict]:
     """(grid, group) → {seeds: {seed: value}, **mean_ci}."""
     by: dict[tuple[str, str], dict[int, float]] = {}
+    seen: dict[tuple[str, str, int], object] = {}
     for r in rows:
         v = r.get(metric)
         if v is None:
             continue
-        by.setdefault((r["grid"], r["group"]), {})[int(r.get("seed", 0))] = float(v)
+        seed = int(r.get("seed", 0))
+        cell = (r["grid"], r["group"], seed)
+        if cell in seen:
+            # two configurations under one group (e.g. a grid re-run after its learning
+            # rate changed): which one counts must not depend on the order of the rows
+            raise UsageError(
+                f"{r['grid']} {r['group']} seed {seed}: two runs of different "
+                f"configurations ({seen[cell]} and {r.get('key')}); move the superseded "
+                "rows out of results.jsonl"
+            )
+        seen[cell] = r.get("key")
+        by.setdefault((r["grid"], r["group"]), {})[seed] = float(v)
     return {k: {"seeds": s, **mean_ci(list(s.values()))} for k, s in by.items()}
 
 

@@ -237,6 +237,16 @@ def test_mia_rows_merge_into_their_runs(tmp_path):
     assert by["mia_near_chance:loss:ffa/eps8"]["verdict"] == "holds"
 
 
+def test_two_configurations_of_one_cell_are_an_error(tmp_path):
+    """A grid re-run under a changed setting leaves two rows for one (group, seed): the
+    analysis must not pick one by row order."""
+    old = _row("claims-fedask", "ffa/eps8", 0, 0.80)
+    new = {**_row("claims-fedask", "ffa/eps8", 0, 0.83), "key": old["key"] + "-lr3e-3"}
+    (tmp_path / "results.jsonl").write_text(json.dumps(old) + "\n" + json.dumps(new))
+    with pytest.raises(UsageError, match="ffa/eps8 seed 0: two runs"):
+        U.decide([tmp_path])
+
+
 def test_mia_needs_three_attacked_runs(tmp_path):
     atk = {"loss": {"auc": 0.5, "ci": {"auc": [0.47, 0.53]}}}
     rows = [_row("claims-fedask", "ffa/eps8", s, 0.8, attacks=atk) for s in range(2)]
