@@ -22,9 +22,10 @@ small (its size is in the claim's ``measured``).
 The primary metric is balanced accuracy: tweets is 70 % positive, so plain accuracy
 rewards predicting the majority class. Plain accuracy is given beside it.
 
-Membership inference "near chance": an attack's AUC interval (bootstrap, from the attack
-itself) lies below ``0.5 + MIA_MARGIN`` on every seed, with at least 3 seeds attacked:
-holds; its lower end above that on any seed: does not hold; otherwise inconclusive.
+Membership inference "near chance" (private runs only): an attack's AUC interval
+(bootstrap, from the attack itself) lies below ``0.5 + MIA_MARGIN`` on every attacked
+run, with at least 3 distinct seeds attacked: holds; its lower end above that on any run:
+does not hold; otherwise inconclusive.
 """
 
 from __future__ import annotations
@@ -110,9 +111,13 @@ def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
                 key, anon = f"anon{anon}", anon + 1
             if path.name == "mia.jsonl":
                 # an attack adds to its run; its own wall time must not replace the
-                # training's (the tables' s/run), nor any other field of the run
+                # training's (the tables' s/run), nor any other field of the run. An
+                # attack whose run is not in results.jsonl (moved out, superseded) is
+                # not a run: it must not count as an attacked seed
+                if key not in rows:
+                    continue
                 row = {("attack_seconds" if k == "seconds" else k): v for k, v in row.items()}
-                rows[key] = {**row, **rows.get(key, {})}
+                rows[key] = {**row, **rows[key]}
             else:
                 rows[key] = {**rows.get(key, {}), **row}
     return list(rows.values())
@@ -146,8 +151,9 @@ def paired(cell_a: dict | None, cell_b: dict | None) -> dict:
     if not cell_a or not cell_b:
         return {**mean_ci([]), "pairs": []}
     common = sorted(set(cell_a["seeds"]) & set(cell_b["seeds"]))
-    diffs = [cell_a["seeds"][s] - cell_b["seeds"][s] for s in common]
-    return {**mean_ci(diffs), "pairs": common}
+    diffs = {s: cell_a["seeds"][s] - cell_b["seeds"][s] for s in common}
+    pairs = [s for s, d in diffs.items() if math.isfinite(d)]
+    return {**mean_ci([diffs[s] for s in pairs]), "pairs": pairs}
 
 
 def verdict_better(diff: dict, margin: float = MARGIN) -> bool | None:
@@ -165,13 +171,14 @@ def verdict_better(diff: dict, margin: float = MARGIN) -> bool | None:
 def verdict_reaches(diff: dict, margin: float = MARGIN) -> bool | None:
     """ "A reaches B" (non-inferiority): True when the paired interval of A − B lies
     above −``margin`` (A is at most one point behind, at 95 %), False when it lies
-    below 0 (A is worse), None otherwise or with fewer than 3 pairs."""
+    below −``margin`` (A is more than a point behind), None otherwise or with fewer
+    than 3 pairs. An interval inside (−margin, 0) refutes neither."""
     lo, hi = diff["ci"]
     if diff["n"] < 3 or lo is None:
         return None
     if lo > -margin:
         return True
-    if hi < 0:
+    if hi < -margin:
         return False
     return None
 
@@ -390,7 +397,10 @@ def mia_claims(rows: Sequence[dict]) -> list[dict]:
     by: dict[tuple[str, str, str], list[dict]] = {}
     for r in rows:
         for attack, res in (r.get("attacks") or {}).items():
-            if r["group"].endswith("nodp"):
+            # a DP guarantee is claimed of private runs only: judged by the run's noise,
+            # not by its group's name (the attacks grid's non-private groups are
+            # "…/overfit" and "…/normal")
+            if r["group"].endswith("nodp") or not _private(r):
                 continue
             by.setdefault((r["grid"], r["group"], attack), []).append(
                 {"seed": r.get("seed"), "auc": res.get("auc"), "ci": (res.get("ci") or {})}
@@ -399,25 +409,45 @@ def mia_claims(rows: Sequence[dict]) -> list[dict]:
     for (grid, group, attack), runs in sorted(by.items()):
         ups = [_auc_ci(x)[1] for x in runs]
         los = [_auc_ci(x)[0] for x in runs]
+        seeds = {x["seed"] for x in runs}
         if any(lo is not None and lo > 0.5 + MIA_MARGIN for lo in los):
             holds: bool | None = False
-        elif len(ups) >= 3 and all(u is not None and u < 0.5 + MIA_MARGIN for u in ups):
+        elif len(seeds) >= 3 and all(u is not None and u < 0.5 + MIA_MARGIN for u in ups):
             holds = True
         else:
             holds = None
         aucs = [x["auc"] for x in runs]
+        known_ups = [u for u in ups if u is not None]
+        known_los = [lo for lo in los if lo is not None]
         out.append(
             _claim(
-                f"mia_near_chance:{attack}:{group}",
+                f"mia_near_chance:{attack}:{grid.removeprefix('claims-')}:{group}",
                 "DP guarantee",
-                f"Membership inference ({attack}) on {group} is near chance "
-                f"(AUC interval below {0.5 + MIA_MARGIN:g}).",
+                f"Membership inference ({attack}) on {grid} {group} is near chance "
+                f"(every attacked run's AUC interval below {0.5 + MIA_MARGIN:g}, "
+                "at least 3 seeds).",
                 holds,
-                {"auc": mean_ci(aucs), "per_seed": runs},
+                {
+                    # the verdict's inputs first: each run's own bootstrap interval
+                    "largest_run_auc_upper": max(known_ups) if known_ups else None,
+                    "smallest_run_auc_lower": min(known_los) if known_los else None,
+                    "seeds": len(seeds),
+                    # the spread of the AUC across seeds (not what the verdict reads)
+                    "auc": mean_ci(aucs),
+                    "per_seed": runs,
+                },
                 {"grid": grid, "attack": attack, "margin": MIA_MARGIN},
             )
         )
     return out
+
+
+def _private(row: dict) -> bool:
+    """Whether a run released with DP noise: a finite ε or a positive σ."""
+    eps, sigma = row.get("epsilon"), row.get("sigma")
+    if eps is not None and math.isfinite(float(eps)):
+        return True
+    return bool(sigma) and float(sigma) > 0
 
 
 def _auc_ci(x: dict) -> tuple[float | None, float | None]:
@@ -444,7 +474,11 @@ def decide(dirs: Sequence[str | Path]) -> dict:
     cell_rows = []
     for (grid, group), c in sorted(table.items()):
         a = acc.get((grid, group)) or {}
-        secs = [r["seconds"] for r in rows if r["grid"] == grid and r["group"] == group]
+        secs = [
+            r["seconds"]
+            for r in rows
+            if r["grid"] == grid and r["group"] == group and r.get("seconds") is not None
+        ]
         cell_rows.append(
             {
                 "grid": grid,
@@ -560,15 +594,31 @@ def table_md(doc: dict) -> str:
             f"{f(c['accuracy_mean'], c['accuracy_std'], c['accuracy_ci95'])} | {secs} |"
         )
     lines += ["", "| claim | verdict | A − B (mean [95% CI]) | pairs |", "|---|---|---|---|"]
+    mia = []
     for c in doc["claims"]:
         m = c["measured"]
-        if "diff_mean" in m:
-            d = "–" if m["diff_mean"] is None else f"{m['diff_mean']:+.3f}"
-            if m["diff_ci95"][0] is not None:
-                d += f" [{m['diff_ci95'][0]:+.3f}, {m['diff_ci95'][1]:+.3f}]"
-            lines.append(f"| {c['id']} | {c['verdict']} | {d} | {m['pairs']} |")
-        else:
-            a = m["auc"]
-            d = f"AUC {a['mean']:.3f}" if a["mean"] is not None else "–"
-            lines.append(f"| {c['id']} | {c['verdict']} | {d} | {a['n']} |")
+        if "diff_mean" not in m:
+            mia.append(c)
+            continue
+        d = "–" if m["diff_mean"] is None else f"{m['diff_mean']:+.3f}"
+        if m["diff_ci95"][0] is not None:
+            d += f" [{m['diff_ci95'][0]:+.3f}, {m['diff_ci95'][1]:+.3f}]"
+        lines.append(f"| {c['id']} | {c['verdict']} | {d} | {m['pairs']} |")
+    if mia:
+
+        def g(x):
+            return "–" if x is None else f"{x:.3f}"
+
+        lines += [
+            "",
+            "| claim | verdict | runs' AUC intervals: lowest lower end – highest upper end "
+            "| AUC, mean over seeds | seeds |",
+            "|---|---|---|---|---|",
+        ]
+        for c in mia:
+            m = c["measured"]
+            lines.append(
+                f"| {c['id']} | {c['verdict']} | {g(m['smallest_run_auc_lower'])} – "
+                f"{g(m['largest_run_auc_upper'])} | {g(m['auc']['mean'])} | {m['seeds']} |"
+            )
     return "\n".join(lines) + "\n"

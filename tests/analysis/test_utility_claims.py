@@ -36,7 +36,10 @@ def test_mean_ci_closed_form():
 
 
 def _row(grid, group, seed, bal, acc=None, **kw):
+    tag = group.split("/")[-1]
     return {
+        "epsilon": float(tag[3:]) if tag.startswith("eps") else None,
+        "sigma": 1.0 if tag.startswith("eps") else 0.0,
         "grid": grid,
         "group": group,
         "seed": seed,
@@ -145,7 +148,7 @@ def test_hetero_and_mia_claims(tmp_path):
     by = {c["id"]: c for c in doc["claims"]}
     assert by["plora_beats_flora:dirichlet0.1:eps8"]["verdict"] == "holds"
     assert by["plora_beats_hetlora:dirichlet0.1:eps8"]["verdict"] == "does not hold"
-    assert by["mia_near_chance:loss:fedavg/eps8"]["verdict"] == "holds"
+    assert by["mia_near_chance:loss:fedask:fedavg/eps8"]["verdict"] == "holds"
     assert not any(k.endswith("fedavg/nodp") for k in by)  # non-private runs are not claimed
 
 
@@ -234,7 +237,7 @@ def test_mia_rows_merge_into_their_runs(tmp_path):
     merged = [r for r in U.load_rows([tmp_path]) if r["group"] == "ffa/eps8"]
     assert {r["attack_seconds"] for r in merged} == {1.5}
     by = {c["id"]: c for c in doc["claims"]}
-    assert by["mia_near_chance:loss:ffa/eps8"]["verdict"] == "holds"
+    assert by["mia_near_chance:loss:fedask:ffa/eps8"]["verdict"] == "holds"
 
 
 def test_two_configurations_of_one_cell_are_an_error(tmp_path):
@@ -247,12 +250,59 @@ def test_two_configurations_of_one_cell_are_an_error(tmp_path):
         U.decide([tmp_path])
 
 
+def test_mia_claims_name_their_grid_and_show_the_runs_intervals(tmp_path):
+    """The same group in two grids is two claims; the verdict's inputs (each run's own
+    bootstrap interval) are what the claim shows, not only the spread over seeds."""
+    rows = []
+    for s in range(3):
+        ok = {"loss": {"auc": 0.51, "ci": {"auc": [0.47, 0.53 + 0.005 * s]}}}
+        wide = {"loss": {"auc": 0.52, "ci": {"auc": [0.46, 0.58]}}}
+        rows.append(_row("claims-fedask", "ffa/eps8", s, 0.8, attacks=ok))
+        rows.append(_row("claims-bbc", "ffa/eps8", s, 0.9, attacks=wide))
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    doc = U.decide([tmp_path])
+    by = {c["id"]: c for c in doc["claims"]}
+    home, bbc = by["mia_near_chance:loss:fedask:ffa/eps8"], by["mia_near_chance:loss:bbc:ffa/eps8"]
+    assert (home["verdict"], bbc["verdict"]) == ("holds", "inconclusive")
+    assert home["measured"]["largest_run_auc_upper"] == pytest.approx(0.54)
+    assert home["measured"]["smallest_run_auc_lower"] == pytest.approx(0.47)
+    assert home["measured"]["seeds"] == 3 and "claims-bbc" in bbc["statement"]
+    md = U.table_md(doc)
+    assert "| mia_near_chance:loss:bbc:ffa/eps8 | inconclusive | 0.460 – 0.580 | 0.520 | 3 |" in md
+
+
+def test_mia_counts_seeds_of_runs_that_exist_and_only_private_ones(tmp_path):
+    """An attack row whose run was moved out of results.jsonl is not an attacked seed;
+    non-private runs (here the attacks grid's "overfit" group) carry no DP claim."""
+    atk = {"loss": {"auc": 0.5, "ci": {"auc": [0.47, 0.53]}}}
+    rows = [_row("claims-fedask", "ffa/eps8", s, 0.8) for s in range(2)]
+    rows += [_row("attacks", "fedavg/overfit", s, 0.9) for s in range(3)]
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    orphan = {**rows[0], "key": "moved-out", "seconds": 2.0, "attacks": atk}
+    mia = [{**r, "attacks": atk, "seconds": 2.0} for r in rows] + [orphan]
+    (tmp_path / "mia.jsonl").write_text("\n".join(json.dumps(r) for r in mia))
+    doc = U.decide([tmp_path])
+    by = {c["id"]: c for c in doc["claims"]}
+    assert by["mia_near_chance:loss:fedask:ffa/eps8"]["verdict"] == "inconclusive"
+    assert by["mia_near_chance:loss:fedask:ffa/eps8"]["measured"]["seeds"] == 2
+    assert not any("overfit" in k for k in by)
+    assert all(c["seconds_mean"] == pytest.approx(10.0) for c in doc["cells"])
+
+
+def test_pairs_count_only_finite_differences():
+    rows = [_row("g", "a/eps8", s, 0.8 + 0.01 * s) for s in range(4)]
+    rows += [_row("g", "b/eps8", s, math.nan if s == 0 else 0.7) for s in range(4)]
+    t = U.cells(rows)
+    d = U.paired(t[("g", "a/eps8")], t[("g", "b/eps8")])
+    assert d["pairs"] == [1, 2, 3] and d["n"] == 3
+
+
 def test_mia_needs_three_attacked_runs(tmp_path):
     atk = {"loss": {"auc": 0.5, "ci": {"auc": [0.47, 0.53]}}}
     rows = [_row("claims-fedask", "ffa/eps8", s, 0.8, attacks=atk) for s in range(2)]
     (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     by = {c["id"]: c for c in U.decide([tmp_path])["claims"]}
-    assert by["mia_near_chance:loss:ffa/eps8"]["verdict"] == "inconclusive"
+    assert by["mia_near_chance:loss:fedask:ffa/eps8"]["verdict"] == "inconclusive"
 
 
 def test_bbc_grid_holds_both_comparisons_and_fedpower_claims(tmp_path):
@@ -287,7 +337,8 @@ def test_bbc_grid_holds_both_comparisons_and_fedpower_claims(tmp_path):
     "diffs, expected",
     [
         ([0.0, 0.001, 0.002], True),  # [-0.0015, 0.0035]: above -0.01
-        ([-0.02, -0.03, -0.025], False),  # interval below 0
+        ([-0.02, -0.03, -0.025], False),  # [-0.037, -0.013]: more than a point behind
+        ([-0.004, -0.008, -0.006], None),  # [-0.011, -0.001]: behind, but not refuted
         ([-0.03, 0.0, 0.02], None),  # wide
         ([0.05, 0.06], None),  # fewer than 3 pairs
     ],

@@ -108,10 +108,11 @@ def test_claims_mia_attacks_a_grid_run(tmp_path):
     train(tiny_config(**cfg), run, quiet=True)
     rows = [
         {"grid": "claims-fedask", "group": "ffa/eps8", "seed": s, "key": f"k{s}",
-         "run": "claims-fedask-0000", "balanced_accuracy": 0.5, "accuracy": 0.5, "seconds": 1}
+         "run": "claims-fedask-0000", "balanced_accuracy": 0.5, "accuracy": 0.5, "seconds": 1,
+         "epsilon": 8.0, "sigma": 1.0}
         for s in range(3)
     ]  # fmt: skip
-    rows.append({**rows[0], "group": "ffa/eps1", "key": "k9"})
+    rows.append({**rows[0], "group": "ffa/eps1", "key": "k9", "epsilon": 1.0})
     (root / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert claims_mia.main([str(root)]) == 0
     mia = [json.loads(x) for x in (root / "mia.jsonl").read_text().splitlines()]
@@ -137,4 +138,4 @@ def test_claims_mia_attacks_a_grid_run(tmp_path):
     assert exc.value.code == 2
     assert (root / "mia.jsonl").read_text() == "".join(json.dumps(m) + "\n" for m in again)
     claims = {c["id"] for c in U.decide([root])["claims"]}
-    assert "mia_near_chance:loss:ffa/eps8" in claims
+    assert "mia_near_chance:loss:fedask:ffa/eps8" in claims
