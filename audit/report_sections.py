@@ -204,7 +204,8 @@ def _claims_section(claims: dict | None, analyses_dir: str | None, figdir: Path)
         [
             f"{c.get('paper')}: {c.get('statement')}",
             readable(c.get("setting") or {}, items=8),
-            readable(c.get("measured") or {}),
+            # a comparison's measured: difference, interval, pairs and both cells
+            readable(c.get("measured") or {}, items=5),
             verdicts.get(c.get("holds"), "inconclusive"),
             _claim_figure(c, analyses_dir, has_png),
         ]

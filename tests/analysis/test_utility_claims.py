@@ -212,6 +212,11 @@ def test_claims_cli_with_grids(tmp_path):
     assert (figdir / "claims-utility.png").is_file()
     text = repr(sec.blocks)
     assert "fedask-w/eps1" in text and "accuracy vs ε (below)" in text
+    # a comparison's row shows both of its cells, not one and "… 1 more"
+    table = sec.blocks[0]
+    row = next(r for r in table.rows if "FedASK" in str(r[0]) and "clip space w" in str(r[0]))
+    measured = str(row[table.headers.index("measured")])
+    assert "fedask-w/eps" in measured and "ffa/eps" in measured and "more" not in measured
 
 
 def test_mia_rows_merge_into_their_runs(tmp_path):
