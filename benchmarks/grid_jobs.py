@@ -227,6 +227,17 @@ DPLEARN_CANDIDATES = {
     "lora1-cos-r2v-b500-s20-r10": dict(
         _LORA1, lr_schedule="cosine", rank=2, alpha=4.0, target_modules="value"
     ),
+    # explored 2026-12-02 after the ten-seed decision (seed 0, ε = 8, judged on the pool):
+    # rank 1 on the top layer's two output projections ("output.dense" names the
+    # attention output and the feed-forward output: both write into the residual stream
+    # that mean pooling reads) instead of query and value; and the recipe with the head
+    # rate the claims-tune grid chose for the probe (0.1 instead of 0.05)
+    "lora1-cos-r1out-b500-s20-r10": dict(
+        _LORA1, lr_schedule="cosine", rank=1, alpha=2.0, target_modules="output.dense"
+    ),
+    "lora1-cos-r1qv-hl1e-1-b500-s20-r10": dict(
+        _LORA1, lr_schedule="cosine", rank=1, alpha=2.0, head_lr=0.1
+    ),
     "probe-cos-b500-s20-r10-lr5e-2": dict(
         method="probe",
         batch_size=500,
