@@ -56,6 +56,8 @@ class Code(StrEnum):
     # --- a run's stated ε against its recomputation
     #: the stated ε is below the recomputed one
     EPSILON_UNDERSTATED = "epsilon_understated"
+    #: the stated ε is above the recomputed one (conservative, but not what was computed)
+    EPSILON_OVERSTATED = "epsilon_overstated"
     #: a DP run states no ε
     EPSILON_MISSING = "epsilon_missing"
     #: the configuration implies more ε than the ledger
@@ -96,7 +98,29 @@ class Code(StrEnum):
     SAMPLE_RATE_MISMATCH = "sample_rate_mismatch"
     #: retrained from config and key, the run differs
     REPLAY_MISMATCH = "replay_mismatch"
+    #: two copies of a field that decides privacy disagree (config, privacy block, noise
+    #: block, ledger, metrics)
+    FIELDS_CONTRADICT = "fields_contradict"
+    #: a file the manifest vouches for (integrity.files) is missing or was changed
+    SEALED_FILE_MISMATCH = "sealed_file_mismatch"
+    #: the manifest's MAC does not verify under the run key: the manifest was edited
+    MANIFEST_MAC_MISMATCH = "manifest_mac_mismatch"
+    #: the replay reproduces the adapter but not the rest of the release (manifest fields,
+    #: adapter_config.json, metrics.jsonl)
+    RELEASE_MISMATCH = "release_mismatch"
+    # --- bad values in what is audited
+    #: the stated ε is not a number >= 0 (NaN, negative, text)
+    EPSILON_INVALID = "epsilon_invalid"
+    #: the released adapter holds NaN or Inf values
+    ADAPTER_NONFINITE = "adapter_nonfinite"
+    # --- noise keys
+    #: the run's noise key was reused from another run on a different configuration
+    KEY_REUSED = "key_reused"
+    #: two audited runs share a noise key id (their noise can cancel)
+    KEY_SHARED = "key_shared"
     # --- replay
+    #: the manifest carries no MAC (written before manifests were sealed, or no key)
+    MANIFEST_UNSEALED = "manifest_unsealed"
     #: the key given is not the run's key
     KEY_MISMATCH = "key_mismatch"
     #: the replay matches within tolerance, not bit for bit
@@ -120,7 +144,9 @@ _SEVERITY = {
     Code.CLIPPING_NORM_MISSING: Severity.INFO,
     Code.LEDGER_EXTRA_EVENTS: Severity.INFO,
     Code.NO_DP: Severity.INFO,
-    Code.REPLAY_INEXACT: Severity.INFO,
+    Code.REPLAY_INEXACT: Severity.WARNING,
+    Code.MANIFEST_UNSEALED: Severity.WARNING,
+    Code.EPSILON_OVERSTATED: Severity.WARNING,
 }
 
 #: the codes that mean tampering, as strings too (``"replay_mismatch" in TAMPER_CODES``)
@@ -138,6 +164,10 @@ TAMPER_CODES = frozenset(
         Code.DELTA_MISMATCH,
         Code.SAMPLE_RATE_MISMATCH,
         Code.REPLAY_MISMATCH,
+        Code.FIELDS_CONTRADICT,
+        Code.SEALED_FILE_MISMATCH,
+        Code.MANIFEST_MAC_MISMATCH,
+        Code.RELEASE_MISMATCH,
     }
 )
 

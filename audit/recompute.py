@@ -111,28 +111,54 @@ class Participation:
     rounds_done: int  # rounds that ran (client level: every one releases)
 
 
-def bundle_participation(cfg: dict, p: dict, ledger: Ledger) -> tuple[Participation, list]:
-    """A bundle's participation, from the public manifest; returns it and the checks it
-    cannot make (``{"check", "reason"}``).
+def _every_client_every_round(p: dict) -> bool:
+    cs = p["client_sampling"]
+    return float(cs["clients_per_round"]) >= int(cs["total_clients"])
 
-    The member ids (``splits.json``) and the sampled cohorts (``metrics.jsonl``) are the
-    operator's; the bundle has the sampling rates q_c = B / n_c, the steps per round and
-    the ledger, which records which units took part in which round."""
+
+def rounds_done(p: dict, shown: int | None) -> int:
+    """Rounds that ran: the larger of ``privacy.rounds_completed`` and the rounds the
+    metrics show (a contradiction between them is a ``fields_contradict`` finding);
+    ``privacy.rounds`` when neither is there."""
+    stated = p.get("rounds_completed")
+    if stated is None and shown is None:
+        return int(p["rounds"])
+    return max(int(stated or 0), int(shown or 0))
+
+
+def bundle_participation(
+    cfg: dict, p: dict, ledger: Ledger, rows: list[dict] | None = None
+) -> tuple[Participation, list]:
+    """A bundle's participation, from the public manifest and its public metrics;
+    returns it and the checks it cannot make (``{"check", "reason"}``).
+
+    The member ids (``splits.json``) and the sampled cohorts (the operator's
+    ``metrics.jsonl``) are not in a bundle; it has the sampling rates q_c = B / n_c and
+    the ledger, which records which units took part in which round. The steps per round
+    are derived from the configuration (``local_steps``, or ``local_epochs`` with n_c =
+    B / q_c), never lowered by ``privacy.steps_per_round``; the rounds that ran are the
+    larger of ``privacy.rounds_completed`` and the rows of the bundle's metrics.jsonl.
+    When every client takes part in every round, each took part in every round that ran;
+    otherwise the ledger says which (taken on trust)."""
+    from audit.crosscheck import metrics_rounds
+
     rates = p.get("sample_rates") or {}
     steps = p.get("steps_per_round") or {}
+    done = rounds_done(p, metrics_rounds(rows))
     units: dict[str, tuple[float, int]] = {}
     for c, q in rates.items():
         q = float(q)
-        if not 0.0 < q <= 1.0:
-            raise UsageError(f"manifest.json: privacy.sample_rates.{c} must be in (0, 1], got {q}")
         n = cfg["batch_size"] / q
+        derived = local_steps(cfg, round(n))
         st = steps.get(c)
-        units[str(c)] = (q, int(st) if isinstance(st, int) else local_steps(cfg, round(n)))
+        units[str(c)] = (q, max(derived, st) if isinstance(st, int) else derived)
     rounds_of: dict[str, set] = {}
     for e in ledger.events:
         rounds_of.setdefault(e.unit, set()).add(e.round)
-    rounds_in = {c: len(rounds_of.get(f"client:{c}", ())) for c in units}
-    done = int(p.get("rounds_completed", p["rounds"]))
+    if _every_client_every_round(p):
+        rounds_in = dict.fromkeys(units, done)
+    else:
+        rounds_in = {c: len(rounds_of.get(f"client:{c}", ())) for c in units}
     skipped = [
         {
             "check": "client_sizes",
@@ -177,10 +203,12 @@ def run_participation(
                 "metrics.jsonl is missing: every client is assumed to take part in every round.",
             )
         )
-    done = len(rows) if rows is not None else int(p.get("rounds_completed", p["rounds"]))
+    from audit.crosscheck import metrics_rounds
+
+    done = rounds_done(p, metrics_rounds(rows))
     sizes = _client_sizes(run, p, splits)
     rounds_in = dict.fromkeys(sizes, 0)
-    for i, row in enumerate(rows or [{"clients": list(sizes)}] * done):
+    for i, row in enumerate((rows or []) + [{"clients": list(sizes)}] * (done - len(rows or []))):
         cl = row.get("clients")
         if not isinstance(cl, list):
             raise UsageError(f"metrics.jsonl: round line {i + 1} has no 'clients' list")
@@ -438,7 +466,19 @@ def compare(stated: Stated, ce: ConfigEpsilon, ledger_incomplete: bool):
     understated = False
     for a in ACCOUNTANTS:
         s = stated.epsilon[a]
-        if not isinstance(s, int | float):
+        if s == "inf":  # written by fl.rundir.jsonable: claims no finite ε, understates nothing
+            continue
+        if isinstance(s, int | float) and not isinstance(s, bool) and not (s >= 0):
+            understated = True  # NaN or negative: no claim a recomputation can be held to
+            found.append(
+                Finding(
+                    Code.EPSILON_INVALID,
+                    f"The run states ε = {s!r} ({a.upper()}, privacy.epsilon.{a}): not a number "
+                    f">= 0, so it claims nothing that can be checked; its mechanism gives ε = "
+                    f"{fmt_eps(recomputed[a])}.",
+                )
+            )
+        elif not isinstance(s, int | float) or isinstance(s, bool):
             understated = True
             found.append(
                 Finding(
@@ -458,6 +498,28 @@ def compare(stated: Stated, ce: ConfigEpsilon, ledger_incomplete: bool):
                     f"by a factor {recomputed[a] / float(s) if s else math.inf:.3g}.",
                 )
             )
+    over = [
+        a
+        for a in ACCOUNTANTS
+        if isinstance(stated.epsilon[a], int | float)
+        and not isinstance(stated.epsilon[a], bool)
+        and math.isfinite(stated.epsilon[a])
+        and stated.epsilon[a] > recomputed[a] * (1.0 + UNDERSTATE_TOLERANCE) + 1e-12
+    ]
+    if over:
+        found.append(
+            Finding(
+                Code.EPSILON_OVERSTATED,
+                "The run states more ε than its mechanism gives ("
+                + "; ".join(
+                    f"{a.upper()}: stated {fmt_eps(stated.epsilon[a])}, recomputed "
+                    f"{fmt_eps(recomputed[a])}"
+                    for a in over
+                )
+                + "): a conservative claim, but not the one the run computed (the engine "
+                "states the ledger's ε).",
+            )
+        )
     if ce.epsilon["pld"] > ledger_eps["pld"] * (1 + UNDERSTATE_TOLERANCE) and not ledger_incomplete:
         found.append(
             Finding(
@@ -479,7 +541,7 @@ def audit_privacy(
     found: list[Finding] = []
     skipped: list = []
     if bundle:
-        part, skipped = bundle_participation(cfg, p, stated.ledger)
+        part, skipped = bundle_participation(cfg, p, stated.ledger, rows)
     else:
         part, more = run_participation(run, cfg, p, splits, rows)
         found += more

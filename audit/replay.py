@@ -8,7 +8,10 @@ and the same privacy block; otherwise ``replay_mismatch`` (see :mod:`audit.runau
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
 import re
 import tempfile
 import time
@@ -18,8 +21,10 @@ from pathlib import Path
 from audit.findings import Code, Findings
 from fl import rundir
 from fl.errors import UsageError
+from fl.integrity import verify_mac
 from fl.io import read_json
-from fl.release import public_manifest
+from fl.release import PUBLIC_METRICS, public_manifest
+from fl.rundir import read_metrics
 
 __all__ = ["replay", "compare_adapters", "CUDA_RTOL"]
 
@@ -169,6 +174,97 @@ def _get_path(d, path: str):
     return d
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@contextlib.contextmanager
+def _deterministic(device: str):
+    """On CUDA: deterministic kernels for the replay (cuBLAS workspace, no atomics)."""
+    if device != "cuda":
+        yield
+        return
+    import torch
+
+    old_env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    old_mode = torch.are_deterministic_algorithms_enabled()
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old_mode)
+        if old_env is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = old_env
+
+
+#: fields a replay legitimately changes: when and where it ran, with which versions
+_RELEASE_VOLATILE = {"created", "versions", "tool_version", "device", "wall_seconds", "log"}
+
+
+def _public_rows(rows: list[dict] | None, exact: bool) -> list[dict]:
+    keep = PUBLIC_METRICS if exact else ("round", "epsilon")
+    return [{k: r[k] for k in keep if k in r} for r in (rows or [])]
+
+
+def _release_diffs(run: Path, m: dict, rdir: Path, rm: dict, bundle: bool, exact: bool) -> list:
+    """Where the audited release differs from the replay's: the public manifest (all
+    fields but when/where/with which versions it ran; the config's runtime fields; the
+    MAC), ``adapter_config.json`` and the public per-round metrics. With a tolerance
+    (``exact`` False) the adapter's hashes and the metrics' accuracy and loss are not
+    compared (they follow the adapter, compared within the tolerance)."""
+    from fl.config import RUNTIME_FIELDS
+
+    if bundle:
+        mine, theirs = m, read_json(rdir / "release" / "manifest.json")
+    else:
+        mine, theirs = public_manifest(m), public_manifest(rm)
+        for d, src in ((mine, m), (theirs, rm)):  # the operator's membership record too
+            d["data_splits"] = {k: (src.get("data") or {}).get(k) for k in _SPLIT_HASHES}
+
+    def strip(d: dict) -> dict:
+        d = json.loads(json.dumps(d))
+        for k in _RELEASE_VOLATILE:
+            d.pop(k, None)
+        for k in RUNTIME_FIELDS:
+            (d.get("config") or {}).pop(k, None)
+        integ = d.get("integrity") if isinstance(d.get("integrity"), dict) else {}
+        integ.pop("mac", None)
+        if not exact:
+            d.pop("adapter_sha256", None)
+            d.pop("metrics", None)
+            integ.pop("files", None)
+        return d
+
+    out: list[str] = []
+    _diff_paths(strip(mine), strip(theirs), "manifest", out)
+    # the privacy fields a replay must reproduce are reported on their own (replay_mismatch)
+    own = tuple(f"manifest.privacy.{f}" for f in _REPLAY_PRIVACY_FIELDS)
+    out = [d for d in out if not d.startswith(own)]
+    cfg_a, cfg_b = run / "adapter" / "adapter_config.json", rdir / "adapter" / "adapter_config.json"
+    try:
+        a_cfg = read_json(cfg_a)
+    except UsageError as exc:
+        out.append(f"adapter/adapter_config.json ({exc})")
+    else:
+        sub: list[str] = []
+        _diff_paths(a_cfg, read_json(cfg_b), "adapter_config.json", sub)
+        out += sub
+    rows_a = read_metrics(run, strict=False)
+    rows_b = read_metrics(rdir / "release" if bundle else rdir, strict=False)
+    sub = []
+    _diff_paths(_public_rows(rows_a, exact), _public_rows(rows_b, exact), "metrics.jsonl", sub)
+    out += sub
+    return out
+
+
+_SPLIT_HASHES = ("splits_sha256", "members_sha256")
+
+
 def replay(
     run: Path, m: dict, bundle: bool, key_path: Path, log: Callable[[str], None] | None
 ) -> tuple[dict, Findings]:
@@ -196,6 +292,23 @@ def replay(
             "manifest's key id was changed); nothing was replayed.",
         )
         return {"performed": False, "verified": False, "reason": "key_mismatch"}, found
+    sealed, why_not = verify_mac(m, key)
+    if sealed is False:
+        found.add(
+            Code.MANIFEST_MAC_MISMATCH,
+            f"The manifest's MAC does not verify under the run key ({why_not}): the manifest "
+            "is not the one the run wrote (a field was edited after the run), so nothing it "
+            "states can be relied on; the replay was not run.",
+        )
+        return {"performed": False, "verified": False, "reason": "manifest_mac_mismatch"}, found
+    if sealed is None:
+        found.add(
+            Code.MANIFEST_UNSEALED,
+            f"The manifest cannot be authenticated with the key: {why_not}. The replay still "
+            "checks the adapter and the privacy block, but it compares the adapter bit for "
+            "bit whatever the manifest's device says (an unauthenticated field chooses no "
+            "tolerance).",
+        )
     if bundle:
         cfg_dict, cfg_src = m["config"], "the manifest's config"
     elif (run / rundir.CONFIG).is_file():
@@ -205,9 +318,14 @@ def replay(
     if not isinstance(cfg_dict, dict):
         raise UsageError(f"{run}: {cfg_src} must be a JSON object")
     cfg = TrainConfig.from_dict(cfg_dict)
-    cfg.device, cfg.progress = "cpu", False  # neither changes the results
-    trained_on, how = _trained_device(run, m, bundle)
+    # Only an authenticated manifest may say the run was made on CUDA and so relax the
+    # comparison: an unsealed one is compared bit for bit.
+    trained_on, how = _trained_device(run, m, bundle) if sealed else ("cpu", "not authenticated")
     rtol = 0.0 if trained_on == "cpu" else CUDA_RTOL
+    replay_device = "cpu"
+    if trained_on == "cuda" and _cuda_available():
+        replay_device = "cuda"  # the closest replay: same kind of kernels, deterministic mode
+    cfg.device, cfg.progress = replay_device, False  # neither changes the results on the CPU
     say = log or (lambda line: None)
     say(
         f"replay: retraining the whole run on the CPU from {cfg_src} and the key "
@@ -225,11 +343,15 @@ def replay(
         try:
             # rounds re-run after a stop are re-run as the same attempt (fl.inflight)
             events = ((m.get("privacy") or {}).get("ledger") or {}).get("events") or []
-            train(cfg, Path(tmp) / "replay", quiet=True, noise_key=key, reenact=events)
+            with _deterministic(replay_device):
+                train(cfg, Path(tmp) / "replay", quiet=True, noise_key=key, reenact=events)
         except UsageError as exc:
             raise UsageError(f"replay of {run} failed: {exc}") from None
         seconds = time.perf_counter() - t0
-        rm = read_json(Path(tmp) / "replay" / "manifest.json")
+        rdir = Path(tmp) / "replay"
+        rm = read_json(rdir / "manifest.json")
+        # the whole release: every public field, adapter_config.json, the public metrics
+        release_diffs = _release_diffs(run, m, rdir, rm, bundle, exact=rtol == 0)
         if bundle:  # compare like with like: a bundle's manifest is the public one
             rm = public_manifest(rm)
         released = run / "adapter" / "adapter_model.safetensors"
@@ -289,16 +411,34 @@ def replay(
             f"{'; '.join(shown)}{more}: the stated mechanism or its accounting is not the one "
             "the configuration and key produce.",
         )
+    if release_diffs:
+        found.add(
+            Code.RELEASE_MISMATCH,
+            "Retrained from the configuration and the key, the release differs from the "
+            f"audited one in {'; '.join(release_diffs[:6])}"
+            + (f" and {len(release_diffs) - 6} more" if len(release_diffs) > 6 else "")
+            + ": what the bundle states about its run is not what the run produced.",
+        )
+    if rtol and adapter_ok:
+        found.add(
+            Code.REPLAY_INEXACT,
+            f"The comparison allows differences up to {rtol:g} of each tensor's scale: such a "
+            "tolerance cannot rule out information hidden in the weights' low bits (a float32 "
+            "weight has ~9 mantissa bits below 1e-4 of its scale); only a bit-exact replay does.",
+        )
     return {
         "performed": True,
-        "verified": bool(adapter_ok and not diffs),
+        "verified": bool(adapter_ok and not diffs and not release_diffs),
+        "authenticated": bool(sealed),
+        "release_fields_differing": release_diffs,
         "exact": bool(cmp["equal"]),
         "max_abs_diff": cmp["max_abs_diff"],
         "max_rel_diff": cmp["max_rel_diff"],
         "worst_tensor": cmp["worst_tensor"],
         "tolerance": rtol,
         "trained_on": trained_on,
-        "replayed_on": "cpu",
+        "replayed_on": replay_device,
+        "low_bit_channel_ruled_out": bool(cmp["equal"]),
         "config_source": cfg_src,
         "privacy_fields_differing": diffs,
         "seconds": seconds,

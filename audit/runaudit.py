@@ -55,12 +55,14 @@ from pathlib import Path
 
 import numpy as np
 
+from audit.crosscheck import cross_check, validate_numbers
 from audit.findings import TAMPER_CODES, Code, Findings
 from audit.recompute import audit_privacy
 from audit.replay import CUDA_RTOL, compare_adapters, replay
 from fl import rundir
 from fl.config import RUNTIME_FIELDS
 from fl.errors import UsageError
+from fl.integrity import check_files
 from fl.io import file_sha256, read_json
 from fl.rundir import SCHEMA_VERSION
 
@@ -119,6 +121,7 @@ def _read_manifest(run: Path) -> dict:
         cs = _need(p, "client_sampling", "privacy.", (dict,))
         for k in ("scheme", "clients_per_round", "total_clients"):
             _need(cs, k, "privacy.client_sampling.")
+    validate_numbers(m)
     return m
 
 
@@ -194,6 +197,8 @@ def audit_run(
         "trusted_note": None,
         "replay": None,
     }
+    for f in cross_check(m, rows, bundle):
+        findings.add(f.code, f.message)
     if level == "none":
         findings.add(Code.NO_DP, "The run claims no differential privacy (privacy.level = none).")
     else:
@@ -208,19 +213,34 @@ def audit_run(
         out["replay"], more = replay(run, m, bundle, Path(key), log)
         findings += more
     if not (out["replay"] or {}).get("performed"):
-        out["trusted"] = _trusted_fields(level, bundle)
+        out["trusted"] = _trusted_fields(level, bundle, rows)
         out["trusted_note"] = _TRUSTED_NOTE
     out["tampered"] = any(f.tampering for f in findings)
     out["findings"] = findings.to_dicts()
     return out
 
 
-def _trusted_fields(level: str, bundle: bool) -> list[str]:
-    """What an audit without the key takes on trust (see _TRUSTED_NOTE)."""
-    fields = ["config"]
+def _trusted_fields(level: str, bundle: bool, rows: list[dict] | None) -> list[str]:
+    """What an audit without a verified replay takes on trust (see _TRUSTED_NOTE): every
+    field of the manifest that no check ties to another copy. Without the key the
+    manifest's MAC (``integrity.mac``) cannot be checked, so the manifest as a whole is
+    trusted to be the one the run wrote; the entries say which of its fields decide ε or
+    what a reader concludes."""
+    fields = [
+        "manifest.json as a whole (its integrity.mac needs the run key)",
+        "config",
+        "method, method_options, released",
+        "model, client_ranks, seeds, device, versions, tool, tool_version, created",
+        "data (dataset, label_names, n_nonmembers, n_test)",
+        "metrics.final",
+        "integrity.files (the hashes the released files are checked against)",
+        "integrity.mac (checked with the key only)",
+        "disclosed, visibility",
+    ]
     if level != "none":
         fields += [
             "privacy.noise_multiplier",
+            "privacy.client_noise_multipliers",
             "privacy.clipping_norm",
             "privacy.delta",
             "privacy.ledger.events",
@@ -228,11 +248,19 @@ def _trusted_fields(level: str, bundle: bool) -> list[str]:
             "privacy.sample_rates",
             "privacy.client_sampling",
             "privacy.noise",
+            "privacy.neighbouring",
+            "privacy.mechanism, privacy.method_mechanism, privacy.participation_accounting",
+            "privacy.target_epsilon",
+            "privacy.ledger.budget (a target; ε is recomputed from the events)",
         ]
-        if bundle:
-            fields.append("privacy.steps_per_round")
-        else:
+        if level != "sample":
+            fields.append("privacy.steps_per_round (not used at client level)")
+        if rows is None:
+            fields.append("privacy.rounds_completed (no metrics.jsonl to check it against)")
+        if not bundle:
             fields += ["splits.json (client sizes)", "metrics.jsonl (clients per round)"]
+        else:
+            fields.append("metrics.jsonl (rounds and ε per round)")
     fields.append("adapter (that the stated configuration produced it)")
     return fields
 
@@ -284,6 +312,21 @@ def _check_files(run: Path, m: dict, findings: Findings, skipped: list, bundle: 
                 f"adapter/adapter_model.safetensors has sha256 {got[:16]}…, but the manifest "
                 f"records {str(want)[:16]}…: the released adapter is not the one the run wrote.",
             )
+    if adapter.is_file():
+        _check_adapter_values(adapter, findings)
+    for name, what in check_files(run, m):
+        findings.add(
+            Code.SEALED_FILE_MISMATCH,
+            f"{name} {what}: the manifest's integrity.files vouches for another file, so it "
+            "was changed (or removed) after the run wrote its manifest.",
+        )
+    if not isinstance(m.get("integrity"), dict):
+        findings.add(
+            Code.MANIFEST_UNSEALED,
+            "The manifest has no integrity block (file hashes and MAC): it was written before "
+            "manifests were sealed, so adapter_config.json and metrics.jsonl are not tied to "
+            "it, and no key can show that the manifest is the one the run wrote.",
+        )
     if bundle:
         skipped += [
             {
@@ -333,6 +376,29 @@ def _check_files(run: Path, m: dict, findings: Findings, skipped: list, bundle: 
 
 
 _ABSENT = object()
+
+
+def _check_adapter_values(adapter: Path, findings: Findings) -> None:
+    """``adapter_nonfinite``: NaN or Inf in the released weights (a model that is no
+    model; whatever made it, the stated mechanism did not)."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(adapter))
+    except (SafetensorError, OSError, ValueError) as exc:
+        findings.add(Code.ADAPTER_HASH_MISMATCH, f"{adapter.name} cannot be read: {exc}")
+        return
+    bad = sorted(
+        k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    )
+    if bad:
+        findings.add(
+            Code.ADAPTER_NONFINITE,
+            f"The released adapter holds NaN or Inf values in {len(bad)} tensor(s) ("
+            f"{', '.join(bad[:3])}{', …' if len(bad) > 3 else ''}).",
+        )
 
 
 # --------------------------------------------------------------------------- one-run audit

@@ -46,6 +46,7 @@ from fl.config import TrainConfig
 from fl.contexts import ClientContext, InProcessTransport, ServerContext
 from fl.data import partition, split_dataset
 from fl.errors import StoppedAtRound, UsageError
+from fl.integrity import file_hashes, seal
 from fl.io import RunLock, atomic_write_json, read_json
 from fl.lm_data import load_task_dataset, subset, tokenize
 from fl.manifest import (  # noqa: F401 (re-exported)
@@ -77,6 +78,15 @@ from fl.transport import Dispatcher, transport_class
 
 #: touch RUN/STOP to stop a run after its current round (clean: nothing in flight)
 STOP_FILE = "STOP"
+#: the files the operator manifest vouches for (fl.integrity): what an audit reads
+_SEALED_FILES = (
+    "adapter/adapter_config.json",
+    "adapter/adapter_model.safetensors",
+    "config.json",
+    "splits.json",
+    "ledger.json",
+    "metrics.jsonl",
+)
 
 
 # ---------------------------------------------------------------------------------
@@ -492,9 +502,12 @@ class Engine(PrivacyPlan):
             if cfg.dp_level != "none"
             else {"pld": None, "rdp": None}
         )
-        manifest = build_manifest(self, adapter, wall, final, eps)
-        atomic_write_json(self.out / MANIFEST, jsonable(manifest))
-        write_release(self.out, self.out / "release")
+        manifest = jsonable(build_manifest(self, adapter, wall, final, eps))
+        # the manifest vouches for the run's files and is sealed with the run key (fl.integrity)
+        sealed = [n for n in _SEALED_FILES if (self.out / n).is_file()]
+        seal(manifest, self.rand.key, file_hashes(self.out, sealed))
+        atomic_write_json(self.out / MANIFEST, manifest)
+        write_release(self.out, self.out / "release", key=self.rand.key)
         self.log(
             f"done: accuracy={final.get('accuracy', float('nan')):.4f} "
             + (

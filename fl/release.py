@@ -31,7 +31,9 @@ import shutil
 from pathlib import Path
 
 from fl.errors import UsageError
+from fl.integrity import file_hashes, seal, verify_mac
 from fl.io import atomic_write_json, atomic_write_text, file_sha256, read_json
+from fl.privacy.rng import KEY_FILE, PRIVATE_DIR, NoiseKey
 from fl.rundir import ADAPTER, ADAPTER_WEIGHTS, MANIFEST, METRICS, is_release, read_metrics
 
 #: allow-list of the public manifest: True keeps the value, a dict recurses.
@@ -172,10 +174,33 @@ def check_release_target(out_dir: str | Path) -> None:
         )
 
 
-def write_release(run_dir: str | Path, out_dir: str | Path) -> Path:
+#: the files a bundle's manifest vouches for (``integrity.files``, :mod:`fl.integrity`)
+SEALED_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", METRICS)
+
+
+def run_key(run_dir: Path, manifest: dict):
+    """The run's noise key (``RUN/private/noise.key``) when the run is keyed and the file
+    is there and belongs to it; None otherwise (no DP, seeded noise, or a key removed)."""
+    noise = (manifest.get("privacy") or {}).get("noise")
+    if not isinstance(noise, dict) or noise.get("source") != "keyed_csprng":
+        return None
+    path = run_dir / PRIVATE_DIR / KEY_FILE
+    if not path.is_file():
+        return None
+    key = NoiseKey.read(path)
+    if key.key_id != noise.get("key_id"):
+        raise UsageError(
+            f"{path} has key id {key.key_id}, but {run_dir}/manifest.json records "
+            f"{noise.get('key_id')!r}: the key or the manifest was replaced"
+        )
+    return key
+
+
+def write_release(run_dir: str | Path, out_dir: str | Path, key=None) -> Path:
     """Write the bundle of a finished run to ``out_dir`` (replaced atomically: a reader
     sees the old bundle or the new one, never half of one). ``out_dir`` must be absent,
-    empty or a bundle (:func:`check_release_target`)."""
+    empty or a bundle (:func:`check_release_target`). The public manifest is sealed
+    (:mod:`fl.integrity`) with ``key``, or the run's own key file when None."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     mpath = run_dir / MANIFEST
     if not mpath.is_file():
@@ -203,14 +228,24 @@ def write_release(run_dir: str | Path, out_dir: str | Path) -> Path:
     if out_dir.resolve() == run_dir.resolve() or run_dir.resolve() in out_dir.resolve().parents:
         if out_dir.resolve() != (run_dir / "release").resolve():
             raise UsageError("export into the run directory is only allowed as RUN/release")
+    if key is None:
+        key = run_key(run_dir, manifest)
+    if key is not None:
+        ok, why = verify_mac(manifest, key)
+        if ok is False:
+            raise UsageError(
+                f"{mpath}: {why}: the operator manifest was edited after the run; refusing "
+                "to release it"
+            )
     check_release_target(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "adapter").mkdir(parents=True)
     for name in ADAPTER_FILES:
         shutil.copyfile(adapter / name, tmp / "adapter" / name)
-    atomic_write_json(tmp / MANIFEST, public_manifest(manifest))
     atomic_write_text(tmp / METRICS, public_metrics(run_dir))
+    pub = seal(public_manifest(manifest), key, file_hashes(tmp, SEALED_FILES))
+    atomic_write_json(tmp / MANIFEST, pub)
     # A bundle is meant to be published: world-readable files (atomic writes make 0600).
     for f in (tmp / MANIFEST, tmp / METRICS, *(tmp / "adapter").iterdir()):
         os.chmod(f, 0o644)
@@ -232,4 +267,6 @@ __all__ = [
     "write_release",
     "is_release",
     "DISCLOSED",
+    "SEALED_FILES",
+    "run_key",
 ]

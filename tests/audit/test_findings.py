@@ -20,16 +20,30 @@ TAMPERING = {
     "delta_mismatch",
     "sample_rate_mismatch",
     "replay_mismatch",
+    "fields_contradict",
+    "sealed_file_mismatch",
+    "manifest_mac_mismatch",
+    "release_mismatch",
 }
 
 
 def test_tamper_codes_and_severities():
     assert set(TAMPER_CODES) == TAMPERING
     assert all(c.severity is Severity.ERROR for c in TAMPER_CODES)
-    for name in ("noise_reproducible", "key_mismatch", "delta_too_large"):
+    for name in (
+        "noise_reproducible",
+        "key_mismatch",
+        "delta_too_large",
+        "epsilon_invalid",
+        "adapter_nonfinite",
+        "key_reused",
+        "key_shared",
+    ):
         assert name not in TAMPER_CODES and Code(name).severity is Severity.ERROR
     assert Code("clipping_norm_missing").severity is Severity.INFO
     assert Code("metrics_missing").severity is Severity.WARNING
+    for name in ("manifest_unsealed", "replay_inexact", "epsilon_overstated"):
+        assert Code(name).severity is Severity.WARNING
     assert len({c.value for c in Code}) == len(Code)
 
 

@@ -79,6 +79,15 @@ PUBLIC_MANIFEST = {
     "versions": MapOf(SCALAR),
     "adapter_sha256": SCALAR,
     "device": SCALAR,  # where it trained (cpu / cuda): replay tolerance
+    # the seal (fl.integrity): hashes of the bundle's files and a MAC under the run key
+    "integrity": {
+        "files": MapOf(
+            SCALAR,
+            key=r"adapter/adapter_config\.json|adapter/adapter_model"
+            r"\.safetensors|metrics\.jsonl",
+        ),
+        "mac": {"algorithm": SCALAR, "key": SCALAR, "value": SCALAR},
+    },
     "privacy": {
         "level": SCALAR,
         "neighbouring": SCALAR,

@@ -48,6 +48,19 @@ def codes(res):
     return {f["code"] for f in res["findings"]}
 
 
+def _consistent_metrics_and_no_seal(d, m):
+    """The rest of a consistent edit: ε per round in metrics.jsonl recomputed from the
+    edited ledger, and the manifest's seal (file hashes, MAC) removed, since its MAC cannot
+    be remade without the key (an unsealed manifest is a warning without the key)."""
+    led = Ledger.from_state_dict(m["privacy"]["ledger"])
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        part = [e for e in led.events if e.round < r["round"]]
+        r["epsilon"] = Ledger(level=led.level, delta=led.delta, events=part).epsilon("pld")
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m.pop("integrity", None)
+
+
 def _edit_sigma(d, sigma, bundle):
     """What an attacker does to raise the stated σ consistently: the config, the privacy
     block, every ledger event, ε recomputed from the edited ledger, and every copy the
@@ -62,6 +75,7 @@ def _edit_sigma(d, sigma, bundle):
         e["noise_multiplier"] = sigma
     led = Ledger.from_state_dict(m["privacy"]["ledger"])
     m["privacy"]["epsilon"] = {"pld": led.epsilon("pld"), "rdp": led.epsilon("rdp")}
+    _consistent_metrics_and_no_seal(d, m)
     _write(d / "manifest.json", m)
     if not bundle:
         cfg = _read(d / "config.json")
@@ -150,6 +164,7 @@ def test_honest_bundle_is_verified_and_privacy_fields_are_compared(tmp_path, tin
     m["privacy"]["delta"] = m["privacy"]["ledger"]["delta"] = 1e-3
     led = Ledger.from_state_dict(m["privacy"]["ledger"])
     m["privacy"]["epsilon"] = {"pld": led.epsilon("pld"), "rdp": led.epsilon("rdp")}
+    _consistent_metrics_and_no_seal(bundle, m)
     _write(bundle / "manifest.json", m)
     assert not audit_run(bundle)["tampered"]
     res = audit_run(bundle, key=key)
