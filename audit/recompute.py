@@ -169,8 +169,14 @@ def bundle_participation(
         {
             "check": "participation",
             "reason": "the clients sampled in each round are in the operator's metrics.jsonl; "
-            "the bundle's participation is read from the ledger's events, so the config "
-            "recomputation checks the ledger's step counts and σ, not which clients took part",
+            + (
+                "every client takes part in every round here, so each is counted in every "
+                "round that ran"
+                if _every_client_every_round(p)
+                else "the bundle's participation is read from the ledger's events, so the "
+                "config recomputation checks the ledger's step counts and σ, not which "
+                "clients took part"
+            ),
         },
     ]
     return Participation(units, rounds_in, done), skipped

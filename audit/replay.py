@@ -4,6 +4,14 @@ With the run's key every random draw the DP guarantee relies on (noise, Poisson 
 cohorts) is reproduced, so a run retrained on the CPU must give the released adapter bit
 for bit (within :data:`CUDA_RTOL` of each tensor's scale when the run was made on CUDA)
 and the same privacy block; otherwise ``replay_mismatch`` (see :mod:`audit.runaudit`).
+
+Order: the key must be the run's (``key_mismatch``); the manifest's MAC
+(:mod:`fl.integrity`) must verify under it (``manifest_mac_mismatch``: nothing is
+replayed, the manifest is not the one the run wrote); only then is the run retrained, and
+the whole release compared: the adapter, the privacy block (``replay_mismatch``), every
+other public field, ``adapter_config.json`` and the public per-round metrics
+(``release_mismatch``). A manifest without a MAC (written before manifests were sealed)
+is replayed and compared bit for bit, whatever its ``device`` says.
 """
 
 from __future__ import annotations
@@ -34,10 +42,13 @@ __all__ = ["replay", "compare_adapters", "CUDA_RTOL"]
 #: passes) are not bit-deterministic and round differently from the CPU's; a run's
 #: float32 rounding differences are ~1e-7 per operation and grow over the steps, but the
 #: DP noise, the batches and the cohorts are the same draws (from the key), so an honest
-#: replay is expected to stay well below 1e-4 (not yet measured on a GPU), while a different σ, C, sampling or data
+#: replay is expected to stay well below 1e-4 (not yet measured on a GPU: no device was lent to the sessions that could), while a different σ, C, sampling or data
 #: changes the noisy updates at their own scale (≥ 1e-2 relative for a material
 #: change; a relative σ edit below ~1e-4 could pass, with a negligible effect on ε).
-#: CPU-made runs are compared bit for bit.
+#: CPU-made runs are compared bit for bit. The tolerance applies only when the
+#: manifest's MAC verifies under the key (an unauthenticated ``device`` field chooses
+#: nothing), and the audit then says that it cannot rule out a low-bit channel: 1e-4 of a
+#: tensor's scale leaves about 9 mantissa bits of each float32 weight unchecked.
 CUDA_RTOL = 1e-4
 #: privacy-block fields a replay must reproduce
 _REPLAY_PRIVACY_FIELDS = (
@@ -321,7 +332,7 @@ def replay(
     # Only an authenticated manifest may say the run was made on CUDA and so relax the
     # comparison: an unsealed one is compared bit for bit.
     trained_on, how = _trained_device(run, m, bundle) if sealed else ("cpu", "not authenticated")
-    rtol = 0.0 if trained_on == "cpu" else CUDA_RTOL
+    rtol = CUDA_RTOL if trained_on == "cuda" else 0.0
     replay_device = "cpu"
     if trained_on == "cuda" and _cuda_available():
         replay_device = "cuda"  # the closest replay: same kind of kernels, deterministic mode
@@ -334,9 +345,9 @@ def replay(
     )
     if rtol:
         say(
-            f"replay: the run was made on {'CUDA' if trained_on == 'cuda' else 'an unrecorded device'}"
-            f" ({how}); the replay runs on the CPU and compares within {rtol:g} of each tensor's "
-            "scale (GPU kernels are not bit-deterministic)"
+            f"replay: the run was made on CUDA ({how}, authenticated); the replay runs on "
+            f"{replay_device.upper()} and compares within {rtol:g} of each tensor's scale (GPU "
+            "kernels are not bit-deterministic; a tolerance cannot rule out a low-bit channel)"
         )
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedlora-replay-") as tmp:
@@ -391,7 +402,9 @@ def replay(
             Code.REPLAY_INEXACT,
             f"The replay matches within the tolerance {rtol:g} (largest difference "
             f"{cmp['max_abs_diff']:.3g} in {cmp['worst_tensor']}), not bit for bit: the run "
-            f"was made on {'CUDA' if trained_on == 'cuda' else 'an unrecorded device'} ({how}).",
+            f"was made on CUDA ({how}, authenticated by the manifest's MAC). A tolerance "
+            "cannot rule out information hidden in the weights' low bits (a float32 weight "
+            "keeps about 9 mantissa bits below 1e-4 of its scale); only a bit-exact replay does.",
         )
     diffs: list[str] = []
     mine, theirs = m["privacy"], rm.get("privacy") or {}
@@ -418,13 +431,6 @@ def replay(
             f"audited one in {'; '.join(release_diffs[:6])}"
             + (f" and {len(release_diffs) - 6} more" if len(release_diffs) > 6 else "")
             + ": what the bundle states about its run is not what the run produced.",
-        )
-    if rtol and adapter_ok:
-        found.add(
-            Code.REPLAY_INEXACT,
-            f"The comparison allows differences up to {rtol:g} of each tensor's scale: such a "
-            "tolerance cannot rule out information hidden in the weights' low bits (a float32 "
-            "weight has ~9 mantissa bits below 1e-4 of its scale); only a bit-exact replay does.",
         )
     return {
         "performed": True,

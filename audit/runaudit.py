@@ -249,7 +249,8 @@ def _trusted_fields(level: str, bundle: bool, rows: list[dict] | None) -> list[s
             "privacy.client_sampling",
             "privacy.noise",
             "privacy.neighbouring",
-            "privacy.mechanism, privacy.method_mechanism, privacy.participation_accounting",
+            "privacy.mechanism, privacy.method_mechanism, privacy.participation_accounting, "
+            "privacy.assumptions",
             "privacy.target_epsilon",
             "privacy.ledger.budget (a target; ε is recomputed from the events)",
         ]

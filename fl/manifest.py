@@ -19,6 +19,23 @@ from fl.privacy.accounting import NEIGHBOURING
 from fl.rundir import ADAPTER_WEIGHTS, SCHEMA_VERSION, SPLITS, jsonable
 
 
+#: what the stated neighbouring relation takes as given (``privacy.assumptions``)
+ASSUMPTIONS = {
+    "sample": [
+        "client sizes are public: each client's n_k sets its sampling rate q_k = B/n_k, its "
+        "σ_k and its aggregation weight, and the manifest discloses q_k; the add/remove-one-"
+        "example guarantee is for those sizes held fixed (a neighbour is accounted at the "
+        "same q_k and σ_k), as DP-SGD libraries treat the dataset size",
+        "the partition of members into clients is a function of the public seed and the "
+        "data set; it is not protected",
+    ],
+    "client": [
+        "the number of clients K and the cohort scheme are public; a client's update is "
+        "clipped to C whatever its size, so client sizes enter no noise scale",
+    ],
+}
+
+
 def _clip_used(eng) -> float | None:
     """The clip bound σ is relative to: the method's own server-side clip at client level
     (FedPower's ``server_clip``), else the configured C."""
@@ -76,6 +93,7 @@ def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> d
             "public_log_note": "metrics.jsonl and run.log are the operator's logs (they name "
             "the sampled clients); the released artifact is the adapter",
             "neighbouring": NEIGHBOURING.get(cfg.dp_level),
+            "assumptions": ASSUMPTIONS.get(cfg.dp_level, []),
             "noise": eng.rand.describe(),
             "epsilon": eps,
             "ledger": eng.ledger.state_dict(),

@@ -55,6 +55,7 @@ PUBLIC_FIELDS: dict = {
     "privacy": {
         "level": True,
         "neighbouring": True,
+        "assumptions": True,
         "mechanism": True,
         "noise_multiplier": True,
         "client_noise_multipliers": True,

@@ -91,6 +91,7 @@ PUBLIC_MANIFEST = {
     "privacy": {
         "level": SCALAR,
         "neighbouring": SCALAR,
+        "assumptions": ListOf(SCALAR),  # what the neighbouring relation takes as public
         "mechanism": SCALAR,
         "noise_multiplier": SCALAR,
         # σ_k per client (each calibrated to its public q_k: discloses nothing new)

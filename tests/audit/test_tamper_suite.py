@@ -448,3 +448,28 @@ def test_every_public_field_edited_one_at_a_time(runs, tmp_path, kind):
     print(f"\ntamper suite ({kind}-level bundle): {SUITE[kind]}")
     assert not missed, "\n".join(missed)
     assert caught_key == tried and caught_nokey + trusted == tried
+
+
+def test_a_sealed_cuda_run_is_compared_within_the_tolerance_and_says_what_that_misses(
+    runs, tmp_path
+):
+    """A run the operator made on CUDA (the manifest sealed with the key says so): the
+    CPU replay is compared within CUDA_RTOL, and the audit says that a tolerance cannot
+    rule out a low-bit channel (here: 9 low mantissa bits of every weight overwritten)."""
+    from fl.integrity import file_hashes, seal
+    from fl.release import SEALED_FILES
+
+    b = _copy(runs["sample"] / "release", tmp_path)
+    _watermark_low_bits(b / "adapter" / "adapter_model.safetensors")
+    m = _read(b / "manifest.json")
+    m["device"] = "cuda"
+    m["adapter_sha256"] = file_sha256(b / "adapter" / "adapter_model.safetensors")
+    key = NoiseKey.read(_key(runs["sample"]))
+    seal(m, key, file_hashes(b, SEALED_FILES))
+    _write(b / "manifest.json", m)
+    res = audit_run(b, key=_key(runs["sample"]))
+    rp = res["replay"]
+    assert rp["authenticated"] and rp["trained_on"] == "cuda" and rp["tolerance"] > 0
+    assert rp["verified"] and not rp["exact"] and not rp["low_bit_channel_ruled_out"]
+    msg = " ".join(f["message"] for f in res["findings"] if f["code"] == "replay_inexact")
+    assert "low bits" in msg
