@@ -2,6 +2,7 @@
 claim file; `fedlora report`: write the report of run directories (:mod:`audit.report`).
 
     fedlora audit RUN_OR_BUNDLE [--json] [--one-run] [--alpha A] [--key FILE]
+    fedlora audit RUN_OR_BUNDLE RUN_OR_BUNDLE ... [--json]   (also flags shared noise keys)
     fedlora audit --claim FILE [--json]
 
 ``--key FILE`` (the run's ``private/noise.key``) retrains the whole run on the CPU and
@@ -36,9 +37,11 @@ def register(sub) -> None:
     )
     p.add_argument(
         "run_dir",
-        nargs="?",
+        nargs="*",
         metavar="RUN_OR_BUNDLE",
-        help="run directory or release bundle (RUN/release, `fedlora export`) to audit",
+        help="run directories or release bundles (RUN/release, `fedlora export`) to audit; "
+        "with several, each is audited and any two different releases that share a noise "
+        "key are flagged (key_shared)",
     )
     p.add_argument("--claim", metavar="FILE", help="claim file (JSON or TOML) to check instead")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -164,6 +167,9 @@ def _human(result: dict, title: str) -> str:
 def cmd_audit(args) -> int:
     if args.claim and args.run_dir:
         raise UsageError("give either RUN_DIR or --claim FILE, not both")
+    if len(args.run_dir) > 1:
+        return _audit_several(args)
+    args.run_dir = args.run_dir[0] if args.run_dir else None
     if not args.claim and not args.run_dir:
         raise UsageError("give a RUN_DIR to audit or --claim FILE")
     if args.claim:
@@ -197,6 +203,29 @@ def cmd_audit(args) -> int:
     else:
         sys.stdout.write(_human(result, title) + "\n")
     return exit_code(result)
+
+
+def _audit_several(args) -> int:
+    """Several runs or bundles: each audited, shared noise keys flagged; the JSON output is
+    a list; the exit code the worst of them."""
+    if args.key:
+        raise UsageError("--key belongs to one run: give one RUN_OR_BUNDLE with --key")
+    if not (0.0 < args.alpha < 1.0):
+        raise UsageError(f"--alpha must be in (0, 1), got {args.alpha}")
+    from audit.runaudit import audit_run, flag_shared_keys
+
+    results = [audit_run(r, one_run=args.one_run, alpha=args.alpha) for r in args.run_dir]
+    flag_shared_keys(results)
+    if args.json:
+        sys.stdout.write(json.dumps(_jsonable(results), indent=2) + "\n")
+    else:
+        for r in results:
+            kind = "release bundle" if r.get("kind") == "bundle" else "run directory"
+            title = (
+                f"fedlora audit {r['run_dir']}  ({kind}, method {r['method']}, level {r['level']})"
+            )
+            sys.stdout.write(_human(r, title) + "\n\n")
+    return max(exit_code(r) for r in results)
 
 
 def cmd_report(args) -> int:

@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from audit.crosscheck import cross_check, validate_numbers
-from audit.findings import TAMPER_CODES, Code, Findings
+from audit.findings import TAMPER_CODES, Code, Finding, Findings
 from audit.recompute import audit_privacy
 from audit.replay import CUDA_RTOL, compare_adapters, replay
 from fl import rundir
@@ -68,6 +68,7 @@ from fl.rundir import SCHEMA_VERSION
 
 __all__ = [
     "audit_run",
+    "flag_shared_keys",
     "canary_scores",
     "compare_adapters",
     "TAMPER_CODES",
@@ -196,6 +197,7 @@ def audit_run(
         "trusted": [],
         "trusted_note": None,
         "replay": None,
+        "key_id": _key_id(m),
     }
     for f in cross_check(m, rows, bundle):
         findings.add(f.code, f.message)
@@ -215,9 +217,51 @@ def audit_run(
     if not (out["replay"] or {}).get("performed"):
         out["trusted"] = _trusted_fields(level, bundle, rows)
         out["trusted_note"] = _TRUSTED_NOTE
+    out["adapter_sha256"] = m.get("adapter_sha256")
     out["tampered"] = any(f.tampering for f in findings)
     out["findings"] = findings.to_dicts()
     return out
+
+
+def _key_id(m: dict) -> str | None:
+    noise = (m.get("privacy") or {}).get("noise")
+    kid = noise.get("key_id") if isinstance(noise, dict) else None
+    return kid if isinstance(kid, str) else None
+
+
+def flag_shared_keys(results: list[dict]) -> int:
+    """Add a ``key_shared`` finding to every audit result (of :func:`audit_run`) whose
+    noise key id another result in ``results`` also has, unless the two are the same
+    release (equal adapter hashes: one bundle audited twice, or a bit-exact replay), and
+    mark it tampered-free but failing (an error). Returns how many results were flagged.
+
+    Two different releases made with one key share every noise draw: their difference
+    cancels the noise, whatever each one's ε says."""
+    by_key: dict[str, list[int]] = {}
+    for i, r in enumerate(results):
+        if r.get("key_id"):
+            by_key.setdefault(r["key_id"], []).append(i)
+    flagged = 0
+    for kid, idx in by_key.items():
+        if len(idx) < 2:
+            continue
+        hashes = {results[i].get("adapter_sha256") for i in idx}
+        if len(hashes) == 1 and None not in hashes:
+            continue  # the same release, seen twice
+        for i in idx:
+            others = [results[j]["run_dir"] for j in idx if j != i]
+            results[i]["findings"].append(
+                Finding(
+                    Code.KEY_SHARED,
+                    f"Noise key {kid} is shared with {', '.join(others[:3])}"
+                    + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+                    + ": releases made with one key share their noise draws, so the "
+                    "difference of two of them cancels the noise; at most one of them may be "
+                    "published.",
+                ).to_dict()
+            )
+            flagged += 1
+    return flagged
 
 
 def _trusted_fields(level: str, bundle: bool, rows: list[dict] | None) -> list[str]:

@@ -473,3 +473,28 @@ def test_a_sealed_cuda_run_is_compared_within_the_tolerance_and_says_what_that_m
     assert rp["verified"] and not rp["exact"] and not rp["low_bit_channel_ruled_out"]
     msg = " ".join(f["message"] for f in res["findings"] if f["code"] == "replay_inexact")
     assert "low bits" in msg
+
+
+def test_bundles_sharing_a_noise_key_are_flagged(runs, tmp_path, capsys):
+    """Two different releases made with one key (here: the same key object on a config
+    with one member fewer) cancel each other's noise; `fedlora audit A B` flags both. The
+    same bundle given twice is not flagged."""
+    from fl.engine import train
+
+    key = NoiseKey.read(_key(runs["sample"]))
+    other = tmp_path / "other"
+    train(
+        _cfg(dp_level="sample", noise_multiplier=1.0, local_steps=3, members=239),
+        other,
+        quiet=True,
+        noise_key=key,
+    )
+    a, b = runs["sample"] / "release", other / "release"
+    rc = main(["audit", str(a), str(b), "--json"])
+    docs = json.loads(capsys.readouterr().out)
+    assert rc == 1 and all("key_shared" in _codes(d) for d in docs)
+    rc = main(["audit", str(a), str(a), "--json"])
+    docs = json.loads(capsys.readouterr().out)
+    assert rc == 0 and not any("key_shared" in _codes(d) for d in docs)
+    assert main(["audit", str(a), str(b), "--key", str(_key(runs["sample"]))]) == 2
+    assert "--key belongs to one run" in capsys.readouterr().err
