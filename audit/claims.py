@@ -106,6 +106,23 @@ __all__ = [
 MATCH_TOLERANCE = 0.02
 #: a claim is understated when the recomputed ε exceeds it by more than this fraction
 UNDERSTATE_TOLERANCE = 0.01
+#: the finding of Opacus's sample-rate convention (audit.findings.Code.OPACUS_SAMPLE_RATE,
+#: severity warning; the plain string until that member exists)
+OPACUS_SAMPLE_RATE = getattr(Code, "OPACUS_SAMPLE_RATE", "opacus_sample_rate")
+
+
+def opacus_sample_rate(c: Claim) -> float | None:
+    """The Poisson rate Opacus uses for a claim's ``batch_size`` and ``dataset_size``:
+    ``1 / len(data_loader) = 1 / ceil(dataset_size / batch_size)`` (Opacus's
+    ``DPDataLoader`` samples each record with that probability; its accountant composes
+    at that q). None when the claim does not give both sizes for Poisson sampling at
+    sample level, or when the two rates agree (batch_size divides dataset_size)."""
+    if c.level != "sample" or c.sampling != "poisson":
+        return None
+    if c.batch_size is None or c.dataset_size is None:
+        return None
+    q = 1.0 / math.ceil(c.dataset_size / c.batch_size)
+    return None if _close(q, c.batch_size / c.dataset_size, 1e-12) else q
 
 
 # --------------------------------------------------------------------------- recomputation
@@ -345,6 +362,30 @@ def check_claim(claim: Claim | dict, tol: float = MATCH_TOLERANCE) -> dict:
     e_pld, e_rdp = eps(ref, "pld"), eps(ref, "rdp")
     understated = e_pld > claimed * (1.0 + UNDERSTATE_TOLERANCE)
     findings = Findings()
+    extra: list[dict] = []  # findings whose code audit.findings does not list yet
+    q_op = opacus_sample_rate(c)
+    if understated and sigma > 0 and q_op is not None:
+        # Opacus's convention: the claim's q = batch/dataset is not the rate Opacus ran and
+        # accounted; when that rate gives the claimed ε, the claim is right for the
+        # mechanism that ran (Opacus's sampler), which becomes the reference.
+        op = _Mech(True, q_op, ref.count)
+        op_pld, op_rdp = eps(op, "pld"), eps(op, "rdp")
+        if op_pld <= claimed * (1.0 + UNDERSTATE_TOLERANCE):
+            msg = (
+                f"The claim gives batch_size = {c.batch_size} and dataset_size = "
+                f"{c.dataset_size} (q = {c.batch_size / c.dataset_size:.4g}, which gives ε = "
+                f"{e_pld:.4g} by PLD), but its ε = {claimed:g} is that of q = 1/ceil("
+                f"{c.dataset_size}/{c.batch_size}) = {q_op:.4g}, the rate Opacus samples and "
+                f"accounts at (1/len(data_loader); expected batch {q_op * c.dataset_size:.4g}):"
+                f" ε = {op_pld:.4g} (PLD; {op_rdp:.4g} by RDP) at δ = {delta:g}. The claim "
+                f"holds for Opacus's sampler; state sample_rate = {q_op:.6g} to check it "
+                "exactly."
+            )
+            if isinstance(OPACUS_SAMPLE_RATE, str):
+                extra.append({"code": OPACUS_SAMPLE_RATE, "severity": "warning", "message": msg})
+            else:
+                findings.add_once(OPACUS_SAMPLE_RATE, msg)
+            ref, e_pld, e_rdp, understated = op, op_pld, op_rdp, False
     if sigma == 0.0:
         findings.add_once(
             Code.NOISE_NOT_APPLIED,
@@ -370,7 +411,7 @@ def check_claim(claim: Claim | dict, tol: float = MATCH_TOLERANCE) -> dict:
         "ratio": e_pld / claimed,
         "neighbouring": NEIGHBOURING[c.level],
         "noise_source": c.noise_source,
-        "findings": findings.to_dicts(),
+        "findings": extra + findings.to_dicts(),
         "mechanism": _describe(c, ref),
     }
 
@@ -511,7 +552,12 @@ def _noise_and_clipping(c: Claim, findings: Findings) -> None:
 def _describe(c: Claim, ref: _Mech) -> str:
     unit = "Gaussian step(s)" if c.level == "sample" else "Gaussian release(s)"
     if ref.poisson and ref.q < 1:
-        return f"{ref.count} Poisson-subsampled {unit} at q={ref.q:.4g}, σ={c.noise_multiplier:g}"
+        how = ""
+        if c.level == "sample" and ref.q == opacus_sample_rate(c):
+            how = f" (Opacus's 1/ceil({c.dataset_size}/{c.batch_size}))"
+        return (
+            f"{ref.count} Poisson-subsampled {unit} at q={ref.q:.4g}{how}, σ={c.noise_multiplier:g}"
+        )
     if ref.sens == 2:
         what = "batches" if c.level == "sample" else "cohort"
         return (

@@ -48,7 +48,10 @@ def validate_numbers(m: dict) -> None:
     cfg, p = m["config"], m["privacy"]
     _field("config.batch_size", cfg.get("batch_size"), lo=1, integer=True)
     _field("config.local_steps", cfg.get("local_steps"), lo=0, integer=True)
-    _field("config.local_epochs", cfg.get("local_epochs"), lo=0)
+    _field("config.local_epochs", cfg.get("local_epochs"), lo=0, hi=1e6)
+    for name in ("epsilon", "noise_multiplier", "delta", "clip"):
+        if name in cfg:
+            _field(f"config.{name}", cfg.get(name), lo=0)
     _field("config.members", cfg.get("members"), lo=1, integer=True)
     _field("config.clients", cfg.get("clients"), lo=1, integer=True)
     if cfg.get("local_steps", 0) == 0 and not cfg.get("local_epochs", 0) > 0:

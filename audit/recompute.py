@@ -196,6 +196,16 @@ def _client_sizes(run, p: dict, splits: dict | None) -> dict[str, int]:
     return sizes
 
 
+def _nonempty(sizes: dict[str, int], where: str) -> dict[str, int]:
+    empty = sorted(c for c, n in sizes.items() if n <= 0)
+    if empty:
+        raise UsageError(
+            f"{where}: client(s) {', '.join(empty[:5])} hold no examples: a run with an empty "
+            "client has no sampling rate B/n for it (the engine refuses to train one)"
+        )
+    return sizes
+
+
 def run_participation(
     run, cfg: dict, p: dict, splits: dict | None, rows: list[dict] | None
 ) -> tuple[Participation, list[Finding]]:
@@ -212,7 +222,7 @@ def run_participation(
     from audit.crosscheck import metrics_rounds
 
     done = rounds_done(p, metrics_rounds(rows))
-    sizes = _client_sizes(run, p, splits)
+    sizes = _nonempty(_client_sizes(run, p, splits), f"{run}/splits.json")
     rounds_in = dict.fromkeys(sizes, 0)
     for i, row in enumerate((rows or []) + [{"clients": list(sizes)}] * (done - len(rows or []))):
         cl = row.get("clients")

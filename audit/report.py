@@ -49,6 +49,8 @@ from audit.report_sections import (  # noqa: F401 (readable, CLAIM_FIGURES re-ex
     _analyses_section,
     _claims_section,
     _figure,
+    foreign_summary,
+    pair_foreign,
     readable,
 )
 from audit.verdict import CHANCE_BALANCED, Evidence, findings_summary, verdict
@@ -164,11 +166,22 @@ def build_report(
     claims: dict | None = None,
     commands: list[str] | None = None,
     title: str = "fedlora-audit report",
+    attack_dirs: list[str] | None = None,
+    claim_audits: list[str] | None = None,
 ) -> dict:
     """Write report.html and report.md into ``out``; returns a summary dict (the
-    numbers the report shows, for tests and for `fedlora run`'s final summary)."""
+    numbers the report shows, for tests and for `fedlora run`'s final summary).
+
+    Besides run directories and bundles, a report takes what an outside user has
+    (:func:`audit.report_sections.foreign_summary`): ``attack_dirs``, the ``--out``
+    folders of ``fedlora attack --adapter ...`` (attacks.json, scores.npz, ROC figures),
+    and ``claim_audits``, files holding the JSON of ``fedlora audit --claim FILE --json``;
+    the i-th claim audit and the i-th attack folder make one row (the same adapter), extra
+    ones a row each."""
     outp = Path(out)
     rows = []
+    if not run_dirs and not attack_dirs and not claim_audits:
+        raise UsageError("give run directories, attack folders or claim audits to report on")
     for d in run_dirs:  # read every input before anything is written
         p = Path(d)
         if not (p / rundir.MANIFEST).is_file():
@@ -176,6 +189,10 @@ def build_report(
                 f"{p} is not a finished run directory or release bundle (no manifest.json)"
             )
         r = _run_summary(p)
+        r["bounds"] = empirical_bounds(r)
+        rows.append(r)
+    for a, c in pair_foreign(attack_dirs, claim_audits):
+        r = foreign_summary(a, c)
         r["bounds"] = empirical_bounds(r)
         rows.append(r)
     outp.mkdir(parents=True, exist_ok=True)
@@ -193,7 +210,9 @@ def build_report(
     report.sections.append(_empirical_section(rows, figdir, summary))
     report.sections.append(_claims_section(claims, analyses_dir, figdir))
     report.sections.append(_environment_section(rows))
-    cmds = list(commands or []) + [train_command(r["config"], r["path"]) for r in rows]
+    cmds = list(commands or [])
+    for r in rows:
+        cmds += r["commands"] if "commands" in r else [train_command(r["config"], r["path"])]
     report.section("Reproduce").add(CodeBlock("\n".join(cmds), "bash"))
     assert [s.title for s in report.sections if s.title in SECTIONS] == list(SECTIONS)
     summary["sections"] = [s.title for s in report.sections]

@@ -276,3 +276,128 @@ def _utility_blocks(sec: Section, utility: dict | None, claims_dir, figdir: Path
         dst = figdir / "claims-utility.png"
         shutil.copyfile(png, dst)
         sec.add(_figure(dst, "balanced accuracy vs ε per method (mean, 95% CI over seeds)"))
+
+
+# --------------------------------------------------------------------------- outside inputs
+#: the fields of `fedlora audit --claim FILE --json` a report row needs
+CLAIM_AUDIT_FIELDS = ("claimed_epsilon", "delta", "epsilon_pld", "understated", "findings")
+
+
+def read_attacks_dir(path) -> dict:
+    """attacks.json of an attack folder (``fedlora attack ... --out DIR``, by default
+    ``ADAPTER/attacks``); UsageError when the folder has none or it is not one."""
+    p = Path(path)
+    js = p / "attacks.json" if p.is_dir() else p
+    if not js.is_file():
+        raise UsageError(f"{p} has no attacks.json (give the --out folder of `fedlora attack`)")
+    doc = read_json(js)
+    if not isinstance(doc, dict) or not isinstance(doc.get("attacks"), dict):
+        raise UsageError(f"{js} is not an attacks.json of `fedlora attack` (no 'attacks' block)")
+    return doc
+
+
+def read_claim_audit(path) -> dict:
+    """The JSON `fedlora audit --claim FILE --json` printed (saved to a file); UsageError
+    when it is not one."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"claim audit file not found: {p}")
+    doc = read_json(p)
+    missing = [k for k in CLAIM_AUDIT_FIELDS if not isinstance(doc, dict) or k not in doc]
+    if missing:
+        raise UsageError(
+            f"{p} is not the output of `fedlora audit --claim FILE --json` (missing "
+            f"{', '.join(missing)})"
+        )
+    return doc
+
+
+def _num(v):
+    """A JSON number of the audit output ("inf" / "nan" strings → floats)."""
+    if isinstance(v, str) and v.lower() in ("inf", "infinity", "-inf", "nan"):
+        return float(v)
+    return v
+
+
+def foreign_summary(attack_dir=None, claim_audit=None) -> dict:
+    """A report row (the keys :func:`audit.report._run_summary` gives a run) for what an
+    outside user has: the attack folder of a foreign adapter (``fedlora attack --adapter
+    ... --out DIR``) and / or the saved JSON of ``fedlora audit --claim FILE --json``. The
+    claim gives ε claimed and recomputed, δ, the level and the findings; the attack folder
+    the attacks, their scores and ROC figures; nothing gives utility or per-round metrics."""
+    if attack_dir is None and claim_audit is None:
+        raise UsageError("give an attack folder, a claim audit, or both")
+    att = read_attacks_dir(attack_dir) if attack_dir is not None else None
+    claim = read_claim_audit(claim_audit) if claim_audit is not None else None
+    target = (att or {}).get("target") or {}
+    adapter = target.get("adapter") or target.get("run_dir")
+    if adapter:
+        name = Path(adapter).name
+    elif attack_dir is not None:
+        name = Path(attack_dir).name
+    else:
+        name = Path(claim_audit).stem
+    level = None
+    if claim is not None:
+        level = "client" if "client" in str(claim.get("neighbouring", "")) else "sample"
+    task = target.get("task", "classification")
+    commands = []
+    if target.get("adapter"):
+        commands.append(
+            f"fedlora attack --adapter {target['adapter']} --model {target.get('model')} "
+            f"--members {target.get('members_from') or 'MEMBERS_FILE'} "
+            f"--nonmembers {target.get('nonmembers_from') or 'NONMEMBERS_FILE'} "
+            f"--out {attack_dir}"
+        )
+    if claim_audit is not None:
+        commands.append(f"fedlora audit --claim CLAIM_FILE --json > {claim_audit}")
+    row = {
+        "run": name,
+        "path": str(attack_dir if attack_dir is not None else claim_audit),
+        "kind": "adapter" if att is not None else "claim",
+        "method": "foreign adapter" if att is not None else "claim",
+        "level": level,
+        "noise_multiplier": None,
+        "delta": _num(claim["delta"]) if claim else None,
+        "epsilon_claimed": _num(claim["claimed_epsilon"]) if claim else None,
+        "target_epsilon": None,
+        "accuracy": None,
+        "balanced_accuracy": None,
+        "perplexity": None,
+        "wall_seconds": None,
+        "config": {"model": target.get("model"), "task": task},
+        "versions": {},
+        "manifest": {},
+        "audit": claim
+        if claim is not None
+        else {"error": "no claim audit given (save `fedlora audit --claim FILE --json`)"},
+        "epsilon_recomputed": _num(claim["epsilon_pld"]) if claim else None,
+        "understated": claim.get("understated") if claim else None,
+        "metrics": [],
+        "attacks": att,
+        "scores_path": None,
+        "roc_figures": [],
+        "clients": None,
+        "commands": commands,
+        "claim_audit": str(claim_audit) if claim_audit is not None else None,
+    }
+    if att is not None:
+        d = Path(attack_dir)
+        if (d / "scores.npz").is_file():
+            row["scores_path"] = str(d / "scores.npz")
+        row["roc_figures"] = [
+            str(p)
+            for p in sorted(d.glob("*.png"))
+            if not p.stem.startswith(("roc_clients", "client_"))
+        ]
+        if (d / "clients.json").is_file():
+            row["clients"] = read_json(d / "clients.json")
+    return row
+
+
+def pair_foreign(attack_dirs=None, claim_audits=None) -> list[tuple]:
+    """(attack folder, claim audit) pairs: the i-th claim audit belongs to the i-th attack
+    folder; the longer list's extra entries stand alone."""
+    a, c = list(attack_dirs or []), list(claim_audits or [])
+    n = max(len(a), len(c))
+    return [(a[i] if i < len(a) else None, c[i] if i < len(c) else None) for i in range(n)]

@@ -68,9 +68,22 @@ def _check_delta(delta: float) -> None:
         raise PrivacyError(f"delta must be in (0, 1), got {delta!r}")
 
 
+#: the largest noise multiplier an event may carry: beyond it ε is ~0 for any count the
+#: accountants can compose, and the accountants overflow long before σ reaches a float's
+#: range (σ = 1e300 raised OverflowError in dp_accounting)
+MAX_NOISE_MULTIPLIER = 1e6
+
+
 def _check_sigma(sigma: float) -> None:
-    if not (isinstance(sigma, int | float) and not math.isnan(sigma) and sigma >= 0.0):
-        raise PrivacyError(f"noise multiplier must be >= 0, got {sigma!r}")
+    if not (
+        isinstance(sigma, int | float)
+        and not isinstance(sigma, bool)
+        and math.isfinite(sigma)
+        and 0.0 <= sigma <= MAX_NOISE_MULTIPLIER
+    ):
+        raise PrivacyError(
+            f"noise multiplier must be a number in [0, {MAX_NOISE_MULTIPLIER:g}], got {sigma!r}"
+        )
 
 
 def _check_rate(q: float) -> None:
@@ -107,8 +120,14 @@ class Event:
         _check_rate(self.sample_rate)
         if self.kind == "gaussian" and self.sample_rate != 1.0:
             raise PrivacyError("a 'gaussian' event has no subsampling: sample_rate must be 1")
-        if not isinstance(self.count, int) or self.count < 0:
+        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 0:
             raise PrivacyError(f"event count must be a non-negative int, got {self.count!r}")
+        if not isinstance(self.unit, str):
+            raise PrivacyError(f"event unit must be a string, got {self.unit!r}")
+        if not isinstance(self.round, int) or isinstance(self.round, bool):
+            raise PrivacyError(f"event round must be an int, got {self.round!r}")
+        if not isinstance(self.stage, str) or not isinstance(self.note, str):
+            raise PrivacyError("event stage and note must be strings")
 
     def to_dp_event(self) -> dp_accounting.DpEvent:
         if self.count == 0:

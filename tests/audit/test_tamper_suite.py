@@ -498,3 +498,37 @@ def test_bundles_sharing_a_noise_key_are_flagged(runs, tmp_path, capsys):
     assert rc == 0 and not any("key_shared" in _codes(d) for d in docs)
     assert main(["audit", str(a), str(b), "--key", str(_key(runs["sample"]))]) == 2
     assert "--key belongs to one run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", ["bundle", "run"])
+def test_no_edit_of_any_field_to_any_bad_value_ends_in_a_traceback(runs, tmp_path, what):
+    """Every leaf of the manifest set to NaN, ±huge, Inf, text, null, 0, -1, [] or {}: the
+    audit returns findings or refuses with a UsageError (one line, exit 2), never another
+    exception (a traceback, exit 1, which `fedlora audit` uses to mean "finding")."""
+    src = runs["sample"] / ("release" if what == "bundle" else "")
+    work = _copy(src, tmp_path, "fz")
+    base = _read(src / "manifest.json")
+    bad = [float("nan"), -1, "x", None, 0, 1e308, float("inf"), [], {}]
+    crashes = []
+    for keys, _ in _leaves(base):
+        for b in bad:
+            m = json.loads(json.dumps(base))
+            _set(m, keys, b)
+            (work / "manifest.json").write_text(json.dumps(m))
+            try:
+                audit_run(work)
+            except UsageError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - what the test looks for
+                crashes.append(f"{_name(keys)}={b!r}: {type(exc).__name__}: {exc}")
+    assert not crashes, "\n".join(crashes[:20])
+
+
+def test_an_empty_client_in_splits_is_one_line_exit_2(runs, tmp_path, capsys):
+    run = _copy(runs["sample"], tmp_path)
+    splits = _read(run / "splits.json")
+    first = sorted(splits["clients"])[0]
+    splits["clients"][first] = []
+    _write(run / "splits.json", splits)
+    rc, err = _audit_cli(run, capsys)
+    assert rc == 2 and err.count("\n") == 1 and "hold no examples" in err, err
