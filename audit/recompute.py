@@ -148,9 +148,12 @@ def bundle_participation(
     units: dict[str, tuple[float, int]] = {}
     for c, q in rates.items():
         q = float(q)
-        n = cfg["batch_size"] / q
-        derived = local_steps(cfg, round(n))
         st = steps.get(c)
+        if cfg["local_epochs"] > 0 and q >= 1.0 and isinstance(st, int):
+            # q = min(1, B/n) = 1 does not give n (n <= B): the recorded count is used
+            units[str(c)] = (q, st)
+            continue
+        derived = local_steps(cfg, round(cfg["batch_size"] / q))
         units[str(c)] = (q, max(derived, st) if isinstance(st, int) else derived)
     rounds_of: dict[str, set] = {}
     for e in ledger.events:
