@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 
-from analysis import figures
 from fl.errors import UsageError
 
 ANALYSES = {
@@ -24,6 +24,44 @@ ANALYSES = {
 }
 
 
+def _int_in(lo: int, hi: int):
+    """An argparse type: a whole number in [lo, hi] (argparse names the flag on error)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}")
+        return v
+
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = True):
+    """An argparse type: a finite number in (lo, hi] (or [lo, hi] with ``lo_open=False``)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+        if not ok:
+            raise argparse.ArgumentTypeError(
+                f"must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {text}"
+            )
+        return v
+
+    return parse
+
+
+SEED = _int_in(0, 2**32 - 1)
+DIM = _int_in(1, 4096)  # matrix sides m, n
+COUNT = _int_in(1, 100_000)  # trials, steps, rounds, iterations
+
+
 def _floats(text: str, what: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
@@ -31,6 +69,9 @@ def _floats(text: str, what: str) -> list[float]:
         raise UsageError(f"{what}: expected comma-separated numbers, got {text!r}") from exc
     if not vals:
         raise UsageError(f"{what}: empty list")
+    bad = [v for v in vals if not (math.isfinite(v) and 0 < v <= 1e6)]
+    if bad:
+        raise UsageError(f"{what}: every value must be a number in (0, 1e6], got {bad[0]}")
     return vals
 
 
@@ -49,12 +90,14 @@ def _shapes(text: str) -> list[tuple[int, int, int]]:
             m, n, r = (int(b) for b in bits)
         except ValueError as exc:
             raise UsageError(f"--shapes: expected MxNxR[,MxNxR...], got {part!r}") from exc
+        if not (1 <= m <= 4096 and 1 <= n <= 4096 and 1 <= r <= min(m, n)):
+            raise UsageError(f"--shapes: need 1 <= M, N <= 4096 and 1 <= R <= min(M, N): {part!r}")
         out.append((m, n, r))
     return out
 
 
 def _add_common(p: argparse.ArgumentParser, runs_help: str) -> None:
-    p.add_argument("--seed", type=int, default=0, help="seed (the analysis is deterministic)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed (the analysis is deterministic)")
     p.add_argument("--out", default=None, help="output folder (default reports/analysis/NAME)")
     p.add_argument("--json", action="store_true", help="print only the JSON document")
     p.add_argument("--runs", nargs="+", default=None, metavar="DIR", help=runs_help)
@@ -110,6 +153,8 @@ def _kwargs(name: str, a: argparse.Namespace) -> dict:
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    from analysis import figures  # matplotlib: only when an analysis runs, not for --help
+
     name = args.analysis
     mod = importlib.import_module(f"analysis.{name}")
     out = args.out if args.out is not None else str(figures.default_out(name))
@@ -139,15 +184,17 @@ def register(subparsers) -> None:
                 "--shapes", default=None, help="LoRA shapes MxNxR,... (64x64x4,128x32x8)"
             )
             q.add_argument("--sigmas", default=None, help="σ grid, comma-separated (1e-2..1e1)")
-            q.add_argument("--trials", type=int, default=200, help="Monte Carlo draws per σ")
-            q.add_argument("--powerdp-trials", type=int, default=30, help="PowerDP draws per σ")
-            q.add_argument("--lr", type=float, default=1.0, help="learning rate η of the DP step")
-            q.add_argument("--clip", type=float, default=1.0, help="clipping bound C")
+            q.add_argument("--trials", type=COUNT, default=200, help="Monte Carlo draws per σ")
+            q.add_argument("--powerdp-trials", type=COUNT, default=30, help="PowerDP draws per σ")
+            q.add_argument(
+                "--lr", type=_float_in(0, 100), default=1.0, help="learning rate η of the DP step"
+            )
+            q.add_argument("--clip", type=_float_in(0, 1e6), default=1.0, help="clipping bound C")
         elif name == "exactness":
             _add_common(q, "run directories, each used as one client")
-            q.add_argument("--m", type=int, default=64)
-            q.add_argument("--n", type=int, default=48)
-            q.add_argument("--rank", type=int, default=4, help="client rank r")
+            q.add_argument("--m", type=DIM, default=64)
+            q.add_argument("--n", type=DIM, default=48)
+            q.add_argument("--rank", type=DIM, default=4, help="client rank r")
             q.add_argument("--clients", default="2,4,8", help="grid of client counts K")
             q.add_argument("--oversketch", default=None, help="FedASK oversketch grid p")
             q.add_argument(
@@ -159,22 +206,26 @@ def register(subparsers) -> None:
         elif name == "hetero":
             _add_common(q, "run directories (metrics.jsonl init_noise / agg_noise)")
             q.add_argument("--methods", default="flora,flexlora,hetlora,plora")
-            q.add_argument("--m", type=int, default=32)
-            q.add_argument("--n", type=int, default=32)
+            q.add_argument("--m", type=DIM, default=32)
+            q.add_argument("--n", type=DIM, default=32)
             q.add_argument("--ranks", default="2,4,6,8", help="client ranks (global R = max)")
-            q.add_argument("--rounds", type=int, default=8)
-            q.add_argument("--steps", type=int, default=10, help="local gradient steps")
-            q.add_argument("--lr", type=float, default=0.1)
+            q.add_argument("--rounds", type=COUNT, default=8)
+            q.add_argument("--steps", type=COUNT, default=10, help="local gradient steps")
+            q.add_argument("--lr", type=_float_in(0, 100), default=0.1)
         elif name == "refactorization":
             _add_common(q, "run directories (their aggregated update, per module)")
-            q.add_argument("--m", type=int, default=64)
-            q.add_argument("--n", type=int, default=48)
-            q.add_argument("--rank", type=int, default=4)
-            q.add_argument("--clients", type=int, default=200, help="clients K (Δ = C/K)")
+            q.add_argument("--m", type=DIM, default=64)
+            q.add_argument("--n", type=DIM, default=48)
+            q.add_argument("--rank", type=DIM, default=4)
+            q.add_argument(
+                "--clients", type=_int_in(1, 10**6), default=200, help="clients K (Δ = C/K)"
+            )
             q.add_argument("--epsilons", default=None, help="ε grid (0.25..32)")
-            q.add_argument("--delta", type=float, default=1e-5)
-            q.add_argument("--iters", type=int, default=2, help="PowerDP power iterations")
-            q.add_argument("--trials", type=int, default=4)
+            q.add_argument("--delta", type=_float_in(0, 0.5), default=1e-5)
+            q.add_argument(
+                "--iters", type=_int_in(1, 1000), default=2, help="PowerDP power iterations"
+            )
+            q.add_argument("--trials", type=COUNT, default=4)
         else:
             _add_common(q, "run directories (a_rowspace_angle, init_noise, agg_noise metrics)")
             q.add_argument(

@@ -5,7 +5,8 @@ fedlora attack RUN_DIR [--attacks loss,calibration,shadow,lira,rmia] [--shadows 
                [--json] [--out DIR] [--device auto] [--seed 0]
 fedlora attack BUNDLE --members FILE --nonmembers FILE [--shadow-config TOML] [...]
 fedlora attack --adapter PATH --model NAME_OR_PATH --members FILE --nonmembers FILE
-               [--max-length 64] [--base-seed 0] [--shadow-config TOML] [...]
+               [--max-length 64] [--base-seed 0] [--batch-size 128] [--text-column text]
+               [--label-column label] [--shadow-config TOML] [...]
 
 A release bundle (``RUN/release``, ``fedlora export``) has no member list (that is in the
 operator's ``splits.json``): the candidates come from --members / --nonmembers, and the
@@ -25,6 +26,25 @@ import sys
 from attacks.config import AttackConfig, add_flags, from_args
 from attacks.target import TargetSpec
 
+#: ``fedlora attack --help``'s closing text: what the candidate files hold
+FILE_FORMATS = """\
+candidate files (--members, --nonmembers; for --adapter or a release bundle):
+  CSV (header row) or JSONL (one JSON object per line); both files the same format.
+  classification adapter (task_type SEQ_CLS, or none):
+    a text and a label column (--text-column, default text; --label-column, default
+    label); labels are integers >= 0 or class names (sorted), pooled over both files,
+    which together need at least 2 distinct labels. Example JSONL line:
+      {"text": "great day today", "label": 1}
+  causal-LM adapter (task_type CAUSAL_LM):
+    plain text: a text column (--text-column), scored on every token; or instruction
+    data: prompt and response columns, scored on the response and end of sequence.
+      {"text": "a sentence the model may have seen"}
+      {"prompt": "Summarise: ...", "response": "..."}
+  --max-length may not exceed the base model's positions (512 for minilm, 256 for
+  tiny-bert / tiny-gpt2, the config's max_position_embeddings / n_positions for a local
+  folder): a longer value is refused with the limit (exit 2).
+"""
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -36,6 +56,8 @@ def register(subparsers) -> None:
             "LoRA adapter (--adapter/--model/--members/--nonmembers). Writes attacks.json, "
             "scores.npz and roc.png/svg to --out (default RUN_DIR/attacks or ADAPTER/attacks)."
         ),
+        epilog=FILE_FORMATS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "run_dir",
@@ -48,6 +70,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--out",
         default=None,
+        metavar="DIR",
         help="output directory (default: RUN_DIR/attacks, BUNDLE/attacks, ADAPTER/attacks)",
     )
     add_flags(p.add_argument_group("foreign adapter"), TargetSpec)

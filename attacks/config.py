@@ -23,6 +23,13 @@ FAMILIES: tuple[str, ...] = ("loss", "calibration", "shadow", "lira", "rmia", "l
 #: several IN and OUT values per example, so ``global_variance="auto"`` switches at 16
 #: (8 IN / 8 OUT).
 GLOBAL_VARIANCE_BELOW = 16
+#: upper limits of the count flags: far beyond any useful value, low enough that a typo
+#: (an extra digit or two) is a one-line error instead of hours of work or an overflow
+MAX_SHADOWS = 4096
+MAX_WORKERS = 4096
+MAX_BOOTSTRAP = 100_000
+#: seeds are 32-bit (numpy, torch and the training pipeline all accept them)
+MAX_SEED = 2**32 - 1
 
 
 def _f(default, help: str, **kw):
@@ -50,7 +57,11 @@ class AttackConfig:
         "(default: all for a run directory, loss for a bundle or --adapter)",
         subset_of=FAMILIES,
     )
-    shadows: int = _f(8, "shadow / reference models (>= 2)")
+    shadows: int = _f(
+        8,
+        f"shadow / reference models (>= 2 for calibration/shadow/RMIA, >= 4 for LiRA; at most "
+        f"{MAX_SHADOWS}; unused by loss and lm)",
+    )
     device: str = _f("auto", "auto | cpu | cuda", runtime=True)
     workers: int = _f(
         0, "shadow models trained at once (0: one per usable CPU; 1: here, in order)", runtime=True
@@ -88,16 +99,24 @@ class AttackConfig:
             value = getattr(self, f.name)
             if allowed is not None and value not in allowed:
                 raise UsageError(f"unknown {f.name} {value!r}; choose one of {list(allowed)}")
-        if self.workers < 0:
-            raise UsageError(f"workers must be >= 0 (0: one per CPU), got {self.workers}")
-        if self.bootstrap < 0:
-            raise UsageError(f"bootstrap must be >= 0, got {self.bootstrap}")
+        if not 0 <= self.shadows <= MAX_SHADOWS:
+            raise UsageError(f"--shadows must be in [0, {MAX_SHADOWS}], got {self.shadows}")
+        if not 0 <= self.workers <= MAX_WORKERS:
+            raise UsageError(
+                f"--workers must be in [0, {MAX_WORKERS}] (0: one per CPU), got {self.workers}"
+            )
+        if not 0 <= self.bootstrap <= MAX_BOOTSTRAP:
+            raise UsageError(f"--bootstrap must be in [0, {MAX_BOOTSTRAP}], got {self.bootstrap}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"--seed must be in [0, 2**32 - 1], got {self.seed}")
         if not 0.0 <= self.rmia_a <= 1.0:
-            raise UsageError(f"RMIA offline parameter a must be in [0, 1], got {self.rmia_a}")
+            raise UsageError(
+                f"--rmia-a (RMIA offline parameter a) must be in [0, 1], got {self.rmia_a}"
+            )
         if not 0.0 < self.min_k <= 1.0:
-            raise UsageError(f"min_k must be a fraction in (0, 1], got {self.min_k}")
+            raise UsageError(f"--min-k must be a fraction in (0, 1], got {self.min_k}")
         if not 0.0 <= self.client_fpr < 1.0:
-            raise UsageError(f"client_fpr must be in [0, 1), got {self.client_fpr}")
+            raise UsageError(f"--client-fpr must be in [0, 1), got {self.client_fpr}")
         if not (self.rmia_gamma >= 1.0 and math.isfinite(self.rmia_gamma)):
             raise UsageError(f"RMIA threshold gamma must be >= 1, got {self.rmia_gamma}")
 
@@ -116,10 +135,22 @@ class AttackConfig:
         return self.global_variance == "yes"
 
 
+def help_with_default(f) -> str:
+    """A field's help text ending in ``(default: X)``, unless it says its default itself
+    (a help that mentions "default") or the default is None / False (absent, off)."""
+    text = f.metadata["help"]
+    if "default" in text or f.default is None or f.default is False:
+        return text
+    d = f.default
+    d = ",".join(d) if isinstance(d, tuple) else d
+    return f"{text} (default: {str(d).replace('%', '%%')})"
+
+
 def add_flags(parser, cls) -> None:
     """One ``--name-with-dashes`` flag per field of the dataclass ``cls`` (except metadata
-    ``cli`` False), with the field's help and ``choices``. Flags not given are absent from
-    the namespace (argparse.SUPPRESS), so the dataclass's defaults apply (:func:`from_args`)."""
+    ``cli`` False), with the field's help (ending in its default) and ``choices``. Flags
+    not given are absent from the namespace (argparse.SUPPRESS), so the dataclass's
+    defaults apply (:func:`from_args`)."""
     for f in fields(cls):
         if f.metadata.get("cli") is False:
             continue
@@ -136,7 +167,8 @@ def add_flags(parser, cls) -> None:
             type=str if f.default is None else type(f.default),
             choices=f.metadata.get("choices"),
             default=argparse.SUPPRESS,
-            help=f.metadata["help"],
+            help=help_with_default(f),
+            **({"metavar": f.metadata["metavar"]} if "metavar" in f.metadata else {}),
         )
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from attacks.lm_signals import LMSignals, TokenStats, token_stats
-from attacks.signals import cache_key, read_adapter_config
+from attacks.signals import cache_key, peft_from_pretrained, read_adapter_config
 from fl.errors import UsageError
 
 
@@ -94,8 +94,6 @@ def lm_adapter_signals(
         extras: also the base model's loss (adapter off) and the loss on lowercased texts
             (the target needs them; the shadows do not).
     """
-    from peft import PeftModel
-
     from fl.causal_lm import load_causal_lm
     from fl.lm_data import LmTokenizedData
     from fl.models import load_tokenizer, resolve_device
@@ -112,7 +110,7 @@ def lm_adapter_signals(
         if model is None:
             net = load_causal_lm(base_model, seed=seed)
             try:
-                model = PeftModel.from_pretrained(net, str(adapter_dir), is_trainable=False)
+                model = peft_from_pretrained(net, adapter_dir)
             except (OSError, ValueError, RuntimeError, KeyError) as exc:
                 msg = str(exc).splitlines()[0]
                 raise UsageError(f"cannot load adapter {adapter_dir}: {msg}") from None

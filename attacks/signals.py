@@ -214,6 +214,20 @@ def adapter_pooling(adapter_dir: str | Path) -> str:
     return recorded_pooling(doc) if isinstance(doc, dict) else "cls"
 
 
+def peft_from_pretrained(base: torch.nn.Module, adapter_dir: str | Path):
+    """``peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=False)`` without
+    the transformers FutureWarning "`is_gradient_checkpointing` is deprecated" that peft
+    0.21's ``PeftModel.__init__`` raises by reading that attribute of every base model
+    (``getattr(model, "is_gradient_checkpointing", True)``): only that warning, only here."""
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
+        return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False)
+
+
 def load_adapter_model(
     adapter_dir: str | Path,
     base_model: str,
@@ -227,8 +241,6 @@ def load_adapter_model(
     ``seed`` must be the seed the base was created with for random-init models
     (tiny-bert, tiny-gpt2); it is irrelevant for pretrained ones. ``pooling``: what the
     head reads (None: :func:`adapter_pooling`)."""
-    from peft import PeftModel
-
     from fl.models import load_base_model
 
     read_adapter_config(adapter_dir)
@@ -237,10 +249,7 @@ def load_adapter_model(
     base = load_base_model(base_model, num_labels, seed=seed, pooling=pooling)
     check_adapter_fits(adapter_dir, base)
     try:
-        with warnings.catch_warnings():
-            # A transformers deprecation notice raised inside peft; harmless.
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-            model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False)
+        model = peft_from_pretrained(base, adapter_dir)
     except (ValueError, RuntimeError, KeyError) as exc:
         raise UsageError(f"cannot load adapter {adapter_dir}: {str(exc).splitlines()[0]}") from None
     model.to(device)

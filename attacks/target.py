@@ -25,6 +25,7 @@ import numpy as np
 
 from attacks.signals import (
     adapter_num_labels,
+    adapter_pooling,
     adapter_signals,
     load_bundle,
     load_run,
@@ -33,6 +34,11 @@ from attacks.signals import (
 from fl.errors import UsageError
 
 KINDS = ("run", "adapter", "bundle")
+#: the range of ``--max-length`` before the model is known (its positions cap it further:
+#: :func:`check_max_length`); 4 is the training pipeline's own minimum
+MIN_MAX_LENGTH = 4
+MAX_MAX_LENGTH = 1 << 24
+MAX_BATCH_SIZE = 65536
 
 
 @dataclass(frozen=True, eq=False)
@@ -217,47 +223,68 @@ class Target:
         max_length: int = 64,
         base_seed: int = 0,
         shadow_config: dict | None = None,
+        text_column: str = "text",
+        label_column: str = "label",
+        batch_size: int = 128,
     ) -> Target:
         """A PEFT LoRA adapter trained elsewhere, on ``model``, with the candidates of two
         local files. The shadows' reference pipeline is fedlora's centralised training
-        (one client, non-private) of a LoRA of the adapter's rank, alpha and target modules,
-        TrainConfig defaults overridden by ``shadow_config`` (fields of TrainConfig)."""
+        (one client, non-private) of a LoRA like the adapter's (:func:`adapter_shadow_fields`:
+        rank, alpha, dropout, target modules, layers, the head's pooling), TrainConfig
+        defaults overridden by ``shadow_config`` (fields of TrainConfig)."""
         from fl.config import TrainConfig
-        from fl.data import load_local
 
         acfg = read_adapter_config(adapter)
-        if acfg.get("task_type") == "CAUSAL_LM":
+        base_cfg = base_model_config(model)
+        check_max_length(max_length, model, base_cfg)
+        causal = acfg.get("task_type") == "CAUSAL_LM"
+        if causal:
             from fl.lm_data import load_lm_dataset
 
-            mem, non = (load_lm_dataset(str(f)) for f in (members_file, nonmembers_file))
+            mem, non = (
+                load_lm_dataset(str(f), text_column) for f in (members_file, nonmembers_file)
+            )
             if (mem.prompts is None) != (non.prompts is None):
-                raise UsageError("the member and non-member files must have one format")
+                fmt = {True: "text", False: "prompt/response (instruction)"}
+                raise UsageError(
+                    "the member and non-member files must have one format: "
+                    f"{members_file} is {fmt[mem.prompts is None]}, "
+                    f"{nonmembers_file} is {fmt[non.prompts is None]}"
+                )
+            ml, nl = np.zeros(len(mem), np.int64), np.zeros(len(non), np.int64)
+            n_cls = 1
+            n_mem, n_non = len(mem), len(non)
+            texts = tuple(mem.texts) + tuple(non.texts)
         else:
-            mem = load_local(str(members_file))
-            non = load_local(str(nonmembers_file))
-        (ml, nl), n_cls = _joint_labels([mem, non])
+            mem = _read_candidates(members_file, text_column, label_column)
+            non = _read_candidates(nonmembers_file, text_column, label_column)
+            (ml, nl), n_cls = _joint_labels([mem[1], non[1]])
+            if len(set(mem[1]) | set(non[1])) < 2:
+                raise UsageError(
+                    "need at least 2 distinct labels across the member and non-member files, "
+                    f"found {sorted(set(mem[1]) | set(non[1]))}"
+                )
+            n_mem, n_non = len(mem[0]), len(non[0])
+            texts = tuple(mem[0]) + tuple(non[0])
         num_labels = adapter_num_labels(adapter) or n_cls
         if n_cls > num_labels:
             raise UsageError(
                 f"the data has {n_cls} classes but the adapter's head has {num_labels}"
             )
-        tm = acfg.get("target_modules")
         d = dict(
             model=model,
             dataset="synthetic",
             max_length=max_length,
-            rank=int(acfg.get("r", 8)),
-            alpha=float(acfg.get("lora_alpha", 16)),
-            target_modules=",".join(tm) if isinstance(tm, list) else "",
             clients=1,
             seed=base_seed,
+            **adapter_shadow_fields(adapter, acfg, base_cfg),
         )
-        if mem.prompts is not None or acfg.get("task_type") == "CAUSAL_LM":
+        if causal:
             d.update(task="causal-lm", lm_format="text" if mem.prompts is None else "instruction")
         d.update(shadow_config or {})
         scfg = TrainConfig.from_dict(d)
-        ids = [f"members:{i}" for i in range(len(mem))]
-        ids += [f"nonmembers:{i}" for i in range(len(non))]
+        ids = [f"members:{i}" for i in range(n_mem)]
+        ids += [f"nonmembers:{i}" for i in range(n_non)]
         return cls(
             kind="adapter",
             source=str(adapter),
@@ -266,31 +293,42 @@ class Target:
             max_length=max_length,
             base_seed=base_seed,
             num_labels=num_labels,
-            batch_size=128,
+            batch_size=batch_size,
             ids=tuple(ids),
-            texts=tuple(mem.texts) + tuple(non.texts),
+            texts=texts,
             labels=np.concatenate([ml, nl]),
-            role=np.array(["member"] * len(mem) + ["nonmember"] * len(non)),
+            role=np.array(["member"] * n_mem + ["nonmember"] * n_non),
             shadow_config=scfg,
             pool_note=(
                 "the given members ∪ non-members (reference pipeline: fedlora, "
                 f"{scfg.clients} client(s), {scfg.rounds} rounds × {scfg.local_steps} steps, "
-                f"dp_level={scfg.dp_level})"
+                f"dp_level={scfg.dp_level}, rank {scfg.rank}, lora_layers {scfg.lora_layers}, "
+                f"pooling {scfg.pooling})"
             ),
             members_from=str(members_file),
             nonmembers_from=str(nonmembers_file),
             task=scfg.task,
-            prompts=None if mem.prompts is None else tuple(mem.prompts) + tuple(non.prompts),
+            prompts=(
+                tuple(mem.prompts) + tuple(non.prompts)
+                if causal and mem.prompts is not None
+                else None
+            ),
         )
 
     @classmethod
     def from_bundle(
-        cls, bundle_dir, members_file, nonmembers_file, shadow_config: dict | None = None
+        cls,
+        bundle_dir,
+        members_file,
+        nonmembers_file,
+        shadow_config: dict | None = None,
+        **candidates,
     ) -> Target:
         """A release bundle (``RUN/release``, ``fedlora export``): it carries no member
         list, so the candidates come from two files; the base model, max_length and seed
         from its public manifest, whose configuration (updated with ``shadow_config``)
-        also trains the shadows."""
+        also trains the shadows. ``candidates``: ``text_column``, ``label_column``,
+        ``batch_size`` of :meth:`from_adapter`."""
         b = load_bundle(bundle_dir)
         cfg = b.config
         shadow = {k: v for k, v in cfg.items() if k not in ("device", "progress")}
@@ -303,6 +341,7 @@ class Target:
             max_length=int(cfg.get("max_length", 64)),
             base_seed=int(cfg.get("seed", 0)),
             shadow_config=shadow,
+            **candidates,
         )
         return replace(
             t,
@@ -322,10 +361,32 @@ def _client_shards(run_dir) -> dict | None:
     return {str(c): list(ids) for c, ids in shards.items()} if isinstance(shards, dict) else None
 
 
-def _joint_labels(datasets) -> tuple[list[np.ndarray], int]:
-    """Map the label strings of several local files to one set of class indices (integers
-    as themselves, else sorted names, as fl.data.load_local does for one file)."""
-    raw = [[d.label_names[i] for i in d.labels] for d in datasets]
+def _read_candidates(path, text_column: str, label_column: str) -> tuple[list, list]:
+    """(texts, label strings) of a classification candidate file (CSV/JSONL, as
+    :func:`fl.data.load_local` reads it). One label per file is fine: the labels of the
+    member and non-member files are pooled (:func:`_joint_labels`)."""
+    from fl.data import read_rows
+
+    rows = read_rows(str(path))
+    header = [str(k) for k in rows[0] if k is not None]
+    for col in (text_column, label_column):
+        if col not in header:
+            raise UsageError(f"{path}: column {col!r} not found (have {sorted(header)})")
+    texts, labels = [], []
+    for i, r in enumerate(rows):
+        t, y = r.get(text_column), r.get(label_column)
+        if t is None or y is None or str(t).strip() == "" or str(y).strip() == "":
+            raise UsageError(
+                f"{path}: row {i + 1} has an empty {text_column!r} or {label_column!r}"
+            )
+        texts.append(str(t))
+        labels.append(str(y).strip())
+    return texts, labels
+
+
+def _joint_labels(raw) -> tuple[list[np.ndarray], int]:
+    """Map the label strings of several files to one set of class indices (integers as
+    themselves, else sorted names, as fl.data.load_local does for one file)."""
     names = sorted({v for r in raw for v in r})
     if all(v.lstrip("-").isdigit() for v in names):
         vals = [np.asarray([int(v) for v in r], np.int64) for r in raw]
@@ -333,6 +394,82 @@ def _joint_labels(datasets) -> tuple[list[np.ndarray], int]:
             raise UsageError("integer labels must be >= 0")
         return vals, max(int(v) for v in names) + 1
     return [np.asarray([names.index(v) for v in r], np.int64) for r in raw], len(names)
+
+
+def base_model_config(model: str):
+    """The Hugging Face config of a base model, read without its weights (None when the
+    folder has no readable config: loading the model then reports it)."""
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    from fl.models import _tiny_config, model_folder
+
+    hf_logging.set_verbosity_error()  # as fl.models does: config notices are not ours
+    if model in ("tiny-bert", "tiny-gpt2"):
+        return _tiny_config(model, 2, 30522)  # only positions and layers are read
+    path = model_folder(model)  # UsageError for an unknown name
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+#: models whose position ids start after the padding index (RoBERTa's offset)
+_POSITION_OFFSET = ("roberta", "xlm-roberta", "camembert", "longformer", "mpnet")
+
+
+def model_positions(config) -> int | None:
+    """How many tokens the model's position embeddings cover (None: not recorded)."""
+    if config is None:
+        return None
+    for name in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"):
+        n = getattr(config, name, None)
+        if isinstance(n, int) and n > 0:
+            if getattr(config, "model_type", "") in _POSITION_OFFSET:
+                n -= int(getattr(config, "pad_token_id", None) or 1) + 1
+            return n
+    return None
+
+
+def check_max_length(max_length: int, model: str, config=None) -> None:
+    """UsageError when ``max_length`` exceeds the positions of ``model`` (its config,
+    read when not given): longer inputs cannot be embedded."""
+    n = model_positions(config if config is not None else base_model_config(model))
+    if n is not None and max_length > n:
+        raise UsageError(
+            f"--max-length {max_length} exceeds the {n} token positions of model {model}; "
+            f"use --max-length {n} or less"
+        )
+
+
+def adapter_shadow_fields(adapter, acfg: dict, config) -> dict:
+    """TrainConfig fields that make the shadows' LoRA like a foreign adapter's: rank,
+    alpha, dropout, target modules, the layers it adapts (``layers_to_transform``: the top
+    N layers → ``lora_layers`` N; none → every layer; another set → the top layers down to
+    its lowest, the smallest top-N set that contains it) and the pooling its head reads
+    (:func:`attacks.signals.adapter_pooling`: a Hugging Face classification head reads the
+    CLS pooler)."""
+    tm = acfg.get("target_modules")
+    out = dict(
+        rank=int(acfg.get("r", 8)),
+        alpha=float(acfg.get("lora_alpha", 16)),
+        lora_dropout=float(acfg.get("lora_dropout", 0.0) or 0.0),
+        target_modules=",".join(sorted(tm)) if isinstance(tm, list) else "",
+        pooling=adapter_pooling(adapter),
+    )
+    layers = acfg.get("layers_to_transform")
+    if isinstance(layers, int):
+        layers = [layers]
+    n_layers = None
+    if config is not None:
+        n_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    if not layers:
+        out["lora_layers"] = 0
+    elif isinstance(n_layers, int) and all(0 <= int(i) < n_layers for i in layers):
+        out["lora_layers"] = n_layers - min(int(i) for i in layers)
+    else:
+        out["lora_layers"] = 0
+    return out
 
 
 def _f(help: str, default=None, **kw):
@@ -351,15 +488,51 @@ class TargetSpec:
     )
     adapter: str | None = _f("PEFT LoRA adapter folder (adapter_model.safetensors)")
     model: str | None = _f("base model: minilm | tiny-bert | tiny-gpt2 | local folder")
-    members: str | None = _f("CSV/JSONL of member examples (text, label); also for a bundle")
-    nonmembers: str | None = _f("CSV/JSONL of non-member examples (text, label); also for a bundle")
-    max_length: int = _f("tokens per example", 64)
-    base_seed: int = _f("seed of a random-init base model", 0)
+    members: str | None = _f(
+        "CSV/JSONL of member examples (formats: see below); also for a bundle", metavar="FILE"
+    )
+    nonmembers: str | None = _f(
+        "CSV/JSONL of non-member examples, the same format as --members", metavar="FILE"
+    )
+    max_length: int = _f(
+        "tokens per example, at least 4 and at most the base model's positions (a longer "
+        "value is refused, naming the limit: 512 for minilm, 256 for tiny-bert / tiny-gpt2); "
+        "use the adapter's training length",
+        64,
+    )
+    base_seed: int = _f("seed of a random-init base model (tiny-bert, tiny-gpt2)", 0)
     shadow_config: str | None = _f(
         "TOML of TrainConfig fields for the reference pipeline (default: a bundle's "
         "configuration; for --adapter 1 client, non-private, TrainConfig defaults, the "
-        "adapter's rank/alpha/targets)"
+        "adapter's rank/alpha/dropout/target modules/layers and its head's pooling: cls)",
+        metavar="TOML",
     )
+    # (after the fields above: TargetSpec's positional order is kept)
+    text_column: str = _f("text column of the --members / --nonmembers files", "text")
+    label_column: str = _f(
+        "label column of the --members / --nonmembers files (classification)", "label"
+    )
+    batch_size: int = _f(
+        f"examples per forward pass when scoring an adapter (1..{MAX_BATCH_SIZE}; a run "
+        "directory uses its eval_batch_size)",
+        128,
+    )
+
+    def __post_init__(self):
+        # numbers first: a bad one is refused before any file or model is read
+        from attacks.config import MAX_SEED
+
+        if not MIN_MAX_LENGTH <= self.max_length <= MAX_MAX_LENGTH:
+            raise UsageError(
+                f"--max-length must be in [{MIN_MAX_LENGTH}, the model's positions], "
+                f"got {self.max_length}"
+            )
+        if not 0 <= self.base_seed <= MAX_SEED:
+            raise UsageError(f"--base-seed must be in [0, 2**32 - 1], got {self.base_seed}")
+        if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
+            raise UsageError(
+                f"--batch-size must be in [1, {MAX_BATCH_SIZE}], got {self.batch_size}"
+            )
 
     def resolve(self) -> Target:
         """The :class:`Target` named, or a UsageError for a combination that names none."""
@@ -379,7 +552,11 @@ class TargetSpec:
                     "--nonmembers FILE with the candidate examples"
                 )
             return Target.from_bundle(
-                self.run_dir, self.members, self.nonmembers, self._shadow_overrides()
+                self.run_dir,
+                self.members,
+                self.nonmembers,
+                self._shadow_overrides(),
+                **self._candidate_options(),
             )
         if self.run_dir:
             if any(foreign):
@@ -397,6 +574,14 @@ class TargetSpec:
             max_length=self.max_length,
             base_seed=self.base_seed,
             shadow_config=self._shadow_overrides(),
+            **self._candidate_options(),
+        )
+
+    def _candidate_options(self) -> dict:
+        return dict(
+            text_column=self.text_column,
+            label_column=self.label_column,
+            batch_size=self.batch_size,
         )
 
     def _shadow_overrides(self) -> dict | None:

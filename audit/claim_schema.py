@@ -22,6 +22,13 @@ ACCOUNTINGS = ("composed", "per_round", "per_epoch", "unknown")
 NOISE_SOURCES = ("keyed_csprng", "csprng", "seeded", "unknown")
 _FREE_TEXT = ("name", "source", "notes")
 _REQUIRED = ("level", "noise_multiplier", "sampling", "rounds", "claimed_epsilon", "delta")
+#: upper limits the accountants handle: σ beyond 1e6 gives ε ≈ 0 to any precision and
+#: overflows the PLD's discretization; the PLD's memory grows with the composed count
+#: (10^5 Poisson steps at σ = 0.3: about a minute; 10^6: over 5 GiB), so at most
+#: 2·10^5 steps (rounds × steps_per_round) are recomputed.
+MAX_NOISE_MULTIPLIER = 1e6
+MAX_TOTAL_STEPS = 200_000
+MAX_COUNT = MAX_TOTAL_STEPS
 
 
 def _num(key: str, v, *, integer: bool = False, lo=None, lo_open=False, hi=None):
@@ -81,12 +88,15 @@ class Claim:
         _choice("sampling", self.sampling, SAMPLINGS)
         _choice("accounting", self.accounting, ACCOUNTINGS)
         _choice("noise_source", self.noise_source, NOISE_SOURCES)
-        set_("noise_multiplier", _num("noise_multiplier", self.noise_multiplier, lo=0.0))
+        set_(
+            "noise_multiplier",
+            _num("noise_multiplier", self.noise_multiplier, lo=0.0, hi=MAX_NOISE_MULTIPLIER),
+        )
         set_("claimed_epsilon", _num("claimed_epsilon", self.claimed_epsilon, lo=0.0, lo_open=True))
         set_("delta", _num("delta", self.delta, lo=0.0, lo_open=True))
         if self.delta >= 1.0:
             raise UsageError(f"claim field 'delta' must be < 1, got {self.delta!r}")
-        set_("rounds", _num("rounds", self.rounds, integer=True, lo=1))
+        set_("rounds", _num("rounds", self.rounds, integer=True, lo=1, hi=MAX_COUNT))
         if self.clipping_norm is not None:
             set_("clipping_norm", _num("clipping_norm", self.clipping_norm, lo=0.0, lo_open=True))
         for key in ("batch_size", "dataset_size", "clients_per_round", "total_clients"):
@@ -96,12 +106,18 @@ class Claim:
             set_("sample_rate", _num("sample_rate", self.sample_rate, lo=0.0, lo_open=True, hi=1.0))
         if self.steps_per_round is not None:
             set_(
-                "steps_per_round", _num("steps_per_round", self.steps_per_round, integer=True, lo=1)
+                "steps_per_round",
+                _num("steps_per_round", self.steps_per_round, integer=True, lo=1, hi=MAX_COUNT),
             )
         elif self.level == "client":
             set_("steps_per_round", 1)  # one Gaussian release of the aggregate per round
         else:
             raise UsageError("claim is missing required field 'steps_per_round' (sample level)")
+        if self.rounds * self.steps_per_round > MAX_TOTAL_STEPS:
+            raise UsageError(
+                f"claim fields 'rounds' × 'steps_per_round' = {self.rounds * self.steps_per_round}"
+                f" exceed {MAX_TOTAL_STEPS} steps (more than the PLD accountant here handles)"
+            )
         if (
             self.clients_per_round
             and self.total_clients

@@ -15,6 +15,7 @@ or any other error-severity finding (e.g. δ >= 1/n); 2 = bad input (one line on
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -28,6 +29,19 @@ def register(sub) -> None:
     p = sub.add_parser(
         "audit",
         help="recompute ε of a run or a claim and flag understatements and tampering",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "claim file (--claim FILE, JSON or TOML): level (sample|client), noise_multiplier "
+            "(sigma = noise std / C), clipping_norm (optional), sampling "
+            "(poisson|shuffle|fixed_batch|all), batch_size + dataset_size (one client's "
+            "records) or sample_rate, steps_per_round, rounds, clients_per_round + "
+            "total_clients (required at client level), accounting "
+            "(composed|per_round|per_epoch|unknown), noise_source "
+            "(keyed_csprng|csprng|seeded|unknown), claimed_epsilon, delta; name/source/notes "
+            "free text. Opacus users: batch_size/dataset_size are read as Opacus's q = "
+            "1/ceil(dataset_size/batch_size) when that explains the claim (warning "
+            "opacus_sample_rate). Every field and finding: docs/audit.md."
+        ),
         description=(
             "Recompute ε (PLD, RDP beside) from a run's recorded mechanism, or from a claim "
             "file describing a mechanism, and name the accounting mistakes that explain an "
@@ -51,7 +65,11 @@ def register(sub) -> None:
         help="also bound ε from below with the run's canaries (Steinke et al. 2023)",
     )
     p.add_argument(
-        "--alpha", type=float, default=0.05, help="1 - confidence of the empirical bound"
+        "--alpha",
+        type=float,
+        default=0.05,
+        help="1 - confidence of the empirical bound (run directories with --one-run) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--key",
@@ -61,9 +79,45 @@ def register(sub) -> None:
     )
     p.set_defaults(func=cmd_audit)
 
-    r = sub.add_parser("report", help="write report.html and report.md for run directories")
-    r.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    r.add_argument("--out", required=True, metavar="DIR")
+    r = sub.add_parser(
+        "report",
+        help="write report.html and report.md for runs, bundles, foreign adapters' attacks "
+        "and claim audits",
+        description="Write one self-contained report.html and its twin report.md (verdict "
+        "table, runs, noise analyses, membership inference, empirical privacy, claims check, "
+        "environment, reproduce commands) for fedlora run directories and release bundles, "
+        "and for what an outside user has: the --out folder of `fedlora attack --adapter ...` "
+        "and the saved output of `fedlora audit --claim FILE --json`. Different releases "
+        "that share a noise key are flagged (key_shared).",
+    )
+    r.add_argument(
+        "runs",
+        nargs="*",
+        metavar="RUN_OR_BUNDLE",
+        help="fedlora run directories or release bundles",
+    )
+    r.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="folder to write report.html, report.md and figures/ into (created if missing)",
+    )
+    r.add_argument(
+        "--attack-dir",
+        action="append",
+        dest="attack_dirs",
+        metavar="DIR",
+        help="a foreign adapter's attack folder (fedlora attack --adapter ... --out DIR; "
+        "default ADAPTER/attacks); repeatable",
+    )
+    r.add_argument(
+        "--claim-audit",
+        action="append",
+        dest="claim_audits",
+        metavar="FILE",
+        help="saved output of `fedlora audit --claim FILE --json`; the i-th belongs to the "
+        "i-th --attack-dir; repeatable",
+    )
     r.add_argument(
         "--analyses", metavar="DIR", help="folder with analysis results (NAME/NAME.json + figures)"
     )
@@ -236,7 +290,14 @@ def cmd_report(args) -> int:
             claims = json.loads(cp.read_text())
     from audit.report import build_report
 
-    s = build_report(args.runs, args.out, analyses_dir=args.analyses, claims=claims)
+    s = build_report(
+        args.runs,
+        args.out,
+        analyses_dir=args.analyses,
+        claims=claims,
+        attack_dirs=args.attack_dirs,
+        claim_audits=args.claim_audits,
+    )
     print(f"report: {s['html']}")
     print(f"markdown: {s['markdown']}")
     return 0

@@ -45,6 +45,8 @@ class Code(StrEnum):
     CLIENT_SAMPLING_IGNORED = "client_sampling_ignored"
     #: fixed-size batches/cohorts accounted with sensitivity C under add/remove
     REPLACEMENT_SENSITIVITY_IGNORED = "replacement_sensitivity_ignored"
+    #: a claim read with Opacus's sampling rate 1/ceil(n/B) (not B/n): explained, named
+    OPACUS_SAMPLE_RATE = "opacus_sample_rate"
     #: claimed ε below the recomputed one, no known mistake matches
     UNEXPLAINED_UNDERSTATEMENT = "unexplained_understatement"
     #: noise from a seeded (or unstated) generator: can be regenerated
@@ -147,6 +149,7 @@ _SEVERITY = {
     Code.REPLAY_INEXACT: Severity.WARNING,
     Code.MANIFEST_UNSEALED: Severity.WARNING,
     Code.EPSILON_OVERSTATED: Severity.WARNING,
+    Code.OPACUS_SAMPLE_RATE: Severity.WARNING,
 }
 
 #: the codes that mean tampering, as strings too (``"replay_mismatch" in TAMPER_CODES``)

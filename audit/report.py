@@ -191,6 +191,11 @@ def build_report(
         r = _run_summary(p)
         r["bounds"] = empirical_bounds(r)
         rows.append(r)
+    # different releases made with one noise key cancel each other's noise (key_shared)
+    from audit.runaudit import flag_shared_keys
+
+    flag_shared_keys([r["audit"] for r in rows if isinstance(r.get("audit"), dict)
+                      and "findings" in r["audit"]])  # fmt: skip
     for a, c in pair_foreign(attack_dirs, claim_audits):
         r = foreign_summary(a, c)
         r["bounds"] = empirical_bounds(r)

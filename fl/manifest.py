@@ -18,7 +18,6 @@ from fl.lm_data import resolved_format
 from fl.privacy.accounting import NEIGHBOURING
 from fl.rundir import ADAPTER_WEIGHTS, SCHEMA_VERSION, SPLITS, jsonable
 
-
 #: what the stated neighbouring relation takes as given (``privacy.assumptions``)
 ASSUMPTIONS = {
     "sample": [

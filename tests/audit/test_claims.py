@@ -434,3 +434,48 @@ def test_claim_is_a_frozen_record_validated_when_built():
     assert cl.steps_per_round == 1 and cl.accounting == "unknown"  # the defaults
     with pytest.raises(UsageError, match="accounting"):
         Claim(**dict(CLIENT, claimed_epsilon=1.0, accounting=None))  # None: only in a file
+
+
+# --------------------------------------------------------------- Opacus's sample rate
+OPACUS_CLAIM = dict(level="sample", noise_multiplier=1.0, clipping_norm=1.0, sampling="poisson",
+                    batch_size=64, dataset_size=1000, steps_per_round=40, rounds=1,
+                    accounting="composed", noise_source="csprng", delta=1e-5)  # fmt: skip
+
+
+def test_opacus_sample_rate_is_recognised():
+    """Opacus samples at q = 1/len(loader) = 1/ceil(1000/64) = 1/16, not 64/1000: its ε
+    (3.038, its own PRV accountant) is right for what ran; the q = 0.064 reading gives
+    3.094 and was reported as an unexplained understatement."""
+    import warnings
+
+    from opacus.accountants import PRVAccountant
+
+    acc = PRVAccountant()
+    acc.history = [(1.0, 1 / 16, 40)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opacus_eps = acc.get_epsilon(1e-5)
+    assert round(opacus_eps, 3) == 3.038
+    r = check_claim({**OPACUS_CLAIM, "claimed_epsilon": round(opacus_eps, 3)})
+    codes = {f["code"]: f for f in r["findings"]}
+    assert "unexplained_understatement" not in codes
+    f = codes["opacus_sample_rate"]
+    assert f["severity"] == "warning"
+    assert "q = 0.064, which gives ε = 3.094" in f["message"], f["message"]
+    assert "1/ceil(1000/64) = 0.0625" in f["message"]
+    assert not r["understated"]
+    assert r["epsilon_pld"] == pytest.approx(opacus_eps, rel=0.01)  # the mechanism that ran
+    assert "q=0.0625" in r["mechanism"]
+
+
+def test_opacus_rate_does_not_excuse_a_real_understatement():
+    r = check_claim({**OPACUS_CLAIM, "claimed_epsilon": 2.0})
+    codes = [f["code"] for f in r["findings"]]
+    assert r["understated"] and "opacus_sample_rate" not in codes
+    assert "unexplained_understatement" in codes
+    assert r["epsilon_pld"] == pytest.approx(3.094, abs=2e-3)  # q = 64/1000 as written
+
+
+def test_no_opacus_finding_when_the_batch_divides_the_data():
+    r = check_claim({**OPACUS_CLAIM, "dataset_size": 1024, "claimed_epsilon": 2.5})
+    assert "opacus_sample_rate" not in [f["code"] for f in r["findings"]]
