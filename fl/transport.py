@@ -8,14 +8,26 @@ every transport:
 
 - byte counts (down and up);
 - reply validation (non-finite values, wrong shapes, bad example counts): a rejected
-  reply is not used, its events still count;
+  reply is not used, its DP cost still counts;
 - failure handling: a client that failed, was rejected, or whose reply was lost goes
   to ``Replies.failed`` and the run log says why;
-- ledger events: the events a client reported are recorded whether or not its reply
-  is used (its data was touched). When a reply is *lost* (timeout, crashed node) the
-  client's report never arrives, so a training stage is charged the DP-SGD event the
-  server planned for that client (σ, its q and steps): a lost reply can never make a
-  release disappear from the ledger.
+- ledger events: the server charges what it *planned*, not what a client says. For
+  every client sent a training stage (``method.train_stages``) under sample-level DP
+  the ledger is charged the DP-SGD event the server planned for it
+  (:meth:`fl.plan.PrivacyPlan.planned_client_event`: σ, the client's q and steps, with
+  the stage ``train`` that ``ClientContext.train`` records) — whether the reply came
+  back, failed, was rejected or was lost. An honest client reports exactly that event
+  (kind, σ, q, steps, unit, round and stage are compared), so honest ledgers are the
+  clients' reports. A reply whose reported events differ from the plan (dropped,
+  fewer steps, larger σ, smaller q, extra events, ...) is rejected, and the charge is
+  the plan; or the report when one of its events has the plan's unit, round and stage
+  and costs at least as much; or, when the two do not compare, the plan *and* the
+  report (never less than either, see :func:`charge_for`). Where nothing is planned
+  (stages that do not train, client-level DP, where the server records its own noise)
+  clients report no event; one that does is rejected and what it reported is charged.
+- example counts: a reply's ``n`` (the aggregation weight) is replaced with the
+  server's own count of the client's examples, :meth:`~fl.plan.PrivacyPlan.public_size`
+  (before secret canaries, as honest clients report it); a differing report is logged.
 """
 
 from __future__ import annotations
@@ -37,12 +49,15 @@ class Delivery:
     events: DP events the client reported (empty when lost).
     failed: why the client failed (ClientFailure text, Flower error, timeout), or None.
     lost: True when nothing came back from the client (no events either).
+    error: a bug in the client's handler (with its traceback), re-raised by the
+      Dispatcher once the client's DP cost is charged; None otherwise.
     """
 
     reply: dict | None = None
     events: list[Event] = field(default_factory=list)
     failed: str | None = None
     lost: bool = False
+    error: str | None = None
 
 
 class Transport(Protocol):
@@ -103,18 +118,79 @@ def validate_reply(reply: dict, method) -> str | None:
     return None
 
 
+#: the fields of a reported DP event that must equal the server's plan
+_COMPARED = ("kind", "noise_multiplier", "sample_rate", "count", "unit", "round", "stage")
+
+
+def events_mismatch(planned: list[Event], reported: list) -> str | None:
+    """Why the events a client reported are not the server's plan (None = they are):
+    another count of events, a non-event, or any field of :data:`_COMPARED` differing."""
+    if len(reported) != len(planned):
+        return f"{len(reported)} DP event(s) reported, {len(planned)} planned"
+    for i, (p, r) in enumerate(zip(planned, reported)):
+        if not isinstance(r, Event):
+            return f"reported DP event {i} is a {type(r).__name__}, not an event"
+        for f in _COMPARED:
+            if getattr(r, f) != getattr(p, f):
+                return f"reported DP event {i} has {f}={getattr(r, f)!r}, planned {getattr(p, f)!r}"
+    return None
+
+
+def costs_at_least(a: Event, b: Event) -> bool:
+    """Does ``a`` cost at least the privacy ``b`` costs? True when ``b`` releases nothing
+    (count 0), or when both charge the same unit and ``a`` samples at least as often,
+    runs at least as many steps and adds at most as much noise (the subsampled Gaussian's
+    ε grows with q and steps and falls with σ)."""
+    if b.count == 0:
+        return True
+    return (
+        a.unit == b.unit
+        and a.sample_rate >= b.sample_rate
+        and a.count >= b.count
+        and a.noise_multiplier <= b.noise_multiplier
+    )
+
+
+def charge_for(planned: list[Event], reported: list) -> tuple[list[Event], str]:
+    """What the ledger is charged for one client's stage, and how (for the log).
+
+    The plan, when the report matches it (an honest client: the ledger is unchanged);
+    with no plan, whatever events were reported; otherwise never less than the plan
+    nor the report: the plan when the report is (at most) one event it dominates; the
+    report when one of its events has the plan's unit, round and stage and dominates
+    the plan; else both."""
+    got = [r for r in reported if isinstance(r, Event)]
+    if not planned:
+        return got, "the reported events"
+    if events_mismatch(planned, reported) is None:
+        return list(planned), "the planned events"
+    (p,) = planned
+    if len(got) <= 1 and all(costs_at_least(p, r) for r in got):
+        return [p], "the planned DP-SGD event"
+    frame = (p.unit, p.round, p.stage)
+    if any((r.unit, r.round, r.stage) == frame and costs_at_least(r, p) for r in got):
+        return got, "the reported events (they cost more than the plan)"
+    return [p, *got], "the planned DP-SGD event and the reported ones"
+
+
 class Dispatcher:
     """The engine's ``send``: per-client payloads out through a transport, replies
-    validated, failures handled and DP events recorded (see the module docstring).
+    validated, failures handled and DP events charged (see the module docstring).
 
     ``engine`` offers: ``ledger``, ``log(msg)``, ``add_bytes(rnd, cid, dir, n)``,
-    ``fault_injector`` (tests), ``planned_client_event(rnd, cid, stage)`` and a
-    ``rejected_updates`` counter.
+    ``fault_injector`` (tests), ``planned_client_event(rnd, cid)``,
+    ``public_size(cid)`` and a ``rejected_updates`` counter.
     """
 
     def __init__(self, engine, transport: Transport):
         self.engine = engine
         self.transport = transport
+
+    def planned(self, rnd: RoundInfo, cid: str, trains: bool) -> list[Event]:
+        """The events the server plans for ``cid`` in a stage: its DP-SGD event in a
+        training stage under sample-level DP, nothing otherwise."""
+        ev = self.engine.planned_client_event(rnd, cid) if trains else None
+        return [] if ev is None else [ev]
 
     def send(self, method, rnd: RoundInfo, clients, stage: str, payload, per_client=False):
         eng = self.engine
@@ -131,30 +207,39 @@ class Dispatcher:
         got = self.transport.deliver(method, rnd, stage, payloads, faults)
         trains = stage in getattr(method, "train_stages", ("train",))
         replies = Replies()
+        where = f"round {rnd.index + 1}: client"
         # Clients in the order sent, so every transport composes the ledger alike.
         for cid in clients:
             d = got.get(cid) or Delivery(failed="no reply", lost=True)
+            planned = self.planned(rnd, cid, trains)
             if d.lost:
-                ev = eng.planned_client_event(rnd, cid, stage) if trains else None
-                if ev is not None:
+                for ev in planned:
                     eng.ledger.record(ev)
                 replies.failed[cid] = d.failed or "no reply"
                 eng.log(
-                    f"round {rnd.index + 1}: client {cid} failed in stage {stage!r}: "
-                    f"{replies.failed[cid]}"
-                    + ("; its planned DP-SGD event is charged" if ev is not None else "")
+                    f"{where} {cid} failed in stage {stage!r}: {replies.failed[cid]}"
+                    + ("; its planned DP-SGD event is charged" if planned else "")
                 )
                 continue
-            for ev in d.events:
+            mismatch = events_mismatch(planned, d.events)
+            charged, how = charge_for(planned, d.events)
+            for ev in charged:
                 eng.ledger.record(ev)
+            if mismatch is not None:
+                eng.log(
+                    f"{where} {cid} in stage {stage!r}: its DP events differ from the "
+                    f"server's plan ({mismatch}); charged: {how}"
+                )
+            if d.error is not None:
+                raise RuntimeError(f"client {cid} raised in stage {stage!r}:\n{d.error}")
             if d.failed is not None:
                 replies.failed[cid] = d.failed
-                eng.log(
-                    f"round {rnd.index + 1}: client {cid} failed in stage {stage!r}: {d.failed}"
-                )
+                eng.log(f"{where} {cid} failed in stage {stage!r}: {d.failed}")
                 continue
             reply = dict(d.reply or {})
             problem = validate_reply(reply, method)
+            if problem is None and mismatch is not None:
+                problem = f"DP events differ from the server's plan: {mismatch}"
             if problem:
                 replies.failed[cid] = f"rejected update: {problem}"
                 eng.rejected_updates += 1
@@ -163,6 +248,14 @@ class Dispatcher:
                     f"{stage!r}: {problem}"
                 )
                 continue
+            # Aggregation weights are the server's own count of the client's examples.
+            n = eng.public_size(cid)
+            if reply["n"] != n:
+                eng.log(
+                    f"{where} {cid} reported n={reply['n']} in stage {stage!r}; the server's "
+                    f"count n={n} is used"
+                )
+                reply["n"] = n
             eng.add_bytes(rnd, cid, "up", payload_bytes(reply))
             replies.ok[cid] = reply
         return replies
@@ -187,6 +280,9 @@ __all__ = [
     "Dispatcher",
     "Transport",
     "TRANSPORTS",
+    "charge_for",
+    "costs_at_least",
+    "events_mismatch",
     "transport_class",
     "validate_reply",
     "payload_bytes",

@@ -24,8 +24,10 @@ engine's Dispatcher (``fl.transport``) charges the DP-SGD event it planned for t
 client. A handler that raised ``ClientFailure`` reports its DP events and rolls its
 node-side state back. Either way the client goes to ``replies.failed``. Any other
 exception in a handler is a bug and is re-raised on the server with the client's
-traceback (as in-process). This transport only moves payloads; byte counts,
-validation, failures and the ledger are the Dispatcher's.
+traceback (as in-process), after the Dispatcher charged the client's DP cost. Events
+that do not parse make the reply a failure. This transport only moves payloads; byte
+counts, validation, failures and the ledger (the server's plan, checked against what
+each node reports) are the Dispatcher's.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class FlowerTransport:
     def deliver(self, method, rnd, stage, payloads, faults):
         """Send one ``train.<stage>`` message per client and collect the replies as
         :class:`fl.transport.Delivery` (the engine's Dispatcher does the rest)."""
-        from fl.privacy.accounting import Event
+        from fl.privacy.accounting import Event, PrivacyError
         from fl.transport import Delivery
 
         eng = self.engine
@@ -192,13 +194,17 @@ class FlowerTransport:
                 )
                 continue
             meta = R.decode(rep.content, META)
-            events = [Event.from_dict(ev) for ev in meta.get("events", [])]
+            try:
+                events = [Event.from_dict(ev) for ev in meta.get("events", [])]
+            except PrivacyError as exc:
+                # Unreadable events: the reply is not used; the Dispatcher charges the
+                # server's plan (a training stage) and logs the failure.
+                out[cid] = Delivery(None, [], f"rejected update: malformed DP event: {exc}")
+                continue
             if meta.get("error"):
-                for ev in events:  # recorded before the bug is raised: the data was touched
-                    eng.ledger.record(ev)
-                raise RuntimeError(
-                    f"client {cid} raised in stage {stage!r} (over Flower):\n{meta['error']}"
-                )
+                # a bug: the Dispatcher charges the client's DP cost, then re-raises it
+                out[cid] = Delivery(None, events, error=f"(over Flower) {meta['error']}")
+                continue
             if meta.get("failed"):
                 out[cid] = Delivery(None, events, meta["failed"])
                 continue
