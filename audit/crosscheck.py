@@ -49,9 +49,11 @@ def validate_numbers(m: dict) -> None:
     _field("config.batch_size", cfg.get("batch_size"), lo=1, integer=True)
     _field("config.local_steps", cfg.get("local_steps"), lo=0, integer=True)
     _field("config.local_epochs", cfg.get("local_epochs"), lo=0, hi=1e6)
-    for name in ("epsilon", "noise_multiplier", "delta", "clip"):
+    for name in ("epsilon", "delta", "clip"):
         if name in cfg:
             _field(f"config.{name}", cfg.get(name), lo=0)
+    if "noise_multiplier" in cfg and cfg["noise_multiplier"] != -1:  # -1: not set (--epsilon)
+        _field("config.noise_multiplier", cfg.get("noise_multiplier"), lo=0)
     _field("config.members", cfg.get("members"), lo=1, integer=True)
     _field("config.clients", cfg.get("clients"), lo=1, integer=True)
     if cfg.get("local_steps", 0) == 0 and not cfg.get("local_epochs", 0) > 0:

@@ -43,7 +43,8 @@ def runs(tmp_path_factory):
         "client": root / "client",
         "insecure": root / "insecure",
     }
-    train(_cfg(dp_level="sample", noise_multiplier=1.0, local_steps=3), out["sample"], quiet=True)
+    # σ calibrated from ε (config.noise_multiplier stays -1, "not set")
+    train(_cfg(dp_level="sample", epsilon=4.0, local_steps=3), out["sample"], quiet=True)
     train(
         _cfg(dp_level="client", noise_multiplier=1.0, clients=4, rounds=3),
         out["client"],
@@ -484,7 +485,7 @@ def test_bundles_sharing_a_noise_key_are_flagged(runs, tmp_path, capsys):
     key = NoiseKey.read(_key(runs["sample"]))
     other = tmp_path / "other"
     train(
-        _cfg(dp_level="sample", noise_multiplier=1.0, local_steps=3, members=239),
+        _cfg(dp_level="sample", epsilon=4.0, local_steps=3, members=239),
         other,
         quiet=True,
         noise_key=key,
