@@ -499,6 +499,12 @@ def test_bundles_sharing_a_noise_key_are_flagged(runs, tmp_path, capsys):
     assert rc == 0 and not any("key_shared" in _codes(d) for d in docs)
     assert main(["audit", str(a), str(b), "--key", str(_key(runs["sample"]))]) == 2
     assert "--key belongs to one run" in capsys.readouterr().err
+    # the report flags them too
+    from audit.report import build_report
+
+    s = build_report([str(a), str(b)], str(tmp_path / "report"))
+    assert "key_shared" in (tmp_path / "report" / "report.md").read_text()
+    assert s["runs"]
 
 
 @pytest.mark.parametrize("what", ["bundle", "run"])
