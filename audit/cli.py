@@ -175,14 +175,35 @@ def _human(result: dict, title: str) -> str:
     if result.get("mechanism"):
         rows.append(("mechanism", result["mechanism"]))
     one = result.get("one_run")
-    if one:
+    if one and "epsilon_lb" in one and "m" in one:
         rows.append(
             (
                 "one-run ε lower bound",
-                f"{_num(one['epsilon_lb'])} (m={one['m']} canaries, {one['r']} guesses, "
-                f"{one['v']} correct, confidence {1 - one['alpha']:g})",
+                f"{_num(one['epsilon_lb'])} (Steinke et al.; m={one['m']} "
+                f"{'gradient ' if one.get('kind') == 'gradient' else ''}canaries, "
+                f"{one.get('r', '-')} guesses, {one.get('v', '-')} correct, confidence "
+                f"{1 - one['alpha']:g})",
             )
         )
+        fdp = one.get("fdp")
+        if fdp:
+            rows.append(
+                (
+                    "one-run f-DP ε lower bound",
+                    f"{_num(fdp['epsilon_lb'])} ((ε, δ) curves; μ-GDP: μ >= "
+                    f"{_num(fdp['mu_lb_gdp'])}, confidence {1 - fdp['alpha']:g})",
+                )
+            )
+        check = one.get("claim_check")
+        if check:
+            rows.append(
+                (
+                    "claim test",
+                    f"ε_lb {_num(check['epsilon_lb'])} ({check.get('bound', 'one-run')}) vs "
+                    f"{_num(check['epsilon'])} allowed: "
+                    + ("LEAKS MORE THAN CLAIMED" if check.get("exceeds") else "consistent"),
+                )
+            )
     w = max(len(k) for k, _ in rows)
     lines += [f"  {k:<{w}}  {_num(v) if not isinstance(v, str) else v}" for k, v in rows]
     for sk in result.get("skipped") or []:

@@ -328,6 +328,16 @@ def _check_noise(m: dict, findings: Findings) -> None:
         )
     elif not isinstance(noise, dict):
         raise UsageError("manifest.json: field privacy.'noise' must be an object")
+    elif noise.get("source") == "keyed_csprng" and isinstance(noise.get("reused_key"), dict):
+        reuse = noise["reused_key"]
+        findings.add(
+            Code.KEY_REUSED,
+            f"The run's noise key {reuse.get('key_id') or noise.get('key_id')} was made for "
+            f"another configuration ({reuse.get('original_config_sha256') or 'unknown'}; this "
+            f"run's is {reuse.get('config_sha256')}) and reused with --allow-key-reuse: this "
+            "run and the key's first run share every noise draw, so their difference cancels "
+            "the noise; the run is marked not private and its stated ε does not hold.",
+        )
     elif noise.get("source") != "keyed_csprng" or noise.get("private") is not True:
         findings.add(
             Code.NOISE_REPRODUCIBLE,
@@ -508,57 +518,136 @@ def canary_scores(run_dir, texts: list[str], labels: list[int], batch_size: int 
     return -torch.cat(losses).numpy().astype(np.float64)
 
 
+def _joint_bound(scores, included, delta, alpha) -> tuple[float, str]:
+    """The certified one-run bound the claim is tested with: the larger of Steinke et al.'s
+    and the f-DP bound (family (ε, δ), valid for any mechanism), each at α/2, so the pair
+    holds jointly at 1 − α (union bound). Returns (ε_lb, which bound gave it)."""
+    from audit.empirical import epsilon_one_run
+    from audit.fdp import fdp_one_run_bound
+
+    if not delta < 1:
+        return 0.0, "none (δ >= 1)"
+    st = float(epsilon_one_run(scores, included, delta, alpha=alpha / 2)["epsilon_lb"])
+    fd = float(
+        fdp_one_run_bound(scores, included, delta, alpha=alpha / 2, family="dp")["epsilon_lb"]
+    )
+    return (fd, "f-DP") if fd > st else (st, "Steinke et al.")
+
+
 def _claim_check(m, scores, included, delta, alpha, eps_claim, res) -> dict:
     """What the claim allows for one canary, and the one-run bound to compare with it.
 
-    Sample level: a canary is one record, the ledger's neighbouring relation (ε, δ).
-    Client level: the ledger is add/remove-one-client, and a canary changes one client's
-    data (replace-one-client), which group privacy bounds by (2ε, (1 + e^ε)·δ); the
-    one-run bound is recomputed at that δ. Comparing a record-level bound with the
-    add/remove ε would flag a correct run that leaks less than 2ε."""
-    from audit.empirical import epsilon_one_run
-
+    The bound is the larger of Steinke et al.'s and the f-DP one, each at α/2
+    (:func:`_joint_bound`: certified at 1 − α jointly). Sample level: a canary is one
+    record, the ledger's neighbouring relation (ε, δ). Client level: the ledger is
+    add/remove-one-client, and a canary changes one client's data (replace-one-client),
+    which group privacy bounds by (2ε, (1 + e^ε)·δ); the bound is recomputed at that δ.
+    Comparing a record-level bound with the add/remove ε would flag a correct run that
+    leaks less than 2ε."""
     if (m.get("privacy") or {}).get("level") != "client":
+        lb, by = _joint_bound(scores, included, delta, alpha)
         return {
             "epsilon": eps_claim,
             "delta": delta,
-            "epsilon_lb": res["epsilon_lb"],
+            "epsilon_lb": lb,
+            "bound": f"{by} (the larger of Steinke et al. and f-DP, each at α/2)",
             "relation": "one record, the ledger's relation",
-            "exceeds": res["epsilon_lb"] > eps_claim,
+            "exceeds": lb > eps_claim,
         }
     d2 = (1 + math.exp(min(eps_claim, 700.0))) * delta
-    lb = epsilon_one_run(scores, included, d2, alpha=alpha)["epsilon_lb"] if d2 < 1 else 0.0
+    lb, by = _joint_bound(scores, included, d2, alpha)
     return {
         "epsilon": 2 * eps_claim,
         "delta": d2,
         "epsilon_lb": float(lb),
+        "bound": f"{by} (the larger of Steinke et al. and f-DP, each at α/2)",
         "relation": "a canary changes one client's data: replace-one-client, "
         "(2ε, (1 + e^ε)δ) by group privacy from the ledger's add/remove-one-client",
         "exceeds": float(lb) > 2 * eps_claim,
     }
 
 
+def _fdp_summary(scores, included, delta, alpha) -> dict:
+    """The f-DP one-run bounds at 1 − α (audit.fdp): family (ε, δ) (valid for any
+    mechanism; the figure shown beside Steinke et al.'s) and μ-GDP (μ_lb; its ε reading
+    assumes a Gaussian trade-off curve)."""
+    from audit.fdp import fdp_one_run_bound
+
+    dp = fdp_one_run_bound(scores, included, delta, alpha=alpha, family="dp")
+    gdp = fdp_one_run_bound(scores, included, delta, alpha=alpha, family="gdp")
+    return {
+        "epsilon_lb": float(dp["epsilon_lb"]),
+        "k_plus": int(dp["k_plus"]),
+        "k_minus": int(dp["k_minus"]),
+        "correct": int(dp["correct"]),
+        "family": "(ε, δ)-DP curves at the run's δ (valid for any mechanism)",
+        "mu_lb_gdp": float(gdp["mu_lb"]),
+        "epsilon_lb_gdp": float(gdp["epsilon_lb"]),
+        "alpha": alpha,
+    }
+
+
 def _one_run(
     run: Path, m: dict, splits: dict | None, alpha: float, out: dict, findings: Findings
 ) -> dict:
+    from audit import canary_clients as CCA
     from audit.empirical import epsilon_one_run
 
     canaries = (splits or {}).get("canaries")
+    cc_res = None
+    if CCA.has_canary_clients(run, m):  # client-level canary clients (Andrew et al. 2024)
+        try:
+            cc_delta = out["delta"] if out["delta"] else float(m["privacy"].get("delta") or 1e-5)
+            cc_res = CCA.audit(run, cc_delta, alpha, out.get("epsilon_pld"))
+        except FileNotFoundError as exc:
+            raise UsageError(str(exc)) from None
+        check = cc_res.get("claim_check")
+        if check and check["exceeds"]:
+            findings.add(
+                Code.EMPIRICAL_EXCEEDS_CLAIM,
+                f"The canary-client audit bounds ε >= {check['epsilon_lb']:.3g} (at δ = "
+                f"{check['delta']:.3g}) with confidence {1 - alpha:g} from {cc_res['m']} "
+                f"canary clients, above the recomputed ε = {check['epsilon']:.4g} "
+                f"({check['relation']}): the mechanism leaks more than its accounting allows.",
+            )
+        if not canaries:
+            return cc_res
     if not canaries:
         raise UsageError(
-            f"{run} has no canaries in splits.json; train with `fedlora train --canaries M`"
+            f"{run} has no canaries in splits.json; train with `fedlora train --canaries M` "
+            "(or, at client level, --canary-clients M)"
         )
+    from audit import gradient_canaries as GC
+
+    gradient = GC.is_gradient(canaries)
+    fields = ("param", "index", "client", "included") if gradient else ("text", "label", "included")
     for i, c in enumerate(canaries):
-        for k in ("text", "label", "included"):
+        for k in fields:
             if not isinstance(c, dict) or k not in c:
                 raise UsageError(f"splits.json: canary {i} is missing field {k!r}")
     delta = out["delta"] if out["delta"] else float(m["privacy"].get("delta") or 1e-5)
-    scores = canary_scores(run, [c["text"] for c in canaries], [int(c["label"]) for c in canaries])
+    if gradient:  # white-box: the privatized step sums at the canaries' coordinates
+        scores, seen = GC.run_scores(run, canaries, GC.DEFAULT_STATISTIC)
+        if not seen["files"]:
+            raise UsageError(
+                f"{run}: gradient canaries but no observations under "
+                "private/canary_observations/ (the operator's files are needed)"
+            )
+    else:
+        texts, labels = [c["text"] for c in canaries], [int(c["label"]) for c in canaries]
+        scores = canary_scores(run, texts, labels)
     included = np.array([bool(c["included"]) for c in canaries])
     res = epsilon_one_run(scores, included, delta, alpha=alpha)
     res = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in res.items()}
-    res["score"] = "-loss (nats) under the released adapter"
+    if gradient:
+        res["kind"] = GC.KIND
+        res["statistic"] = GC.DEFAULT_STATISTIC
+        res["score"] = GC.STATISTICS[GC.DEFAULT_STATISTIC]
+        res["observations"] = seen
+    else:
+        res["score"] = "-loss (nats) under the released adapter"
     res["n_included"] = int(included.sum())
+    res["fdp"] = _fdp_summary(scores, included, delta, alpha)
     eps_claim = out.get("epsilon_pld")
     if isinstance(eps_claim, int | float) and math.isfinite(eps_claim):
         res["claim_check"] = check = _claim_check(m, scores, included, delta, alpha, eps_claim, res)
@@ -566,9 +655,11 @@ def _one_run(
             findings.add(
                 Code.EMPIRICAL_EXCEEDS_CLAIM,
                 f"The one-run audit bounds ε >= {check['epsilon_lb']:.3g} (at δ = "
-                f"{check['delta']:.3g}) with confidence {1 - alpha:g} from {len(canaries)} "
-                f"canaries, above the {check['epsilon']:.4g} that the recomputed ε = "
+                f"{check['delta']:.3g}; {check['bound']}) with confidence {1 - alpha:g} from "
+                f"{len(canaries)} canaries, above the {check['epsilon']:.4g} that the recomputed ε = "
                 f"{eps_claim:.4g} allows for one canary ({check['relation']}): the mechanism "
                 "leaks more than its accounting allows.",
             )
+    if cc_res is not None:
+        res["canary_clients"] = cc_res
     return res

@@ -8,7 +8,6 @@ unrelated file is ever overwritten. Errors are one line, exit code 2.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from fl.errors import UsageError
@@ -45,20 +44,38 @@ def _check_run(run: Path) -> None:
     raise UsageError(f"{run} is not a fedlora run directory (no manifest.json)")
 
 
-def cmd_export(args) -> int:
+def _check_private(run: Path) -> None:
+    """Refuse a DP run whose noise is not private: seeded from the public seed
+    (``--insecure-deterministic-noise``, or a run made before keyed noise) or drawn under
+    a key reused from another configuration (``--allow-key-reuse``). Its bundle would
+    claim a guarantee the noise does not give; nothing is written."""
     from fl.io import read_json
+
+    m = read_json(run / "manifest.json")
+    privacy = (m.get("privacy") if isinstance(m, dict) else None) or {}
+    noise = privacy.get("noise") if isinstance(privacy.get("noise"), dict) else {}
+    if privacy.get("level") in (None, "none") or noise.get("private") is True:
+        return
+    if noise.get("reused_key") or noise.get("source") == "keyed_csprng":
+        orig = (noise.get("reused_key") or {}).get("original_config_sha256") or "unknown"
+        why = (
+            "was drawn under a noise key reused from a run of another configuration "
+            f"({orig}; --allow-key-reuse): it cancels against that run's noise"
+        )
+    else:
+        why = (
+            "was seeded from the public seed (--insecure-deterministic-noise, or a run made "
+            "before keyed noise): anyone who knows the seed can remove it"
+        )
+    raise UsageError(f"{run}: this run's DP noise {why}; it is NOT private and is not exported")
+
+
+def cmd_export(args) -> int:
     from fl.release import write_release
 
     run, out = Path(args.run_dir), Path(args.out)
     _check_run(run)
+    _check_private(run)
     out_dir = write_release(run, out)
-    privacy = read_json(out_dir / "manifest.json").get("privacy") or {}
-    noise = privacy.get("noise") or {}
-    if privacy.get("level") not in (None, "none") and noise.get("private") is not True:
-        sys.stderr.write(
-            "fedlora: warning: this run's DP noise was seeded from the public seed "
-            "(--insecure-deterministic-noise, or a run made before keyed noise): anyone who "
-            "knows the seed can remove it, so this bundle is NOT private\n"
-        )
     print(f"wrote release bundle {out_dir} (adapter/, manifest.json, metrics.jsonl)")
     return 0

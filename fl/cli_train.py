@@ -82,6 +82,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         k, v = item.split("=", 1)
         opts[k.strip()] = parse_opt_value(v.strip())
     data["opts"] = opts
+    # The "not set" values of --epsilon (0), --noise-multiplier (-1) and --delta (0) are
+    # defaults, not values to give: given on the command line they are mistakes (ε = 0
+    # would silently train without DP).
+    for name, unset, what in (
+        ("epsilon", 0, "a target ε > 0 (leave --epsilon out for no target)"),
+        ("noise_multiplier", -1, "σ >= 0 (leave --noise-multiplier out to calibrate from ε)"),
+        ("delta", 0, "δ in (0, 1) (leave --delta out for the default 1/(10·n))"),
+    ):
+        given = getattr(args, name, None)
+        if given is not None and given == unset:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {given:g}: give {what}")
     cfg = TrainConfig.from_dict(data).validate()
     if cfg.method == "probe" and "lr" in data and cfg.head_lr > 0 and cfg.head_lr != cfg.lr:
         # the probe trains only the head, whose rate is head_lr (lr when head_lr is 0):
@@ -110,7 +122,15 @@ def register(sub) -> None:
         "--noise-key",
         metavar="FILE",
         help="reuse this secret noise key (a run's private/noise.key) instead of a fresh one: "
-        "same config and key replay the run bit-exactly on CPU",
+        "same config and key replay the run bit-exactly on CPU; a key made for another "
+        "configuration is refused (see --allow-key-reuse)",
+    )
+    p.add_argument(
+        "--allow-key-reuse",
+        action="store_true",
+        help="accept a --noise-key made for another configuration (or of unknown origin): "
+        "its noise cancels against the first run's, so the run is recorded as NOT private "
+        "and `fedlora export` refuses it",
     )
     p.add_argument("--list-methods", action="store_true", help="list the methods and their options")
     p.set_defaults(func=cmd_train)
@@ -141,13 +161,23 @@ def cmd_train(args) -> int:
             if hasattr(args, k):
                 setattr(cfg, k, getattr(args, k))
         cfg.validate()
-        if getattr(args, "noise_key", None):
-            raise UsageError("--resume reads the run's own private/noise.key; drop --noise-key")
+        if getattr(args, "noise_key", None) or getattr(args, "allow_key_reuse", False):
+            raise UsageError(
+                "--resume reads the run's own private/noise.key; drop --noise-key and "
+                "--allow-key-reuse"
+            )
         manifest = train(cfg, run_dir, resume=True)
     else:
         cfg = config_from_args(args)
         out = args.out or f"runs/{cfg.method}-{cfg.dp_level}-seed{cfg.seed}"
-        manifest = train(cfg, out, noise_key=getattr(args, "noise_key", None))
+        if getattr(args, "allow_key_reuse", False) and not getattr(args, "noise_key", None):
+            raise UsageError("--allow-key-reuse needs --noise-key FILE")
+        manifest = train(
+            cfg,
+            out,
+            noise_key=getattr(args, "noise_key", None),
+            allow_key_reuse=getattr(args, "allow_key_reuse", False),
+        )
     final = manifest.get("metrics", {}).get("final", {})
     print(
         json.dumps(

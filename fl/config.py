@@ -10,6 +10,7 @@ run audit).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import tomllib
@@ -34,6 +35,88 @@ def _f(default, help: str, **kw):
     - ``cli``: ``False`` keeps the field off the command line.
     """
     return field(default=default, metadata={"help": help, **kw})
+
+
+#: ``--inject-fault`` (tests only, auditing the auditor): name → (DP level it applies to,
+#: what its value must be: None = no value, "float" = a factor >= 0 other than 1, or the
+#: tuple of allowed values)
+FAULTS: dict[str, tuple[str, object]] = {
+    "noise_scale": ("any", "float"),
+    "no_clip": ("sample", None),
+    "head_unnoised": ("sample", None),
+    "factor_unnoised": ("sample", ("A", "B")),
+    "noise_reuse": ("sample", None),
+    "fixed_batches": ("sample", None),
+    "server_noise_omitted": ("client", None),
+    "fedask_stage1_unnoised": ("sample", None),
+}
+FAULT_SERVER = "server_noise_omitted"
+
+
+def parse_fault(spec: str, dp_level: str, method: str = "") -> tuple[str, str]:
+    """(name, value) of an ``--inject-fault NAME[=VALUE]`` (value "" when it takes none), or
+    a UsageError naming what is wrong."""
+    name, _, value = spec.partition("=")
+    name, value = name.strip(), value.strip()
+    if name == "fedask_stage2_unnoised":
+        raise UsageError(
+            "inject_fault fedask_stage2_unnoised: FedASK's stage 2 carries no noise by design "
+            "(Ỹ_k = A_kᵀ(B_kᵀQ) is post-processing of the DP-trained B_k with public A_k and "
+            "Q); the closest real fault is fedask_stage1_unnoised"
+        )
+    if name not in FAULTS:
+        raise UsageError(f"unknown inject_fault {name!r}; choose one of {sorted(FAULTS)}")
+    level, kind = FAULTS[name]
+    if dp_level == "none" or (level != "any" and dp_level != level):
+        raise UsageError(
+            f"inject_fault {name} plants a fault in "
+            + ("DP training" if level == "any" else f"{level}-level DP")
+            + f": it needs --dp-level {'sample or client' if level == 'any' else level} "
+            f"(got {dp_level})"
+        )
+    if kind is None and value:
+        raise UsageError(f"inject_fault {name} takes no value (got {value!r})")
+    if kind == "float":
+        try:
+            f = float(value)
+        except ValueError:
+            raise UsageError(
+                f"inject_fault {name}=F needs a number F >= 0, got {value!r}"
+            ) from None
+        if not (math.isfinite(f) and f >= 0 and f != 1.0):
+            raise UsageError(f"inject_fault {name}=F needs a finite F >= 0 other than 1, got {f}")
+    if isinstance(kind, tuple) and value not in kind:
+        raise UsageError(f"inject_fault {name}=V needs V in {list(kind)}, got {value!r}")
+    if name == "fedask_stage1_unnoised" and method != "fedask":
+        raise UsageError(f"inject_fault {name} needs --method fedask (got {method})")
+    if method == "fedpower" and dp_level == "client" and name in ("noise_scale", FAULT_SERVER):
+        raise UsageError(
+            f"inject_fault {name} hooks the server noise of the dense client-level average; "
+            "FedPower's noisy power iteration is not hooked"
+        )
+    return name, value
+
+
+#: largest count a config field may hold (rounds, steps, sizes, ...): beyond it nothing
+#: trains in reasonable time, and Python's big integers would overflow floats and torch
+MAX_COUNT = 10**9
+#: largest target ε: beyond it the guarantee says nothing (a likelihood ratio of e^100)
+#: and calibrating σ for it takes minutes
+MAX_EPSILON = 100.0
+#: largest σ: calibration never goes past it either (fl.privacy.accounting), and the
+#: accountants overflow far above it
+MAX_NOISE_MULTIPLIER = 1e6
+#: smallest δ: the accountants' grids slow down without bound below it
+MIN_DELTA = 1e-12
+#: largest clipping bound (the noise σ·C stays far from float32's range)
+MAX_CLIP = 1e12
+#: largest LoRA rank, local epochs and rounds (counts above these only hang)
+MAX_RANK = 4096
+MAX_LOCAL_EPOCHS = 1000.0
+MAX_ROUNDS = 100_000
+MAX_LOCAL_STEPS = 1_000_000
+#: tokens per example: at most this (and at most the model's positions: fl.runsetup)
+MAX_LENGTH = 32768
 
 
 def _method_names() -> tuple[str, ...]:
@@ -188,7 +271,30 @@ class TrainConfig:
         "draws them from a keyed CSPRNG with a fresh secret key in RUN/private/noise.key",
     )
     canaries: int = _f(0, "number of audit canaries (each inserted with probability 1/2)")
-    canary_kind: str = _f("mislabel", "canary kind", choices=("mislabel", "random_text"))
+    canary_kind: str = _f(
+        "mislabel",
+        "canary kind: mislabel / random_text = input canaries (texts added to a client's "
+        "data, scored by their loss under the released adapter); gradient = white-box "
+        "Dirac canaries of sample-level DP-SGD (each owns one trained coordinate and, "
+        "when sampled, adds C there to its client's clipped sum before the noise; scored "
+        "from the privatized step sums, docs/privacy.md)",
+        choices=("mislabel", "random_text", "gradient"),
+    )
+    canary_clients: int = _f(
+        0,
+        "client-level DP audit (Andrew et al. 2024): M canary clients, each included with "
+        "probability 1/2; an included one adds a fixed random update of norm C (drawn from "
+        "the secret key, in the space the server clips) to the clipped sum before the "
+        "server's noise in every round it takes part in (docs/audit.md); 0 = none",
+    )
+    inject_fault: str = _f(
+        "",
+        "TESTS ONLY, for auditing the auditor: plant one privacy fault NAME[=VALUE] in the "
+        "training code path (noise_scale=F, no_clip, head_unnoised, factor_unnoised=A|B, "
+        "noise_reuse, fixed_batches, server_noise_omitted, fedask_stage1_unnoised; "
+        "docs/audit.md, Planted faults). The ledger is unchanged, so the run is NOT private: "
+        "it writes no release bundle and `fedlora export` refuses it; empty = none",
+    )
     eval_every: int = _f(1, "evaluate the global model every N rounds (and always at the end)")
     eval_batch_size: int = _f(128, "batch size for evaluation")
     eval_nonmembers: bool = _f(
@@ -250,49 +356,88 @@ class TrainConfig:
                 allowed is None or value in allowed,
                 f"unknown {f.name} {value!r}; choose one of {list(allowed or ())}",
             )
-        need(self.max_length >= 4, f"max_length must be >= 4, got {self.max_length}")
+        need(
+            0 <= self.seed < 2**63 - 1,
+            f"seed must be an integer in [0, 2^63 - 1), got {self.seed}",
+        )
+        need(
+            4 <= self.max_length <= MAX_LENGTH,
+            f"max_length must be in [4, {MAX_LENGTH}], got {self.max_length}",
+        )
         need(self.members > 0, f"members must be > 0, got {self.members}")
-        need(self.nonmembers >= 0 and self.test > 0, "nonmembers must be >= 0 and test > 0")
+        need(
+            self.nonmembers >= 0 and self.test > 0,
+            f"nonmembers must be >= 0 and test > 0, got {self.nonmembers} and {self.test}",
+        )
         need(self.clients >= 1, f"clients must be >= 1, got {self.clients}")
+        need(
+            self.clients <= self.members,
+            f"clients ({self.clients}) must be <= members ({self.members}): "
+            "every client needs at least one example",
+        )
+        need(
+            self.min_client_size >= 0,
+            f"min_client_size must be >= 0, got {self.min_client_size}",
+        )
         cpr = self.clients_per_round
         need(
-            cpr == 0
-            or (0 < cpr < 1)
-            or (cpr >= 1 and float(cpr).is_integer() and cpr <= self.clients),
+            cpr == 0 or (0 < cpr < 1) or (1 <= cpr <= self.clients and float(cpr).is_integer()),
             f"clients_per_round must be 0, a fraction in (0,1) or a count <= clients, got {cpr}",
         )
-        need(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
-        need(self.local_steps >= 1 or self.local_epochs > 0, "local_steps must be >= 1")
         need(
-            self.local_epochs >= 0 and math.isfinite(self.local_epochs), "local_epochs must be >= 0"
+            1 <= self.rounds <= MAX_ROUNDS,
+            f"rounds must be in [1, {MAX_ROUNDS}], got {self.rounds}",
+        )
+        need(
+            self.local_steps >= 1 or self.local_epochs > 0,
+            f"local_steps must be >= 1, got {self.local_steps}",
+        )
+        need(
+            self.local_steps <= MAX_LOCAL_STEPS,
+            f"local_steps must be <= {MAX_LOCAL_STEPS}, got {self.local_steps}",
+        )
+        need(
+            0 <= self.local_epochs <= MAX_LOCAL_EPOCHS,
+            f"local_epochs must be in [0, {MAX_LOCAL_EPOCHS:g}], got {self.local_epochs}",
         )
         need(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        need(
+            self.eval_batch_size >= 1,
+            f"eval_batch_size must be >= 1, got {self.eval_batch_size}",
+        )
+        need(
+            self.weight_decay >= 0 and math.isfinite(self.weight_decay),
+            f"weight_decay must be a finite number >= 0, got {self.weight_decay}",
+        )
         need(self.lr > 0 and math.isfinite(self.lr), f"lr must be > 0, got {self.lr}")
         need(
             self.head_lr >= 0 and math.isfinite(self.head_lr),
             f"head_lr must be >= 0 (0 = the same as lr), got {self.head_lr}",
         )
         need(self.lora_layers >= 0, f"lora_layers must be >= 0, got {self.lora_layers}")
-        need(self.rank >= 1, f"rank must be >= 1, got {self.rank}")
+        need(1 <= self.rank <= MAX_RANK, f"rank must be in [1, {MAX_RANK}], got {self.rank}")
         need(self.alpha > 0 and math.isfinite(self.alpha), f"alpha must be > 0, got {self.alpha}")
         need(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0,1), got {self.lora_dropout}")
-        need(self.dirichlet_alpha > 0, f"dirichlet_alpha must be > 0, got {self.dirichlet_alpha}")
         need(
-            not math.isnan(self.epsilon) and self.epsilon >= 0,
-            f"epsilon must be > 0, got {self.epsilon}",
+            self.dirichlet_alpha > 0 and math.isfinite(self.dirichlet_alpha),
+            f"dirichlet_alpha must be a finite number > 0, got {self.dirichlet_alpha}",
         )
         need(
-            self.noise_multiplier == -1.0
-            or (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)),
-            f"noise multiplier σ must be >= 0, got {self.noise_multiplier}",
+            self.epsilon == 0 or 0 < self.epsilon <= MAX_EPSILON,
+            f"epsilon must be a number in (0, {MAX_EPSILON:g}], got {self.epsilon}",
         )
         need(
-            math.isfinite(self.delta) and 0 <= self.delta < 1,
-            f"delta must be in (0, 1), got {self.delta}",
+            self.noise_multiplier == -1.0 or 0 <= self.noise_multiplier <= MAX_NOISE_MULTIPLIER,
+            f"noise multiplier σ must be a number in [0, {MAX_NOISE_MULTIPLIER:g}], "
+            f"got {self.noise_multiplier}",
         )
         need(
-            self.clip > 0 and math.isfinite(self.clip),
-            f"clipping bound C must be > 0, got {self.clip}",
+            self.delta == 0 or MIN_DELTA <= self.delta < 1,
+            f"delta must be in [{MIN_DELTA:g}, 1), got {self.delta}",
+        )
+        need(
+            0 < self.clip <= MAX_CLIP,
+            f"clipping bound C must be in (0, {MAX_CLIP:g}], got {self.clip}",
         )
         need(
             0 <= self.head_clip_share < 1,
@@ -309,7 +454,38 @@ class TrainConfig:
             f"{self.head_warmup_rounds} (with every round head-only, use --method probe)",
         )
         need(self.canaries >= 0, f"canaries must be >= 0, got {self.canaries}")
+        need(self.canary_clients >= 0, f"canary_clients must be >= 0, got {self.canary_clients}")
+        need(
+            self.canary_clients == 0 or self.dp_level == "client",
+            "--canary-clients audits client-level DP: it needs --dp-level client "
+            f"(got {self.dp_level})",
+        )
+        if self.canary_kind == "gradient" and self.canaries > 0:
+            need(
+                self.dp_level == "sample",
+                "--canary-kind gradient enters sample-level DP-SGD's clipped sums: it needs "
+                f"--dp-level sample (got {self.dp_level})",
+            )
+            need(
+                self.transport == "inprocess",
+                "--canary-kind gradient records the privatized step sums in the operator's "
+                "run directory: it needs --transport inprocess",
+            )
+        if self.inject_fault:
+            parse_fault(self.inject_fault, self.dp_level, self.method)
         need(self.eval_every >= 1, f"eval_every must be >= 1, got {self.eval_every}")
+        for f in fields(self):  # the rest: no count beyond MAX_COUNT, no float NaN
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if f.name == "seed":
+                continue
+            need(
+                not (isinstance(value, float) and math.isnan(value)),
+                f"{f.name} must be a number, got nan",
+            )
+            if isinstance(value, int):
+                need(abs(value) <= MAX_COUNT, f"{f.name} must be <= {MAX_COUNT}, got {value}")
         if self.dp_level != "none":
             need(
                 (self.epsilon > 0) != (self.noise_multiplier >= 0),
@@ -336,6 +512,10 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def sha256(self) -> str:
+        """:func:`config_sha256` of this configuration."""
+        return config_sha256(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -391,6 +571,17 @@ def result_fields() -> tuple[str, ...]:
 
 #: config fields that do not change the run's results: ("device", "progress")
 RUNTIME_FIELDS: tuple[str, ...] = runtime_fields("run")
+
+
+def config_sha256(cfg: TrainConfig | dict) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces) of a configuration without
+    its :data:`RUNTIME_FIELDS`: equal for a run and its bit-exact replay. A noise key's
+    binding (``private/key_binding.json``) names the configuration it was made for."""
+    d = cfg.to_dict() if isinstance(cfg, TrainConfig) else dict(cfg)
+    for k in RUNTIME_FIELDS:
+        d.pop(k, None)
+    text = json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def number(text: str) -> int | float:

@@ -17,7 +17,8 @@ from fl.errors import ClientFailure, UsageError
 from fl.local_step import local_step
 from fl.privacy import rng as R
 from fl.privacy.accounting import Event
-from fl.privacy.dpsgd import DpSgdParams
+from fl.privacy.canary_clients import CanaryClients, check_supported
+from fl.privacy.dpsgd import DpSgdParams, server_noise_fault
 from fl.privacy.rng import derive_seed
 from fl.rounds import RoundInfo
 from fl.trainer import TrainResult
@@ -174,6 +175,37 @@ class ServerContext:
 
     def __init__(self, engine):  # engine: fl.engine.Engine
         self.e = engine
+        self._canary_clients: CanaryClients | None = None
+        if engine.cfg.canary_clients > 0:  # refused at set-up where it cannot be placed
+            check_supported(
+                engine.cfg.method,
+                engine.cfg.dp_level,
+                engine.client_scheme()[0],
+                engine.cfg.canary_clients,
+            )
+
+    @property
+    def canary_clients(self) -> CanaryClients | None:
+        """The run's canary clients (``--canary-clients``; None without), built on first
+        use: their set is drawn from the secret key after the noise is calibrated."""
+        e = self.e
+        if e.cfg.canary_clients <= 0:
+            return None
+        if self._canary_clients is None:
+            scheme, m, K = e.client_scheme()
+            self._canary_clients = CanaryClients(
+                e.cfg.canary_clients,
+                e.cfg.clip,
+                e.rand,
+                e.out,
+                method=e.cfg.method,
+                scheme=scheme,
+                rate=m / K if scheme == "poisson" else 1.0,
+                rounds=e.cfg.rounds,
+                sigma=e.sigma,
+                delta=e.delta,
+            )
+        return self._canary_clients
 
     @property
     def cfg(self) -> TrainConfig:
@@ -204,7 +236,8 @@ class ServerContext:
         return self.e.rand.round_stream("server", rnd.index, purpose)
 
     def noise(self, shape, std, gen) -> torch.Tensor:
-        return R.draw_normal(gen, shape, std)
+        noise = R.draw_normal(gen, shape, std)
+        return server_noise_fault(noise, self.e.cfg) if self.e.cfg.inject_fault else noise
 
     def record_client_level_release(self, rnd: RoundInfo, stage: str, count: int = 1, sigma=None):
         self.e.record_client_level(rnd, stage, count, sigma)

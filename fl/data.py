@@ -242,12 +242,15 @@ def partition(
     iid: a seeded shuffle cut into near-equal parts. dirichlet: for each class, the
     class's examples are split among clients by proportions ~ Dir(α·1) (smaller α =
     more label skew). A draw that leaves a client with fewer than ``min_size``
-    examples is redrawn (up to ``max_tries`` times, then a clear error).
+    examples (at least 1: never an empty client) is redrawn (up to ``max_tries`` times, then a clear error).
     Returns one sorted index array per client; every position is in exactly one.
     """
     n = len(labels)
     if num_clients <= 0:
         raise UsageError(f"number of clients must be >= 1, got {num_clients}")
+    # no client may be empty, whatever min_size says: an empty client has no sampling
+    # rate and trains nothing
+    min_size = max(int(min_size), 1)
     if n < num_clients * min_size:
         raise UsageError(f"{n} examples cannot give {num_clients} clients at least {min_size} each")
     rng = np.random.default_rng([seed, 0xC11E])
@@ -270,8 +273,9 @@ def partition(
         if min(len(p) for p in parts) >= min_size:
             return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
     raise UsageError(
-        f"Dirichlet(α={dirichlet_alpha}) partition left a client with fewer than {min_size} "
-        f"examples in {max_tries} draws; raise --dirichlet-alpha or lower --clients"
+        f"Dirichlet(α={dirichlet_alpha}) partition left a client with "
+        + ("no examples" if min_size == 1 else f"fewer than {min_size} examples")
+        + f" in {max_tries} draws; raise --dirichlet-alpha or lower --clients"
     )
 
 

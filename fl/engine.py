@@ -61,17 +61,25 @@ from fl.models import load_tokenizer, resolve_device
 from fl.plan import PrivacyPlan
 from fl.privacy import rng as R
 from fl.privacy.accounting import Event, PrivacyError, epsilon
+from fl.privacy.gradient_canaries import GradientCanaries
 from fl.privacy.rng import derive_seed
 from fl.release import write_release
 from fl.rundir import (
     MANIFEST,
     SCHEMA_VERSION,
     SPLITS,
+    StartUndo,
     append_metrics,
     jsonable,
     truncate_metrics,
 )
-from fl.runsetup import draw_client_ranks, make_canaries, run_randomness
+from fl.runsetup import (
+    check_client_sizes,
+    check_max_length,
+    draw_client_ranks,
+    make_canaries,
+    run_randomness,
+)
 from fl.tokenized import TokenizedData
 from fl.trainer import LocalTrainer, TrainResult, poisson_masks
 from fl.transport import Dispatcher, transport_class
@@ -100,9 +108,13 @@ class Engine(PrivacyPlan):
         resume: bool = False,
         quiet: bool = False,
         noise_key: str | Path | R.NoiseKey | None = None,
+        allow_key_reuse: bool = False,
     ):
         self.cfg = cfg.validate()
         self.noise_key_arg = noise_key
+        self.allow_key_reuse = allow_key_reuse
+        self._setup_done = False
+        self._rounds_begun = False  # a fresh start is undone on failure until then
         self.rand: R.RunRandomness | None = None
         self.out = Path(out)
         self.resume = resume
@@ -138,6 +150,10 @@ class Engine(PrivacyPlan):
 
     # ---- set-up ------------------------------------------------------------------
     def setup(self) -> None:
+        """Load and check everything the run needs (no file of the run is written here:
+        ``run`` calls it before ``_start_files``). Done once."""
+        if self._setup_done:
+            return
         cfg = self.cfg
         self.device = resolve_device(cfg.device)
         self.method_cls = registry.get(cfg.method)
@@ -166,14 +182,19 @@ class Engine(PrivacyPlan):
             cfg.seed,
             cfg.min_client_size,
         )
+        check_client_sizes(parts, cfg)
         self.client_positions = {str(k): p for k, p in enumerate(parts)}
         self.client_ranks = draw_client_ranks(cfg)
         self._setup_randomness()
+        check_max_length(cfg)
         tok = load_tokenizer(cfg.model)
         texts, prompts, self.position_ids = subset(ds, split.members)
         labels = list(ds.labels[split.members])
         self.public_sizes = {c: len(p) for c, p in self.client_positions.items()}
-        self._canaries = make_canaries(cfg, ds, split, self.rand, self.client_ids())
+        gradient = cfg.canaries > 0 and cfg.canary_kind == "gradient"
+        self._canaries = (
+            {} if gradient else make_canaries(cfg, ds, split, self.rand, self.client_ids())
+        )
         for c in self._canaries.get("canaries", []):
             if c["included"]:
                 # Added to the client's data (add/remove neighbours), never replacing
@@ -197,24 +218,36 @@ class Engine(PrivacyPlan):
             frozen_encoder=not getattr(self.method_cls, "trains_factors", True),
         )
         self.trainer.prefix.notify = self.log
+        if gradient:  # white-box Dirac canaries in DP-SGD's sums (fl.privacy.gradient_canaries)
+            self._canaries = GradientCanaries.for_engine(self).splits_doc()
         self.server = ServerContext(self)
         self.method = self.method_cls(self.server, self.options)
         self._setup_privacy()
         self.method.init_state(self.trainer.initial_state())
         self.start_round = 0
         self.metrics_rows: list[dict] = []
+        self._setup_done = True
 
     def _setup_randomness(self) -> None:
         """The run's noise streams (:func:`fl.runsetup.run_randomness`), made once."""
         if self.rand is not None:
             return
         self.rand = run_randomness(
-            self.cfg, self.noise_key_arg, self.out, self.resume, self._pending_log
+            self.cfg,
+            self.noise_key_arg,
+            self.out,
+            self.resume,
+            self._pending_log,
+            allow_key_reuse=self.allow_key_reuse,
         )
 
     # ---- run -----------------------------------------------------------------------
-    def prepare_out(self) -> None:
+    def prepare_out(self) -> StartUndo | None:
+        """Check (and create) the output folder. A fresh start returns what it found there
+        (:class:`fl.rundir.StartUndo`), so that a start failing before its first round
+        leaves the folder as it was; a resume returns None (its files are never undone)."""
         out = self.out
+        undo = None
         if self.resume:
             if not out.is_dir():
                 raise UsageError(f"--resume: {out} does not exist")
@@ -230,31 +263,59 @@ class Engine(PrivacyPlan):
                 raise UsageError(
                     f"output directory {out} is not empty (use --resume to continue a run)"
                 )
+            undo = StartUndo(out)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError, PermissionError) as exc:
+            if undo is not None:
+                undo.rollback()
             raise UsageError(
                 f"cannot create output directory {out}: {exc.strerror or exc}"
             ) from None
         if not os.access(out, os.W_OK):
             raise UsageError(f"output directory {out} is not writable")
+        return undo
 
     def _start_files(self) -> None:
-        """Under the run lock: the noise key, then config.json. From config.json on,
-        `--resume DIR` knows the configuration and finds the key beside it; a start
-        killed before config.json released nothing, so its key may be replaced."""
+        """Under the run lock, after ``setup`` checked and loaded everything: the noise key
+        and its binding (the configuration it was made for: ``--noise-key`` checks it),
+        then config.json. From config.json on, `--resume DIR` knows the configuration and
+        finds the key beside it; a start killed before config.json released nothing, so
+        its key may be replaced."""
         self._setup_randomness()
         if self.resume:
             return
         if self.rand.private:
             self.rand.key.write(self.out, overwrite=True)
+            self.rand.key.write_binding(self.out, self.rand.binding_sha256, self.rand.reused_key)
         atomic_write_json(self.out / "config.json", self.cfg.to_dict())
 
     def run(self) -> dict:
-        self.prepare_out()
-        with RunLock(self.out):
+        undo = self.prepare_out()
+        try:
+            lock = RunLock(self.out)
+            lock.__enter__()
+        except BaseException:
+            # the folder is another process's (or cannot be locked): undo only a folder
+            # this start created, never entries another process may be writing
+            if undo is not None and undo.created_root is not None:
+                undo.rollback()
+            raise
+        try:
+            # Everything (data, partition, model, tokenizer, options, σ) is loaded and
+            # checked before the first file of the run is written; a failure up to the
+            # first round undoes what this start wrote (never a resumed run's files).
+            self.setup()
             self._start_files()
             return self._run_locked()
+        except BaseException:
+            if undo is not None and not self._rounds_begun:
+                # (checkpoint/ is first written by the first round's journal)
+                if not (self.out / "checkpoint").exists():
+                    undo.rollback()  # under the lock; .lock itself goes with it
+            raise
+        finally:
+            lock.__exit__(None, None, None)
 
     def _run_locked(self) -> dict:
         t0 = time.time()
@@ -390,6 +451,7 @@ class Engine(PrivacyPlan):
 
     def _write_inflight(self, r: int, planned: list[Event]) -> None:
         """Journal a round before anything of it is sent (:mod:`fl.inflight`)."""
+        self._rounds_begun = True  # from here a failed start is not undone
         attempt = self.rand.attempts.get(r, 0)
         charged = self._inflight_charged.get(r, [])
         inflight.write(self.out, r, attempt, self.device.type, self.cfg.transport, planned, charged)
@@ -507,7 +569,8 @@ class Engine(PrivacyPlan):
         sealed = [n for n in _SEALED_FILES if (self.out / n).is_file()]
         seal(manifest, self.rand.key, file_hashes(self.out, sealed))
         atomic_write_json(self.out / MANIFEST, manifest)
-        write_release(self.out, self.out / "release", key=self.rand.key)
+        if not cfg.inject_fault:  # a run with a planted fault (tests only) is never released
+            write_release(self.out, self.out / "release", key=self.rand.key)
         self.log(
             f"done: accuracy={final.get('accuracy', float('nan')):.4f} "
             + (
@@ -527,12 +590,17 @@ def train(
     quiet: bool = False,
     noise_key: str | Path | R.NoiseKey | None = None,
     reenact: list | None = None,
+    allow_key_reuse: bool = False,
 ) -> dict:
     """Run (or resume) a federated training run; returns the manifest. ``noise_key``: a
     key file (or key) to reuse instead of a fresh secret one (a replay). ``reenact``: the
     replayed run's ledger events; the rounds it re-run after a stop are re-run here as
-    the same attempt, with its ``interrupted`` charges at the same place in the ledger."""
-    eng = Engine(cfg, out, resume=resume, quiet=quiet, noise_key=noise_key)
+    the same attempt, with its ``interrupted`` charges at the same place in the ledger.
+    ``allow_key_reuse``: a key file made for another configuration is accepted (else
+    refused); the run's noise is then recorded as not private (:mod:`fl.runsetup`)."""
+    eng = Engine(
+        cfg, out, resume=resume, quiet=quiet, noise_key=noise_key, allow_key_reuse=allow_key_reuse
+    )
     if reenact:
         eng._reenact = inflight.attempts_from_ledger(reenact)
     return eng.run()

@@ -13,7 +13,7 @@ optimizer step, hook.after_step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +45,13 @@ class DpSgd:
     #: bool over the flattened coordinates of the trained parameters, True on the head's
     #: (set by :meth:`start`; used when ``dp.head_share`` > 0)
     head_cols: torch.Tensor | None = None
+    #: this local training's gradient canaries (``--canary-kind gradient``:
+    #: :class:`fl.privacy.gradient_canaries.ClientCanaries`, set by the trainer); None
+    #: on every other run
+    canaries: object | None = None
+    #: a planted fault (``--inject-fault``, tests only:
+    #: :class:`fl.privacy.dpsgd.StepFault`, set by the trainer); None on every real run
+    fault: object | None = None
 
     def start(self, params: list[torch.nn.Parameter], names: list[str]) -> None:
         """Once per local training: which coordinates belong to the head."""
@@ -60,7 +67,15 @@ class DpSgd:
         if batch_size == 0:
             for p in params:
                 p.grad_sample = None
-        return clip_and_noise(params, self.dp, self.noise, batch_size, self.head_cols)
+        if self.fault is not None:  # a planted fault (tests only)
+            return clip_and_noise(
+                params, self.dp, self.noise, batch_size, self.head_cols, self.canaries, self.fault
+            )
+        if self.canaries is None:  # the default path: the call as it always was
+            return clip_and_noise(params, self.dp, self.noise, batch_size, self.head_cols)
+        return clip_and_noise(
+            params, self.dp, self.noise, batch_size, self.head_cols, canaries=self.canaries
+        )
 
 
 @dataclass
@@ -73,8 +88,16 @@ class SpaceDpSgd:
     noise: object
     transform: object
     per_sample = True
+    #: a planted noise factor (``--inject-fault``, tests only: the transform's noise
+    #: multiplier times this; set by the trainer); None on every real run
+    fault_noise_scale: float | None = None
 
     def __call__(self, params: list[torch.nn.Parameter], batch_size: int) -> dict:
+        if self.fault_noise_scale is not None:
+            dp = replace(
+                self.dp, noise_multiplier=self.dp.noise_multiplier * self.fault_noise_scale
+            )
+            return self.transform(params, dp, self.noise, batch_size)
         return self.transform(params, self.dp, self.noise, batch_size)
 
     def end_pass(self) -> None:

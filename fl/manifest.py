@@ -132,6 +132,8 @@ def build_manifest(eng, adapter: Path, wall: float, final: dict, eps: dict) -> d
     }
     manifest["visibility"] = "operator"
     manifest["device"] = eng.device.type
+    if cfg.inject_fault:  # --inject-fault (tests only): never released, never audited from
+        manifest["injected_fault"] = cfg.inject_fault
     return manifest
 
 

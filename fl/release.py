@@ -78,6 +78,8 @@ PUBLIC_FIELDS: dict = {
             "key_id": True,
             "warning": True,
             "note": True,
+            # a key reused on another configuration: the original's config hash
+            "reused_key": True,
         },
         "epsilon": True,
         "ledger": True,
@@ -211,6 +213,12 @@ def write_release(run_dir: str | Path, out_dir: str | Path, key=None) -> Path:
         raise UsageError(f"{mpath}: must hold a JSON object")
     if is_release(manifest):
         raise UsageError(f"{run_dir} is a release bundle already, not a run directory")
+    if manifest.get("injected_fault") or (manifest.get("config") or {}).get("inject_fault"):
+        raise UsageError(
+            f"{run_dir} was trained with a planted privacy fault (--inject-fault "
+            f"{manifest.get('injected_fault') or manifest['config']['inject_fault']}, tests "
+            "only): it is not private and is never released"
+        )
     adapter = run_dir / ADAPTER
     for name in ADAPTER_FILES:
         if not (adapter / name).is_file():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -50,6 +51,7 @@ __all__ = [
     "read_metrics",
     "append_metrics",
     "truncate_metrics",
+    "StartUndo",
 ]
 
 #: version of the manifest's schema (``manifest.json`` ``"schema_version"``)
@@ -201,3 +203,65 @@ def truncate_metrics(run: str | Path, completed: int) -> list[dict]:
     ]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
+
+
+# --------------------------------------------------------------------------- a failed start
+
+
+class StartUndo:
+    """What a fresh start found at its run directory, so that a start that fails before
+    its first round leaves the directory as it found it: absent (with any parent folder
+    the start created), or holding exactly the entries it held (a fresh start accepts
+    only an empty folder, hidden entries and a ``private/`` folder). Entries that were
+    there are never touched; everything the start added is removed."""
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        # the topmost folder this start will create (out itself or a missing parent)
+        self.created_root: Path | None = None
+        p = self.out.absolute()
+        while not os.path.lexists(p):
+            self.created_root = p
+            if p.parent == p:
+                break
+            p = p.parent
+        self.before: set[str] = set()
+        if self.created_root is None and self.out.is_dir():
+            for root, dirs, files in os.walk(self.out):
+                rel = Path(root).relative_to(self.out)
+                self.before.update(str(rel / n) for n in dirs + files)
+
+    def rollback(self) -> None:
+        """Remove what the start added (best effort: a failure here must not hide the
+        error that made the start fail)."""
+        if self.created_root is not None:
+            shutil.rmtree(self.out, ignore_errors=True)
+            p = self.out.absolute().parent
+            root = self.created_root
+            while p == root or root in p.parents:
+                try:
+                    p.rmdir()  # only if empty: never removes anything else
+                except OSError:
+                    break
+                p = p.parent
+            return
+        if not self.out.is_dir():
+            return
+        for root, dirs, files in os.walk(self.out, topdown=True):
+            rel = Path(root).relative_to(self.out)
+            for n in files:
+                if str(rel / n) not in self.before:
+                    try:
+                        (Path(root) / n).unlink()
+                    except OSError:
+                        pass
+            keep = []
+            for n in dirs:
+                path = Path(root) / n
+                if str(rel / n) in self.before:
+                    keep.append(n)
+                elif path.is_symlink():
+                    path.unlink(missing_ok=True)
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
+            dirs[:] = keep

@@ -21,6 +21,7 @@ import torch
 from fl import causal_lm
 from fl import factors as F
 from fl.config import TrainConfig
+from fl.errors import UsageError
 from fl.local_step import DpSgd, Hook, local_step
 from fl.models import LoraSpec, load_base_model, wrap_lora
 from fl.privacy import rng as R
@@ -38,6 +39,21 @@ def poisson_masks(source, n: int, q: float, steps: int) -> list[torch.Tensor]:
     U_{t,i} < q, with U from the noise stream ``source`` (secret: the amplification by
     sampling holds only if nobody can predict the batches)."""
     return [R.bernoulli_mask(source, n, q) for _ in range(steps)]
+
+
+def fixed_batches(source, n: int, q: float, steps: int) -> list[torch.Tensor]:
+    """PLANTED FAULT ``fixed_batches`` (``--inject-fault``, tests only): a secret shuffle of
+    the n examples cut into batches of round(q·n), cycled through the steps, instead of
+    Poisson sampling (still accounted as Poisson)."""
+    perm = np.argsort(R.integers(source, 1 << 30, n), kind="stable")
+    size = max(1, int(round(q * n)))
+    out = []
+    for t in range(steps):
+        nb = -(-n // size)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[torch.as_tensor(perm[(t % nb) * size : (t % nb + 1) * size])] = True
+        out.append(mask)
+    return out
 
 
 def _join_grad_samples(params: list[torch.nn.Parameter]) -> None:
@@ -130,6 +146,9 @@ class LocalTrainer:
         self._in_train_mode = False  # see run()
         self.lr_scale = 1.0  # the last run()'s lr_schedule multiplier (lr_of)
         self._hook_key = frozenset({"A", "B", "head"})
+        #: the run's gradient canaries (``--canary-kind gradient``, set by the engine's
+        #: set-up: :class:`fl.privacy.gradient_canaries.GradientCanaries`); None otherwise
+        self.gradient_canaries = None
 
     def _ensure_hooks(self, trainable: set[str]) -> None:
         """Opacus hooks only the modules that were trainable when hooks were added; a
@@ -250,6 +269,8 @@ class LocalTrainer:
             h.start(params, flat_names)
         if isinstance(privatizer, DpSgd):
             privatizer.start(params, flat_names)
+        canaries = self._begin_canaries(privatizer, params, flat_names, q, steps)
+        fault = self._plant_fault(privatizer, params, flat_names) if cfg.inject_fault else None
         pos_t = torch.as_tensor(positions, dtype=torch.long)
         per_sample = privatizer.per_sample
         end_pass = getattr(privatizer, "end_pass", None)
@@ -258,7 +279,15 @@ class LocalTrainer:
         # Losses and DP stats stay on the device until the end (no host sync per step).
         losses, examples, dp_stats = [], 0, DpStats()
         try:
-            for mask in poisson_masks(batch_source, n, q, steps):
+            if fault == "fixed_batches":  # planted fault (tests only): no Poisson sampling
+                masks = fixed_batches(batch_source, n, q, steps)
+                if canaries is not None:  # a canary is one more record of the shuffle
+                    nb = -(-n // max(1, int(round(q * n))))
+                    slot = R.integers(batch_source, nb, len(canaries.included))
+                    canaries.coins = [slot == t % nb for t in range(steps)]
+            else:
+                masks = poisson_masks(batch_source, n, q, steps)
+            for mask in masks:
                 idx = pos_t[mask]
                 b = len(idx)
                 examples += b
@@ -295,8 +324,14 @@ class LocalTrainer:
                 self.gsm.disable_hooks()
                 for p in params:
                     p.grad_sample = None
+            if canaries is not None:
+                privatizer.canaries = None
+            if fault is not None:
+                privatizer.fault = None
             if self.device.type == "cpu":
                 release_freed_memory()
+        if canaries is not None:
+            self.gradient_canaries.finish(canaries)
         state = F.get_state(self.model, self._maps())
         losses = [float(loss) / b for loss, b in losses]
         result = TrainResult(
@@ -307,6 +342,67 @@ class LocalTrainer:
             dp_stats.summary(),
         )
         return result, opt.state_dict()
+
+    def _begin_canaries(self, privatizer, params, names, q: float, steps: int):
+        """The gradient canaries of this local training, handed to the DP-SGD privatizer
+        (:mod:`fl.privacy.gradient_canaries`); None without them (the default path) or
+        without DP-SGD. A per-sample privatizer in a method's own space cannot take them."""
+        gc = self.gradient_canaries
+        if gc is None or not getattr(privatizer, "per_sample", False):
+            return None
+        if not isinstance(privatizer, DpSgd):
+            raise UsageError(
+                "gradient canaries enter DP-SGD's flat clipped sum; this method privatizes "
+                "in its own space (FedASK's W-space clipping): use input canaries"
+            )
+        dp = privatizer.dp
+        cc = gc.begin(privatizer.noise, params, names, q, steps, dp.clip, dp.noise_multiplier)
+        privatizer.canaries = cc
+        return cc
+
+    def _plant_fault(self, privatizer, params, names):
+        """PLANTED FAULT (``--inject-fault``, tests only: auditing the auditor): hand this
+        local training's fault to its DP-SGD privatizer (:class:`fl.privacy.dpsgd.
+        StepFault`, or a noise factor for a method's own space). Returns what was planted
+        (the fault's name for ``fixed_batches``, which :meth:`run` applies to the batches),
+        or None when the fault is not a local-step fault or the training has no DP-SGD."""
+        from fl.config import FAULT_SERVER, parse_fault
+        from fl.local_step import SpaceDpSgd
+        from fl.privacy.dpsgd import StepFault
+
+        name, value = parse_fault(self.cfg.inject_fault, self.cfg.dp_level, self.cfg.method)
+        if name == FAULT_SERVER or not getattr(privatizer, "per_sample", False):
+            return None
+        if name == "fixed_batches":
+            return name
+        scale = {"noise_scale": value, "fedask_stage1_unnoised": 0.0}.get(name)
+        scale = None if scale is None else float(scale)
+        if isinstance(privatizer, SpaceDpSgd):
+            if scale is None:
+                raise UsageError(
+                    f"inject_fault {name} is planted in the flat DP-SGD step; this method "
+                    "privatizes in its own space (FedASK: use --opt clip_space=b)"
+                )
+            privatizer.fault_noise_scale = scale
+            return privatizer
+        fault = StepFault(noise_scale=1.0 if scale is None else scale)
+        fault.no_clip = name == "no_clip"
+        fault.reuse = name == "noise_reuse"
+        if name in ("head_unnoised", "factor_unnoised"):
+            fault.unnoised = torch.cat(
+                [
+                    torch.full(
+                        (p.numel(),),
+                        nm.startswith("head/")
+                        if name == "head_unnoised"
+                        else nm.startswith("factors/") and nm.endswith("/" + value),
+                        dtype=torch.bool,
+                    )
+                    for p, nm in zip(params, names)
+                ]
+            )
+        privatizer.fault = fault
+        return fault
 
     #: the fixed cost of one forward/backward pass on the CPU, in padded tokens: the
     #: length buckets' trade-off (:func:`fl.tokenized.length_chunks`). Measured on

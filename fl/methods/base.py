@@ -228,6 +228,16 @@ class Method:
             for upd in clipped:
                 for k, u in zip(names, upd):
                     total[k] += u
+        canaries = srv.canary_clients  # --canary-clients (audit); None by default
+        if canaries is not None:
+            # Canary clients taking part this round: fixed updates of norm C, through the
+            # same clip as a client, into the sum before the noise (fl.privacy.canary_clients).
+            shapes = [tuple(base[k].shape) for k in names]
+            ids = canaries.taking_part(rnd.index)
+            for chunk in canaries.dense_update_chunks(names, shapes, ids):
+                for upd in clipping.clip_dense_clients(chunk, srv.clip)[0]:
+                    for k, u in zip(names, upd):
+                        total[k] += u
         sigma = srv.noise_multiplier
         gen = srv.noise_generator(rnd, "client-level")
         m = srv.expected_clients_per_round
@@ -236,4 +246,8 @@ class Method:
             noise = srv.noise(tuple(total[k].shape), sigma * srv.clip, gen)
             out[k] = (base[k].float() + (total[k] + noise) / m).to(base[k].dtype)
         srv.record_client_level_release(rnd, stage="aggregate", count=1)
+        if canaries is not None:
+            canaries.observe_dense(
+                rnd.index, names, [base[k] for k in names], [out[k] for k in names]
+            )
         return F.unflatten_state(out), clipping.stats(norms, srv.clip)

@@ -20,6 +20,7 @@ from fl.privacy.rng import NoiseSource
 from fl.rounds import RoundInfo
 
 if TYPE_CHECKING:
+    from fl.privacy.canary_clients import CanaryClients
     from fl.privacy.dpsgd import DpSgdParams
 
 
@@ -178,6 +179,12 @@ class ServerView(Protocol):
         self, rnd: RoundInfo, stage: str, count: int = 1, sigma: float | None = None
     ) -> None:
         """Enter ``count`` client-level Gaussian releases of this round into the ledger."""
+        ...
+
+    @property
+    def canary_clients(self) -> CanaryClients | None:
+        """The run's canary clients (``--canary-clients``), None without
+        (``fl.privacy.canary_clients``)."""
         ...
 
     def log(self, msg: str) -> None: ...

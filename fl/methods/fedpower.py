@@ -387,8 +387,16 @@ class FedPower(Method):
             metrics["skipped"] = "no client replied"
             return metrics
         states = [replies.ok[c]["state"] for c in cids]
+        n_real = len(states)
+        canaries = srv.canary_clients if client_level else None  # --canary-clients (audit)
         if client_level:
             p = 1.0 / srv.expected_clients_per_round
+            if canaries is not None:
+                # Canary clients taking part this round: one more client state each, of
+                # ‖ΔW‖ = C and head update C, through the same clips, before the noise.
+                states = states + canaries.factored_states(
+                    self.global_state, srv.scaling, canaries.taking_part(rnd.index), self.clip()
+                )
             weights = [p] * len(states)
             if not states:
                 # An empty cohort must still release (pure noise): skipping would reveal
@@ -424,6 +432,13 @@ class FedPower(Method):
             # One event per round: the k releases of multiplier σ_rel on one cohort
             # compose to one Gaussian of multiplier σ_rel/√k = the engine's σ.
             srv.record_client_level_release(rnd, stage="aggregate", count=1)
+        if canaries is not None:
+            canaries.observe_factored(
+                rnd.index,
+                self.global_state,
+                {"factors": res.factors, "head": res.head},
+                srv.scaling,
+            )
         self.global_state = {"factors": res.factors, "head": res.head}
         errs = [v for v in res.subspace_error.values() if v == v]
         top1 = [
@@ -438,7 +453,7 @@ class FedPower(Method):
                 "subspace_error_max": max(errs) if errs else None,
                 "subspace_error_top1": sum(top1) / len(top1) if top1 else None,
                 "gap_to_noise_min": min(gaps) if gaps else None,
-                **clipping.stats(res.norms, self.clip()),
+                **clipping.stats(res.norms[:n_real], self.clip()),
                 "releases_per_round": self.round_releases() if client_level else 0,
                 "release_noise_multiplier": sigma_rel,
                 "server_seconds": server_seconds,

@@ -208,6 +208,10 @@ def _epsilon_of_mechanisms(
         )
     )
     eps = float(acc.get_epsilon(delta))
+    if accountant == "pld" and not eps > 0.0:
+        # PLD's grid rounds a tiny privacy loss (σ ≳ 1e5) to ε = 0; a positive σ is never
+        # perfectly private, so report RDP's figure (an upper bound) rather than understate
+        return _epsilon_of_mechanisms(mechs, delta, "rdp", discretization)
     return max(eps, 0.0)
 
 

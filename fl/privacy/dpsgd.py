@@ -191,15 +191,74 @@ def split_bounds(dp: DpSgdParams, head_cols: torch.Tensor | None) -> tuple[float
     return dp.clip * math.sqrt(dp.head_share), dp.clip * math.sqrt(1.0 - dp.head_share)
 
 
+@dataclass
+class StepFault:
+    """A planted privacy fault of one local training (``--inject-fault``, TESTS ONLY: for
+    auditing the auditor, docs/audit.md "Planted faults"). :func:`clip_and_noise` takes it
+    as ``fault``; None (every real run) leaves the step exactly as it is.
+
+    - ``noise_scale``: the drawn noise multiplied by this factor (the ledger unchanged);
+    - ``no_clip``: every example's gradient enters the sum unclipped (a canary's too);
+    - ``unnoised``: a bool over the flattened coordinates of the trained parameters: no
+      noise there (the head, or one LoRA factor);
+    - ``reuse``: the first step's noise draw is added again at every later step of the
+      local training (no fresh draw).
+    """
+
+    noise_scale: float = 1.0
+    no_clip: bool = False
+    unnoised: torch.Tensor | None = None
+    reuse: bool = False
+    _kept: torch.Tensor | None = None
+
+    def noise(self, params, std: float, source, device: torch.device) -> torch.Tensor:
+        """The step's noise under the fault (a fresh tensor; the kept draw is never
+        modified)."""
+        if self.reuse and self._kept is not None:
+            noise = self._kept.clone()
+        else:
+            noise = flat_noise(params, std, source, device)
+            if self.reuse:
+                self._kept = noise.clone()
+        if self.noise_scale != 1.0:
+            noise = noise * self.noise_scale
+        if self.unnoised is not None:
+            noise = torch.where(self.unnoised.to(noise.device), torch.zeros_like(noise), noise)
+        return noise
+
+
+def server_noise_fault(noise: torch.Tensor, cfg) -> torch.Tensor:
+    """PLANTED FAULT at client level (``--inject-fault``, tests only): the server's noise
+    draw times F (``noise_scale=F``) or times 0 (``server_noise_omitted``); any other fault
+    leaves it. Called by ``fl.contexts.ServerContext.noise`` only when a fault is set."""
+    name, _, value = cfg.inject_fault.partition("=")  # validated with the config
+    name = name.strip()
+    if cfg.dp_level != "client" or name not in ("noise_scale", "server_noise_omitted"):
+        return noise
+    return noise * (0.0 if name == "server_noise_omitted" else float(value))
+
+
 def clip_and_noise(
     params: list[torch.nn.Parameter],
     dp: DpSgdParams,
     generator,
     batch_size: int,
     head_cols: torch.Tensor | None = None,
+    canaries=None,
+    fault: StepFault | None = None,
 ) -> dict:
     """Replace each param's ``.grad`` with (Σ_i clip(g_i) + N(0, σ²C²I)) / (q·n), in one
     fused step over all ``params`` (module doc).
+
+    ``canaries``: the gradient canaries of this local training
+    (:class:`fl.privacy.gradient_canaries.ClientCanaries`) or None (the default path,
+    untouched). Each sampled included canary is one more record whose clipped gradient
+    is C·e_j: it adds C at its coordinate of the clipped sum *before* the noise, which is
+    drawn and added exactly as without canaries; the privatized sum is then read at the
+    client's canary coordinates (the white-box observation).
+
+    ``fault``: a planted fault (:class:`StepFault`, ``--inject-fault``, tests only) or None
+    (every real run: the path below is then exactly the one without the argument).
 
     ``batch_size`` is the realized Poisson batch (may be 0: then only noise; stale
     ``grad_sample`` is ignored). The noise is always drawn and added. Returns the
@@ -227,6 +286,8 @@ def clip_and_noise(
         f_rest, _ = device_clip_factors(n_rest, split[1])
         _, stats = device_clip_factors(norms, dp.clip)
         finite = torch.isfinite(norms)
+        if fault is not None and fault.no_clip:  # planted fault: no per-example clip
+            f_head = f_rest = finite.to(f_head.dtype)
         f_head = torch.where(finite, f_head, torch.zeros_like(f_head))
         f_rest = torch.where(finite, f_rest, torch.zeros_like(f_rest))
         clipped = finite & ((n_head > split[0]) | (n_rest > split[1]))
@@ -236,6 +297,8 @@ def clip_and_noise(
     elif batch_size > 0:
         g = flat_per_sample(params)
         factor, stats = device_clip_factors(g.square().sum(dim=1).sqrt(), dp.clip)
+        if fault is not None and fault.no_clip:  # planted fault: no per-example clip
+            factor = torch.isfinite(g).all(dim=1).to(factor.dtype)
         # A row with a finite norm has only finite entries; the others have factor 0,
         # and 0·NaN = NaN, so their entries are zeroed first.
         torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
@@ -244,8 +307,19 @@ def clip_and_noise(
         summed = torch.zeros(sum(sizes), device=device)
         zero = torch.zeros((), device=device)
         stats = {"mean_norm": zero, "frac_clipped": zero, "nonfinite": zero.long()}
-    noise = flat_noise(params, dp.noise_multiplier * dp.clip, generator, device)
-    released = summed.add_(noise.to(summed.dtype)).div_(dp.expected_batch)
+    if canaries is not None:
+        if fault is None:
+            canaries.contribute(summed)
+        else:
+            canaries.contribute(summed, clip=not fault.no_clip)
+    if fault is None:
+        noise = flat_noise(params, dp.noise_multiplier * dp.clip, generator, device)
+    else:
+        noise = fault.noise(params, dp.noise_multiplier * dp.clip, generator, device)
+    released = summed.add_(noise.to(summed.dtype))
+    if canaries is not None:
+        canaries.observe(released)
+    released = released.div_(dp.expected_batch)
     for p, r in zip(params, released.split(sizes)):
         p.grad = r.view(p.shape).to(p.dtype)
         p.grad_sample = None

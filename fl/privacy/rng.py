@@ -49,6 +49,8 @@ from fl.errors import UsageError
 KEY_BYTES = 32  # 256-bit run key (the issue asks for at least 128)
 KEY_FILE = "noise.key"
 PRIVATE_DIR = "private"
+#: beside the key: the configuration it was made for (``--noise-key`` checks it)
+BINDING_FILE = "key_binding.json"
 _STREAM_LABEL = b"fedlora-audit/noise-stream/v1\x00"
 _KEY_ID_LABEL = b"fedlora-audit/key-id/v1"
 _U53 = float(2.0**-53)
@@ -258,6 +260,52 @@ class NoiseKey:
             raise
         return path
 
+    def write_binding(
+        self, run_dir: str | Path, config_sha256: str | None, reused_key: dict | None = None
+    ) -> Path:
+        """Write ``run_dir/private/key_binding.json`` (0600, atomically): this key's id and
+        the sha256 of the configuration it was made for (None: unknown), and for a run
+        made with a reused key (``--allow-key-reuse``) the ``reused_key`` record, so a
+        resume keeps calling it not private and a further reuse is refused."""
+        d = Path(run_dir) / PRIVATE_DIR
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+        doc = {"key_id": self.key_id, "config_sha256": config_sha256}
+        if reused_key:
+            doc["reused_key"] = dict(reused_key)
+        path = d / BINDING_FILE
+        tmp = d / f".{BINDING_FILE}.{os.getpid()}.tmp"
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(json.dumps(doc, sort_keys=True) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path
+
+
+def read_key_binding(folder: str | Path, key: NoiseKey) -> dict | None:
+    """The binding in ``folder`` (a key file's folder) when it belongs to ``key``: a dict
+    with ``config_sha256`` (str or None) and maybe ``reused_key``; None when there is
+    none, it cannot be read, or it names another key."""
+    path = Path(folder) / BINDING_FILE
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("key_id") != key.key_id:
+        return None
+    sha = doc.get("config_sha256")
+    if sha is not None and not isinstance(sha, str):
+        return None
+    reused = doc.get("reused_key")
+    return {"config_sha256": sha, "reused_key": reused if isinstance(reused, dict) else None}
+
 
 def key_file_is_private(path: str | Path) -> bool:
     """True when only the owner can read the key file."""
@@ -269,7 +317,13 @@ class RunRandomness:
     """The streams of one run: keyed (private) or seeded (``insecure=True``)."""
 
     def __init__(
-        self, key: NoiseKey | None, seed: int, insecure: bool = False, no_dp: bool = False
+        self,
+        key: NoiseKey | None,
+        seed: int,
+        insecure: bool = False,
+        no_dp: bool = False,
+        reused_key: dict | None = None,
+        binding_sha256: str | None = None,
     ):
         if key is None and not (insecure or no_dp):
             raise UsageError("a private run needs a noise key")
@@ -277,6 +331,12 @@ class RunRandomness:
         self.no_dp = no_dp
         self.key = None if self.insecure else key
         self.seed = seed
+        # keyed streams under a key made for another configuration (--allow-key-reuse):
+        # still keyed (``private`` below means "keyed streams"), but the run is NOT
+        # private: its noise cancels against the first run's. ``describe`` says so.
+        self.reused_key = dict(reused_key) if reused_key and not self.insecure else None
+        # the configuration hash the key's binding names (written beside the key)
+        self.binding_sha256 = binding_sha256
         # round -> attempt: a round re-run after a stop that could not replay it bit for
         # bit draws fresh streams (its first attempt's releases may have been observed)
         self.attempts: dict[int, int] = {}
@@ -287,7 +347,15 @@ class RunRandomness:
 
     @property
     def private(self) -> bool:
+        """Whether the streams are keyed (secret key), not seeded. A keyed run under a
+        reused key is keyed but not private: see :attr:`noise_private`."""
         return not self.insecure
+
+    @property
+    def noise_private(self) -> bool:
+        """Whether the run's noise is private: keyed, under a key not reused from another
+        configuration (the manifest's ``privacy.noise.private``)."""
+        return not self.insecure and self.reused_key is None
 
     def stream(self, *parts) -> NoiseSource:
         """The stream named ``parts``. A private stream is issued once per process: the
@@ -327,7 +395,7 @@ class RunRandomness:
                 "(--insecure-deterministic-noise)",
                 "warning": "NOT PRIVATE: every noise draw can be regenerated from the seed",
             }
-        return {
+        d = {
             "source": "keyed_csprng",
             "private": True,
             "generator": GENERATOR_TEXT,
@@ -335,6 +403,16 @@ class RunRandomness:
             "key_id": self.key.key_id,
             "key_location": f"{PRIVATE_DIR}/{KEY_FILE} (operator only, never released)",
         }
+        if self.reused_key is not None:
+            orig = self.reused_key.get("original_config_sha256")
+            d["private"] = False
+            d["reused_key"] = dict(self.reused_key)
+            d["warning"] = (
+                "NOT PRIVATE: the noise key was reused from a run of another configuration "
+                f"({orig or 'unknown'}; --allow-key-reuse): the two runs' noise cancels in "
+                "their difference"
+            )
+        return d
 
 
 __all__ = [
@@ -350,5 +428,7 @@ __all__ = [
     "integers",
     "derive_seed",
     "key_file_is_private",
+    "read_key_binding",
+    "BINDING_FILE",
     "GENERATOR_TEXT",
 ]

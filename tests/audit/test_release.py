@@ -115,6 +115,12 @@ PUBLIC_MANIFEST = {
             "key_id": SCALAR,
             "warning": SCALAR,
             "note": SCALAR,
+            # --allow-key-reuse: the key id and the original and this run's config hashes
+            "reused_key": {
+                "key_id": SCALAR,
+                "original_config_sha256": SCALAR,
+                "config_sha256": SCALAR,
+            },
         },
         "epsilon": {"pld": SCALAR, "rdp": SCALAR},
         "ledger": {

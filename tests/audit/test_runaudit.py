@@ -235,6 +235,7 @@ def test_one_run_claim_check_at_client_level_allows_replace_one_client():
     ε that is (2ε, (1 + e^ε)δ) by group privacy, so a bound between ε and 2ε is no leak;
     at sample level the same bound exceeds the claim."""
     from audit.empirical import epsilon_one_run
+    from audit.fdp import fdp_one_run_bound
     from audit.runaudit import _claim_check
 
     rng = np.random.default_rng(0)
@@ -242,12 +243,17 @@ def test_one_run_claim_check_at_client_level_allows_replace_one_client():
     scores = inc + rng.normal(size=1000) * 0.01  # perfectly separated canaries
     res = epsilon_one_run(scores, inc, 1e-5, alpha=0.05)
     assert 4.0 < res["epsilon_lb"]  # ≈ 4.57 with 1000 canaries
-    sample = _claim_check({"privacy": {"level": "sample"}}, scores, inc, 1e-5, 0.05, 2.0, res)
-    assert sample["exceeds"] and sample["epsilon"] == 2.0
-    client = _claim_check({"privacy": {"level": "client"}}, scores, inc, 1e-5, 0.05, 2.0, res)
-    assert client["epsilon"] == 4.0 and client["delta"] == pytest.approx((1 + math.e**2) * 1e-5)
-    want = epsilon_one_run(scores, inc, client["delta"], alpha=0.05)["epsilon_lb"]
-    assert client["epsilon_lb"] == pytest.approx(want) and want < 4.0 < res["epsilon_lb"]
+    sample = _claim_check({"privacy": {"level": "sample"}}, scores, inc, 1e-5, 0.05, 2.3, res)
+    assert sample["exceeds"] and sample["epsilon"] == 2.3
+    client = _claim_check({"privacy": {"level": "client"}}, scores, inc, 1e-5, 0.05, 2.3, res)
+    assert client["epsilon"] == 4.6 and client["delta"] == pytest.approx((1 + math.e**2.3) * 1e-5)
+    # the claim is tested with the larger of the two certified bounds, each at α/2
+    d2 = client["delta"]
+    want = max(
+        epsilon_one_run(scores, inc, d2, alpha=0.025)["epsilon_lb"],
+        fdp_one_run_bound(scores, inc, d2, alpha=0.025, family="dp")["epsilon_lb"],
+    )
+    assert client["epsilon_lb"] == pytest.approx(want) and 2.3 < want < 4.6
     assert not client["exceeds"]  # between ε and 2ε: allowed for one canary
     tight = _claim_check({"privacy": {"level": "client"}}, scores, inc, 1e-5, 0.05, 1.0, res)
     assert tight["exceeds"] and tight["epsilon"] == 2.0  # above 2ε: a leak

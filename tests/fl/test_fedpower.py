@@ -156,6 +156,8 @@ def test_joint_clip_bounds_norm_and_zeroes_nonfinite():
 class FakeServer:
     """The part of fl.engine.ServerContext that FedPower uses (client-level DP)."""
 
+    canary_clients = None  # no --canary-clients
+
     def __init__(self, sigma, clip, k_expected, rank=3, scaling=0.5):
         self.cfg = SimpleNamespace(rank=rank, secure_rng=False, dp_level="client")
         self.scaling, self.dp_level, self.noise_multiplier = scaling, "client", sigma

@@ -192,3 +192,91 @@ def test_every_cli_entry_rejects_bad_input_with_one_line(cmd, extra, capsys, tmp
     assert rc == 2, (argv, err)
     assert len(err) == 1 and err[0].startswith("fedlora: error:"), (argv, err)
     assert not any("Traceback" in line for line in err)
+
+
+# --------------------------------------------------------------------------- numeric flags
+# Every numeric flag of `fedlora train` with 0, negative, NaN, inf, huge values and
+# non-numbers: each bad one is one line on stderr, exit 2, and nothing in --out (issue 37,
+# item 7; issue 36, item 2). Config-level checks reject before any model loads; the
+# data-dependent ones (empty clients, too many members) before the tokenizer loads.
+HUGE = str(10**30)
+BAD_NUMERIC = [
+    *[(f, v) for f in ("--max-length", "--members", "--test", "--clients", "--rounds",
+                       "--batch-size", "--rank", "--eval-every", "--eval-batch-size")
+      for v in ("0", "-1", "nan", "inf", "1e300", HUGE, "x")],
+    *[(f, v) for f in ("--nonmembers", "--canaries", "--lora-layers", "--min-client-size",
+                       "--head-warmup-rounds", "--seed")
+      for v in ("-1", "nan", "inf", HUGE, "x")],
+    *[("--local-steps", v) for v in ("0", "-1", "nan", HUGE, "x")],
+    *[(f, v) for f in ("--lr", "--alpha", "--clip", "--dirichlet-alpha")
+      for v in ("0", "-1", "nan", "inf", "-inf", "x")],
+    *[(f, v) for f in ("--head-lr", "--weight-decay", "--local-epochs", "--lora-dropout",
+                       "--head-clip-share")
+      for v in ("-1", "nan", "inf", "x")],
+    ("--clip", "1e300"), ("--local-epochs", "1e300"), ("--lora-dropout", "1"),
+    ("--head-clip-share", "1"), ("--max-length", "1000"),  # > tiny-bert's 256 positions
+    *[("--clients-per-round", v) for v in ("-1", "nan", "inf", "1e300", "x", "0.5x")],
+    *[("--epsilon", v) for v in ("0", "-1", "nan", "inf", "-inf", "1e300", "x")],
+    *[("--noise-multiplier", v) for v in ("-1", "-0.5", "nan", "inf", "1e300", "x")],
+    *[("--delta", v) for v in ("0", "-1", "1", "nan", "inf", "1e-300", "x")],
+]  # fmt: skip
+# flags that need DP to be checked at all
+_NEEDS_DP = {"--delta", "--clip", "--head-clip-share"}
+
+
+def _train_argv(flag, value, out):
+    from fl.testing import tiny_flags
+
+    base = tiny_flags(members=40, nonmembers=10, test=10, max_length=16, rounds=1,
+                      local_steps=1, batch_size=8)  # fmt: skip
+    extra = ["--noise-multiplier", "1.0"] if flag in _NEEDS_DP else []
+    return ["train", *base, *extra, flag, value, "--out", str(out)]
+
+
+@pytest.mark.parametrize(("flag", "value"), BAD_NUMERIC, ids=lambda x: str(x)[:12])
+def test_bad_numeric_flag_is_one_line_exit_2_and_leaves_nothing(flag, value, tmp_path, capsys):
+    out = tmp_path / "run"
+    try:
+        rc = main(_train_argv(flag, value, out))
+    except SystemExit as e:  # argparse: not a number
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, (flag, value, err)
+    assert len(err) == 1 and err[0].startswith("fedlora: error:"), err
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # many clients, few members, Dirichlet with a tiny α: some client gets nothing
+        ["--clients", "30", "--partition", "dirichlet", "--dirichlet-alpha", "0.01",
+         "--min-client-size", "0", "--epsilon", "8"],
+        ["--clients", "40", "--partition", "dirichlet", "--dirichlet-alpha", "0.001",
+         "--min-client-size", "0"],
+        ["--members", "100000"],  # more than the data set holds
+        ["--noise-multiplier", "1", "--delta", "0.5"],  # δ >= 1/n
+        ["--dataset", "missing.csv"],
+        ["--model", "/nonexistent/model"],
+        ["--method", "nope"],
+        ["--opt", "bogus=1"],
+    ],
+    ids=["dirichlet-empty", "dirichlet-empty-nodp", "members", "delta-1/n",
+         "dataset", "model", "method", "opt"],
+)  # fmt: skip
+def test_start_failing_on_data_or_options_leaves_nothing(argv, tmp_path, capsys):
+    from fl.testing import tiny_flags
+
+    base = tiny_flags(members=40, nonmembers=10, test=10, max_length=16, rounds=1,
+                      local_steps=1, batch_size=8)  # fmt: skip
+    for out in (tmp_path / "new" / "run", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+            (out / ".keep").write_text("x")  # a hidden file that was there stays
+        rc = main(["train", *base, *argv, "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith("fedlora: error:"), err
+        if out.name == "empty":
+            assert sorted(p.name for p in out.iterdir()) == [".keep"]
+        else:
+            assert not (tmp_path / "new").exists()

@@ -309,6 +309,7 @@ class StrictServer:
     clip = property(lambda self: 1.0)
     expected_clients_per_round = property(lambda self: float(len(CLIENTS)))
     model = property(lambda self: self._model)
+    canary_clients = property(lambda self: None)
 
     def client_rank(self, cid):
         return CLIENT_RANKS[cid]

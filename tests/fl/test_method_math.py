@@ -115,6 +115,8 @@ class _DPServer:
     """What Method.client_level_dp_average uses; σ = 0 and m = 1, so the new global is
     the global plus the clipped sum."""
 
+    canary_clients = None  # no --canary-clients
+
     def __init__(self, clip):
         self.clip, self.noise_multiplier, self.expected_clients_per_round = clip, 0.0, 1.0
         self.releases = 0
