@@ -575,10 +575,12 @@ RUNTIME_FIELDS: tuple[str, ...] = runtime_fields("run")
 
 def config_sha256(cfg: TrainConfig | dict) -> str:
     """sha256 of the canonical JSON (sorted keys, no spaces) of a configuration without
-    its :data:`RUNTIME_FIELDS`: equal for a run and its bit-exact replay. A noise key's
+    its :data:`RUNTIME_FIELDS` and transport: equal for a run and its bit-exact replay. A noise key's
     binding (``private/key_binding.json``) names the configuration it was made for."""
     d = cfg.to_dict() if isinstance(cfg, TrainConfig) else dict(cfg)
-    for k in RUNTIME_FIELDS:
+    # the transport moves the same computation elsewhere (Flower gives the in-process
+    # run's adapter and ledger bit for bit), so a run replayed on another is a replay
+    for k in (*RUNTIME_FIELDS, "transport"):
         d.pop(k, None)
     text = json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

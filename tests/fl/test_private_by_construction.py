@@ -58,8 +58,8 @@ def _denoise_distances(eng: Engine, released: dict, clean: dict, seeds) -> list[
     return out
 
 
-def _run(cfg, out, key=None) -> Engine:
-    eng = Engine(cfg, out, quiet=True, noise_key=key)
+def _run(cfg, out, key=None, allow_key_reuse=False) -> Engine:
+    eng = Engine(cfg, out, quiet=True, noise_key=key, allow_key_reuse=allow_key_reuse)
     eng.run()
     return eng
 
@@ -78,7 +78,8 @@ def test_denoising_attack_fails_on_default_run_and_works_on_insecure_run(tmp_pat
     # from the run's key), and still no seed in 0..1000 regenerates the noise.
     key = tmp_path / "dflt" / "private" / "noise.key"
     dflt = _run(_one_step_cfg(tiny_cfg), tmp_path / "dflt")
-    dflt0 = _run(_one_step_cfg(tiny_cfg, noise_multiplier=0.0), tmp_path / "dflt0", key)
+    # (the same key on another configuration: refused unless allowed, and then not private)
+    dflt0 = _run(_one_step_cfg(tiny_cfg, noise_multiplier=0.0), tmp_path / "dflt0", key, True)
     d_dflt = _denoise_distances(dflt, _released(dflt), _released(dflt0), seeds)
     noise_scale = LR * SIGMA / (16 * 1.0)  # lr·σC/(qn): one noise std on a coordinate
     assert min(d_dflt) > 0.5 * noise_scale > 100 * d_ins[0]
@@ -97,7 +98,8 @@ def test_two_default_runs_with_the_same_seed_release_different_adapters(tmp_path
     c = _run(cfg, tmp_path / "c", tmp_path / "a" / "private" / "noise.key")
     assert all(torch.equal(ra[k], v) for k, v in _released(c).items())
     assert (
-        "publish at most one of two runs made with one key" in (tmp_path / "c/run.log").read_text()
+        "replays that run's noise streams (same configuration); publish at most one"
+        in (tmp_path / "c/run.log").read_text()
     )
     ka = (tmp_path / "a/private/noise.key").read_text()
     assert ka != (tmp_path / "b/private/noise.key").read_text()
