@@ -23,15 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
-from attacks.signals import (
-    adapter_num_labels,
-    adapter_pooling,
-    adapter_signals,
-    load_bundle,
-    load_run,
-    read_adapter_config,
-)
 from fl.errors import UsageError
+
+
+def _signals():
+    """attacks.signals, imported on first use: it imports torch, which building the
+    command line (``fedlora attack --help``) must not."""
+    from attacks import signals
+
+    return signals
+
 
 KINDS = ("run", "adapter", "bundle")
 #: the range of ``--max-length`` before the model is known (its positions cap it further:
@@ -134,7 +135,7 @@ class Target:
                 cache_dir=cache_dir,
                 extras=Path(adapter_dir) == Path(self.adapter_dir),
             )
-        return adapter_signals(
+        return _signals().adapter_signals(
             adapter_dir,
             self.base_model,
             list(self.texts),
@@ -187,7 +188,7 @@ class Target:
         """A finished run directory (see :func:`attacks.signals.load_run`)."""
         from fl.config import TrainConfig
 
-        run = load_run(run_dir)
+        run = _signals().load_run(run_dir)
         cfg = TrainConfig.from_dict(run.config)
         raw = run.config
         return cls(
@@ -234,7 +235,7 @@ class Target:
         defaults overridden by ``shadow_config`` (fields of TrainConfig)."""
         from fl.config import TrainConfig
 
-        acfg = read_adapter_config(adapter)
+        acfg = _signals().read_adapter_config(adapter)
         base_cfg = base_model_config(model)
         check_max_length(max_length, model, base_cfg)
         causal = acfg.get("task_type") == "CAUSAL_LM"
@@ -266,7 +267,7 @@ class Target:
                 )
             n_mem, n_non = len(mem[0]), len(non[0])
             texts = tuple(mem[0]) + tuple(non[0])
-        num_labels = adapter_num_labels(adapter) or n_cls
+        num_labels = _signals().adapter_num_labels(adapter) or n_cls
         if n_cls > num_labels:
             raise UsageError(
                 f"the data has {n_cls} classes but the adapter's head has {num_labels}"
@@ -329,7 +330,7 @@ class Target:
         from its public manifest, whose configuration (updated with ``shadow_config``)
         also trains the shadows. ``candidates``: ``text_column``, ``label_column``,
         ``batch_size`` of :meth:`from_adapter`."""
-        b = load_bundle(bundle_dir)
+        b = _signals().load_bundle(bundle_dir)
         cfg = b.config
         shadow = {k: v for k, v in cfg.items() if k not in ("device", "progress")}
         shadow.update(shadow_config or {})
@@ -455,7 +456,7 @@ def adapter_shadow_fields(adapter, acfg: dict, config) -> dict:
         alpha=float(acfg.get("lora_alpha", 16)),
         lora_dropout=float(acfg.get("lora_dropout", 0.0) or 0.0),
         target_modules=",".join(sorted(tm)) if isinstance(tm, list) else "",
-        pooling=adapter_pooling(adapter),
+        pooling=_signals().adapter_pooling(adapter),
     )
     layers = acfg.get("layers_to_transform")
     if isinstance(layers, int):

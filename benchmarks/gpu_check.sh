@@ -112,16 +112,16 @@ fi
 if [ "$PARTS" != "methods" ]; then
 export FEDLORA_BENCH_DP_MODELS="minilm,$MODEL_DIR"
 say "dp_overhead benchmark, fp32"
-timeout 90 "$PY" -m fl.cli bench dp_overhead --device cuda --out "$OUT/bench_dp_fp32" \
+timeout 90 "$PY" -m pipeline.cli bench dp_overhead --device cuda --out "$OUT/bench_dp_fp32" \
   >>"$LOG" 2>&1 || { say "dp_overhead fp32 failed"; status=1; }
 say "dp_overhead benchmark, bf16 autocast"
-FEDLORA_BENCH_BF16=1 timeout 60 "$PY" -m fl.cli bench dp_overhead --device cuda \
+FEDLORA_BENCH_BF16=1 timeout 60 "$PY" -m pipeline.cli bench dp_overhead --device cuda \
   --out "$OUT/bench_dp_bf16" >>"$LOG" 2>&1 || { say "dp_overhead bf16 failed"; status=1; }
 unset FEDLORA_BENCH_DP_MODELS
 
 # ---- 3. server aggregation up to 4096 on CUDA --------------------------------------------
 say "aggregation benchmark (384, 1024, 4096; K = 10, 100)"
-timeout 60 "$PY" -m fl.cli bench aggregation --device cuda --out "$OUT/bench_agg" \
+timeout 60 "$PY" -m pipeline.cli bench aggregation --device cuda --out "$OUT/bench_agg" \
   >>"$LOG" 2>&1 || { say "aggregation failed"; status=1; }
 fi
 

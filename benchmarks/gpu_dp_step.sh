@@ -45,11 +45,11 @@ export FEDLORA_BENCH_DP_MODELS=minilm,bert-base-random FEDLORA_BENCH_PRECISIONS=
 NOTE="gpu_dp_step.sh on $(hostname); load $(cut -d' ' -f1-3 /proc/loadavg)"
 
 say "dp_overhead, default LoRA set-up: minilm and bert-base-random, fp32 and bf16"
-timeout 300 "$PY" -m fl.cli bench dp_overhead --device cuda --out "$OUT/default" \
+timeout 300 "$PY" -m pipeline.cli bench dp_overhead --device cuda --out "$OUT/default" \
   --note "$NOTE; default LoRA layers" >>"$LOG" 2>&1 || { say "default set-up failed"; status=1; }
 
 say "dp_overhead, LoRA on every layer"
-FEDLORA_BENCH_DP_LORA_LAYERS=0 timeout 240 "$PY" -m fl.cli bench dp_overhead --device cuda \
+FEDLORA_BENCH_DP_LORA_LAYERS=0 timeout 240 "$PY" -m pipeline.cli bench dp_overhead --device cuda \
   --out "$OUT/all_layers" --note "$NOTE; LoRA on every layer" >>"$LOG" 2>&1 \
   || { say "all-layer set-up failed"; status=1; }
 

@@ -30,58 +30,17 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fl.base_pretrain_config import CORPORA, PretrainConfig  # noqa: F401 (re-exported)
 from fl.errors import UsageError
 
 EOT = "<|endoftext|>"
 INFO_FILE = "fedlora_base.json"
-CORPORA = ("bbc",)
-
-
-@dataclass
-class PretrainConfig:
-    corpus: str = "bbc"
-    vocab_size: int = 4096
-    n_embd: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    seq_len: int = 64
-    batch_size: int = 32
-    steps: int = 500
-    lr: float = 3e-3
-    warmup: float = 0.05
-    weight_decay: float = 0.01
-    test_frac: float = 0.05
-    max_docs: int = 0  # 0 = every article (tests use a slice)
-    seed: int = 0
-    log_every: int = 25
-
-    def validate(self) -> PretrainConfig:
-        if self.corpus not in CORPORA:
-            raise UsageError(f"unknown corpus {self.corpus!r}; choose one of {list(CORPORA)}")
-        for k in ("vocab_size", "n_embd", "n_layer", "n_head", "seq_len", "batch_size", "steps"):
-            if getattr(self, k) < 1:
-                raise UsageError(f"{k} must be >= 1, got {getattr(self, k)}")
-        if self.vocab_size < 300:
-            raise UsageError(
-                f"vocab_size must be >= 300 (256 bytes + merges), got {self.vocab_size}"
-            )
-        if self.n_embd % self.n_head:
-            raise UsageError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise UsageError(f"lr must be > 0, got {self.lr}")
-        if not 0 < self.test_frac < 0.5:
-            raise UsageError(f"test_frac must be in (0, 0.5), got {self.test_frac}")
-        if not 0 <= self.warmup < 1:
-            raise UsageError(f"warmup must be in [0, 1), got {self.warmup}")
-        if self.max_docs < 0:
-            raise UsageError(f"max_docs must be >= 0, got {self.max_docs}")
-        return self
 
 
 def corpus_split(cfg: PretrainConfig) -> tuple[list[str], list[str], list[str], list[str]]:

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 
-from fl.base_pretrain import CORPORA, PretrainConfig
+from fl.base_pretrain_config import CORPORA, PretrainConfig
 
 _HELP = {
     "corpus": "public corpus to pretrain on (disjoint from the tweets member sets)",

@@ -6,7 +6,7 @@ import pytest
 
 from analysis import claims
 from analysis.schemas import SCHEMAS, SchemaError, validate
-from fl.cli import main
+from pipeline.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -190,7 +190,7 @@ def test_claims_cli_with_grids(tmp_path):
     import io
 
     from audit.report_sections import _claims_section
-    from fl.cli import main
+    from pipeline.cli import main
 
     g = tmp_path / "grid"
     g.mkdir()

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from fl.cli import main
+from pipeline.cli import main
 
 
 @pytest.fixture(scope="module")

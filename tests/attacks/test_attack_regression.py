@@ -70,6 +70,7 @@ def run_case(case: str, out: Path, monkeypatch) -> tuple[dict, dict]:
     the shadows') are the synthetic ones: no model is loaded or trained."""
     import attacks.reference
     import attacks.run
+    import attacks.signals
     import attacks.target
     from attacks.config import AttackConfig
     from attacks.target import Target
@@ -82,7 +83,8 @@ def run_case(case: str, out: Path, monkeypatch) -> tuple[dict, dict]:
         attacks.reference, "train_shadows", lambda *a, **k: _fake_shadow_set(in_mask)
     )
     # the target's and the shadows' signals both come from Target.signals_of
-    monkeypatch.setattr(attacks.target, "adapter_signals", lambda d, *a, **k: by_dir[Path(d)])
+    # (attacks.target reaches attacks.signals on first use, so patch it there)
+    monkeypatch.setattr(attacks.signals, "adapter_signals", lambda d, *a, **k: by_dir[Path(d)])
     kw = dict(CASES[case])
     cfg = AttackConfig.with_variance(
         kw.pop("global_variance"), bootstrap=kw.pop("n_bootstrap"), shadows=K, device="cpu",

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from fl.cli import main
+from pipeline.cli import main
 
 HUGE = str(10**30)
 CASES = ("0", "-3", "nan", "inf", HUGE, "abc")

@@ -112,7 +112,7 @@ def test_population_errors_are_named():
 
 
 def test_cli_client_level_on_a_tiny_run(train_target, tmp_path, capsys):
-    from fl.cli import main
+    from pipeline.cli import main
 
     run_dir, _ = train_target("clients", clients=6, members=48, nonmembers=48, test=8, seed=2)
     out = tmp_path / "out"

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from fl.cli import main
 from fl.errors import UsageError
+from pipeline.cli import main
 
 LM = dict(model="tiny-gpt2", task="causal-lm", members=24, nonmembers=24, test=8, clients=3,
           max_length=16, min_client_size=4)  # fmt: skip

@@ -235,7 +235,7 @@ def test_bad_files(tmp_path):
 
 
 def test_cli_exit_codes(tmp_path, capsys, eps_true):
-    from fl.cli import main
+    from pipeline.cli import main
 
     good = tmp_path / "good.json"
     good.write_text(json.dumps(dict(BASE, claimed_epsilon=eps_true)))
@@ -382,7 +382,7 @@ def test_noise_reproducible(source, severity, eps_true):
 
 
 def test_noise_source_validated_and_cli_exit(tmp_path, eps_true):
-    from fl.cli import main
+    from pipeline.cli import main
 
     with pytest.raises(UsageError, match="noise_source"):
         validate_claim(dict(BASE, claimed_epsilon=1.0, noise_source="urandom"))

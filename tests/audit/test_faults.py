@@ -193,7 +193,7 @@ def test_blatant_fault_is_flagged_and_the_correct_run_is_not(runs):
 
 
 def test_faulted_run_writes_no_release_and_export_refuses_it(runs, tmp_path, capsys):
-    from fl.cli import main
+    from pipeline.cli import main
 
     d, m, _ = runs["faulted"]
     assert m["injected_fault"] == "noise_scale=0.05"

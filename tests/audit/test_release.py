@@ -16,7 +16,7 @@ import stat
 import numpy as np
 import pytest
 
-from fl.cli import main
+from pipeline.cli import main
 
 ANY = object()  # any JSON value (the subtree is still scanned for forbidden text)
 SCALAR = object()  # a string, number, bool or null

@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from audit.replay import _trained_device
 from audit.runaudit import CUDA_RTOL, TAMPER_CODES, audit_run, compare_adapters
-from fl.cli import main
 from fl.privacy.accounting import Ledger
+from pipeline.cli import main
 
 TRUSTED_WITHOUT_KEY = {
     "config",

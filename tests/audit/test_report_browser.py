@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from audit.report import SECTIONS, build_report
-from fl.cli import main
+from pipeline.cli import main
 
 
 def _install_chromium() -> str | None:

@@ -9,7 +9,7 @@ import torch
 
 from audit.report import SECTIONS, build_report
 from audit.report_lm import CLIENT_TITLE, LM_TITLE
-from fl.cli import main
+from pipeline.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -175,7 +175,7 @@ def test_canary_scores_reproduce_released_model(run, loader, monkeypatch):
 
 
 def test_one_run_cli(run, capsys):
-    from fl.cli import main
+    from pipeline.cli import main
 
     assert main(["audit", str(run), "--one-run", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -200,7 +200,7 @@ def test_one_run_cli(run, capsys):
 
 
 def test_cli_exit_codes(run, copy, capsys, tmp_path):
-    from fl.cli import main
+    from pipeline.cli import main
 
     assert main(["audit", str(run)]) == 0
     out = capsys.readouterr().out

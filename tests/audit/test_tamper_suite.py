@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from audit.runaudit import audit_run
-from fl.cli import main
 from fl.errors import UsageError
 from fl.integrity import check_files, verify_mac
 from fl.io import file_sha256
 from fl.privacy.accounting import Ledger
 from fl.privacy.rng import NoiseKey
+from pipeline.cli import main
 
 
 def _cfg(**kw):

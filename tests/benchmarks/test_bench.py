@@ -47,7 +47,7 @@ def test_result_rejects_unknown_ratio_kind_and_nan():
 
 
 def test_unknown_benchmark_is_a_usage_error(capsys):
-    from fl.cli import main
+    from pipeline.cli import main
 
     assert main(["bench", "nope", "--quick"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
@@ -128,7 +128,7 @@ def test_ratio_list_from_hand_records():
 def test_each_benchmark_quick(name, tmp_path):
     """Each benchmark runs in --quick mode through the CLI and writes strict JSON with a
     ratio, plus a Markdown row naming it."""
-    from fl.cli import main
+    from pipeline.cli import main
 
     assert main(["bench", name, "--quick", "--json", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "bench.json").read_text()

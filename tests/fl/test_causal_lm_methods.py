@@ -128,7 +128,7 @@ def test_a_llama_folder_trains_with_sample_level_dp(tmp_path):
 
 
 def test_base_pretrain_writes_a_folder_that_train_accepts(tmp_path):
-    from fl.cli import main
+    from pipeline.cli import main
 
     out = tmp_path / "base"
     rc = main(

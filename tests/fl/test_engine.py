@@ -6,10 +6,10 @@ import torch
 from safetensors.torch import load_file
 
 from fl import factors as F
-from fl.cli import main as cli_main
 from fl.engine import Engine, derive_seed, poisson_masks, train
 from fl.models import LoraSpec, load_base_model, wrap_lora
 from fl.privacy.accounting import Ledger, epsilon
+from pipeline.cli import main as cli_main
 
 
 def _adapter(run):
@@ -441,8 +441,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     ],
 )
 def test_probe_learning_rate_forms_that_say_what_they_do(args, head):
-    from fl.cli import build_parser
     from fl.cli_train import config_from_args
+    from pipeline.cli import build_parser
 
     cfg = config_from_args(build_parser().parse_args(["train", "--method", "probe", *args]))
     assert (cfg.head_lr or cfg.lr) == pytest.approx(head)

@@ -7,9 +7,9 @@ import stat
 
 import pytest
 
-from fl.cli import main
 from fl.config import config_sha256
 from fl.testing import tiny_config, tiny_flags
+from pipeline.cli import main
 
 SMALL = dict(members=60, nonmembers=20, test=20, max_length=16, clients=2, rounds=1,
              local_steps=2, batch_size=8)  # fmt: skip

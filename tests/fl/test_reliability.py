@@ -23,7 +23,7 @@ TINY = tiny_flags(rounds=4, local_steps=3, dp_level="sample", noise_multiplier=1
 def _cli(args, **kw):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "fl.cli", *args],
+        [sys.executable, "-m", "pipeline.cli", *args],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

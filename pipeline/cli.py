@@ -1,28 +1,37 @@
 """`fedlora`: one command line for training, analysis, attacks, audits, reports, benchmarks.
 
-Each package registers its own sub-commands (``register(subparsers)``); this module only
-assembles them and turns user errors into one line on stderr with exit code 2.
+Each package registers its own sub-commands (``register(subparsers)``); this module, at
+the top of the layers (it may import every package it fronts), only assembles them and
+turns user errors into one line on stderr with exit code 2. Every command module is
+imported by name here: a missing one is an ImportError, never a silently absent
+command. Building the parser imports neither torch nor matplotlib (``fedlora --help``
+stays fast): the command modules import what they run inside their handlers.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
+from analysis import cli as analysis_cli
+from attacks import cli as attacks_cli
+from audit import cli as audit_cli
+from benchmarks import cli as benchmarks_cli
+from fl import cli_base, cli_export, cli_train
 from fl.errors import StoppedAtRound, UsageError
+from pipeline import job
 
-# (module, sub-commands it registers). Each module has register(subparsers).
-_COMMAND_MODULES = (
-    "fl.cli_train",
-    "fl.cli_export",
-    "fl.cli_base",
-    "analysis.cli",
-    "attacks.cli",
-    "audit.cli",
-    "pipeline.job",
-    "benchmarks.cli",
+#: the modules that register sub-commands, in the order `fedlora --help` lists them
+COMMAND_MODULES = (
+    cli_train,
+    cli_export,
+    cli_base,
+    analysis_cli,
+    attacks_cli,
+    audit_cli,
+    job,
+    benchmarks_cli,
 )
 
 
@@ -38,14 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train, measure, attack and audit differentially private federated LoRA.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in _COMMAND_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            # Only a module that does not exist yet is skipped; a broken import raises.
-            if exc.name != name:
-                raise
-            continue
+    for mod in COMMAND_MODULES:
         mod.register(sub)
     return parser
 
