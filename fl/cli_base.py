@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 from fl.base_pretrain_config import CORPORA, PretrainConfig
+from fl.errors import UsageError
 
 _HELP = {
     "corpus": "public corpus to pretrain on (disjoint from the tweets member sets)",
@@ -56,15 +57,18 @@ def register(sub) -> None:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
+    if not 0 <= args.threads <= 4096:
+        raise UsageError(f"--threads must be in [0, 4096], got {args.threads}")
+    cfg = PretrainConfig(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(PretrainConfig)}
+    ).validate()  # before torch is imported and anything is written
+
     import torch
 
     from fl.base_pretrain import pretrain
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    cfg = PretrainConfig(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(PretrainConfig)}
-    )
     info = pretrain(cfg, args.out, progress=not args.no_progress)
     keys = ("parameters", "test_perplexity", "seconds_total", "threads")
     print(json.dumps({"out": args.out, **{k: info[k] for k in keys}}))

@@ -285,6 +285,8 @@ def register(sub) -> None:
 
 
 def cmd_run(args) -> int:
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed must be in [0, 2^32 - 1], got {args.seed}")
     out = args.out or time.strftime(f"reports/{args.preset}-%Y%m%d-%H%M%S")
     st = run_job(args.preset, out, seed=args.seed, progress=args.progress)
     _print_summary(st)
