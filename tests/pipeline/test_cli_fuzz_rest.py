@@ -48,3 +48,9 @@ def test_run_seed(value, tmp_path, capsys):
     _one_line_exit_2(["run", "--preset", "quick", "--seed", value, "--out", str(out)], capsys,
                      "--seed")  # fmt: skip
     assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["0", "1", "-3", "1e30", "abc", "nan", "inf"])
+def test_audit_alpha(value, tmp_path, capsys):
+    """`fedlora audit RUN --alpha A`: A outside (0, 1) is refused before the run is read."""
+    _one_line_exit_2(["audit", str(tmp_path / "no-such-run"), "--alpha", value], capsys, "--alpha")
