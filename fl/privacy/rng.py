@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from fl.errors import UsageError
+from fl.io import atomic_write_text  # mkstemp: the temp file is 0600 from the start
 
 KEY_BYTES = 32  # 256-bit run key (the issue asks for at least 128)
 KEY_FILE = "noise.key"
@@ -200,23 +201,6 @@ def integers(source: NoiseSource, high: int, size: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------
 # The run key
 # ---------------------------------------------------------------------------------
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically through a temp file made 0600 (operator only)
-    and fsynced; the temp file never outlives a failure."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 class NoiseKey:
     """A run's secret: 32 random bytes. Its file holds 64 hex digits and a newline."""
 
@@ -263,7 +247,7 @@ class NoiseKey:
         path = d / KEY_FILE
         if path.exists() and not overwrite:
             raise UsageError(f"{path} exists already; refusing to overwrite a run key")
-        _write_private(path, self._secret.hex() + "\n")
+        atomic_write_text(path, self._secret.hex() + "\n")
         return path
 
     def write_binding(
@@ -280,7 +264,7 @@ class NoiseKey:
         if reused_key:
             doc["reused_key"] = dict(reused_key)
         path = d / BINDING_FILE
-        _write_private(path, json.dumps(doc, sort_keys=True) + "\n")
+        atomic_write_text(path, json.dumps(doc, sort_keys=True) + "\n")
         return path
 
 
