@@ -4,6 +4,7 @@ claim file; `fedlora report`: write the report of run directories (:mod:`audit.r
     fedlora audit RUN_OR_BUNDLE [--json] [--one-run] [--alpha A] [--key FILE]
     fedlora audit RUN_OR_BUNDLE RUN_OR_BUNDLE ... [--json]   (also flags shared noise keys)
     fedlora audit --claim FILE [--json]
+    fedlora audit --canaries DIR --observations FILE --claim FILE [--alpha A] [--key FILE]
 
 ``--key FILE`` (the run's ``private/noise.key``) retrains the whole run on the CPU and
 verifies the release against it; without it the output lists the fields taken on trust.
@@ -58,6 +59,18 @@ def register(sub) -> None:
         "key are flagged (key_shared)",
     )
     p.add_argument("--claim", metavar="FILE", help="claim file (JSON or TOML) to check instead")
+    p.add_argument(
+        "--canaries",
+        metavar="DIR",
+        help="a canary set (`fedlora canaries new`) added to a training done elsewhere; with "
+        "--observations and --claim: score the canaries, bound ε from below and compare it "
+        "with the claim (exit 1: leaks more than claimed)",
+    )
+    p.add_argument(
+        "--observations",
+        metavar="FILE",
+        help="the observation file the training hooks wrote (audit.hooks), with --canaries",
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON result")
     p.add_argument(
         "--one-run",
@@ -75,7 +88,8 @@ def register(sub) -> None:
         "--key",
         metavar="FILE",
         help="the run's noise key (RUN/private/noise.key): retrain the whole run on the CPU "
-        "and check that it reproduces the released adapter and privacy block",
+        "and check that it reproduces the released adapter and privacy block; with "
+        "--canaries: the set's key (re-derives and checks the set)",
     )
     p.set_defaults(func=cmd_audit)
 
@@ -240,6 +254,8 @@ def _human(result: dict, title: str) -> str:
 
 
 def cmd_audit(args) -> int:
+    if args.canaries or args.observations:
+        return _audit_outside(args)
     if args.claim and args.run_dir:
         raise UsageError("give either RUN_DIR or --claim FILE, not both")
     if len(args.run_dir) > 1:
@@ -278,6 +294,55 @@ def cmd_audit(args) -> int:
     else:
         sys.stdout.write(_human(result, title) + "\n")
     return exit_code(result)
+
+
+def _audit_outside(args) -> int:
+    """``--canaries DIR --observations FILE --claim FILE``: :mod:`audit.outside`."""
+    if not (args.canaries and args.observations and args.claim):
+        raise UsageError("--canaries, --observations and --claim go together")
+    if args.run_dir or args.one_run:
+        raise UsageError("--canaries audits a training done elsewhere: no RUN_DIR, no --one-run")
+    if not (0.0 < args.alpha < 1.0):
+        raise UsageError(f"--alpha must be in (0, 1), got {args.alpha}")
+    from audit.outside import audit_outside, exit_code
+
+    res = audit_outside(
+        args.canaries, args.observations, args.claim, alpha=args.alpha, key_file=args.key
+    )
+    if args.json:
+        sys.stdout.write(json.dumps(_jsonable(res), indent=2) + "\n")
+    else:
+        sys.stdout.write(_human_outside(res) + "\n")
+    return exit_code(res)
+
+
+def _human_outside(r: dict) -> str:
+    c = r["claim"]
+    rows = [
+        ("canaries", f"{r['m']} {r['canary_kind']} ({r['n_included']} included)"),
+        ("claimed ε", f"{_num(c['claimed_epsilon'])} at δ = {_num(c['delta'])}"),
+        ("recomputed ε (PLD / RDP)", f"{_num(c['epsilon_pld'])} / {_num(c['epsilon_rdp'])}"),
+        ("allowed for one canary", f"{_num(r['allowed_epsilon'])} ({r['relation']})"),
+        ("ε_lb Steinke et al. (α/2)", _num(r.get("epsilon_lb_steinke"))),
+        ("ε_lb f-DP (α/2)", _num(r.get("epsilon_lb_fdp"))),
+        (
+            "ε_lb (certified)",
+            f"{_num(r['epsilon_lb'])} ({r['bound']}; confidence {1 - r['alpha']:g})",
+        ),
+    ]
+    for name, e in (r.get("estimate") or {}).items():
+        lo, hi = e["epsilon_interval"]
+        rows.append(
+            (f"estimate {name}", f"{_num(e['epsilon'])} [{_num(lo)}, {_num(hi)}] (not a bound)")
+        )
+    rows.append(("verdict", r["verdict"].upper() if r["verdict"] != "ok" else "ok"))
+    w = max(len(k) for k, _ in rows)
+    lines = [f"fedlora audit --canaries {r['canaries']}"]
+    lines += [f"  {k:<{w}}  {v}" for k, v in rows]
+    lines += [f"note: {n}" for n in r.get("notes") or []]
+    for d in r["findings"]:
+        lines.append(f"  [{d['severity']}] {d['code']}: {d['message']}")
+    return "\n".join(lines)
 
 
 def _audit_several(args) -> int:

@@ -16,6 +16,7 @@ import sys
 
 from analysis import cli as analysis_cli
 from attacks import cli as attacks_cli
+from audit import canaries_cli
 from audit import cli as audit_cli
 from benchmarks import cli as benchmarks_cli
 from fl import cli_base, cli_export, cli_train
@@ -30,6 +31,7 @@ COMMAND_MODULES = (
     analysis_cli,
     attacks_cli,
     audit_cli,
+    canaries_cli,
     job,
     benchmarks_cli,
 )

@@ -12,7 +12,7 @@ HEAVY = ("torch", "matplotlib", "transformers", "peft", "opacus", "scipy", "flwr
 
 
 @pytest.mark.parametrize("argv", [[], ["train"], ["attack"], ["audit"], ["report"],
-                                  ["analyze"], ["run"], ["bench"], ["export"], ["base"]])  # fmt: skip
+                                  ["analyze"], ["run"], ["bench"], ["export"], ["base"], ["canaries"]])  # fmt: skip
 def test_help_imports_nothing_heavy(argv):
     code = (
         "import sys\n"
@@ -41,5 +41,6 @@ def test_every_command_is_registered():
         "report",
         "run",
         "bench",
+        "canaries",
     } <= names
-    assert len(COMMAND_MODULES) == 8 and all(hasattr(m, "register") for m in COMMAND_MODULES)
+    assert len(COMMAND_MODULES) == 9 and all(hasattr(m, "register") for m in COMMAND_MODULES)

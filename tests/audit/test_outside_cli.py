@@ -1,0 +1,243 @@
+"""`fedlora canaries new` and `fedlora audit --canaries`: what they write, and what they
+refuse (one line, exit 2, nothing written)."""
+
+import json
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from audit import outside as O
+from pipeline.cli import main
+
+HEAVY = ("torch", "matplotlib", "transformers", "peft", "opacus", "scipy", "flwr", "ray")
+PARAMS = {
+    "params": [
+        {"name": "l0.lora_A.default.weight", "shape": [4, 16]},
+        {"name": "l0.lora_B.default.weight", "shape": [16, 4]},
+        {"name": "head.weight", "shape": [2, 16]},
+    ]
+}
+
+
+@pytest.fixture
+def params(tmp_path):
+    p = tmp_path / "params.json"
+    p.write_text(json.dumps(PARAMS))
+    return p
+
+
+def _one_line_exit_2(argv, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse refuses what it cannot parse
+        rc = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, (argv, err)
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+@pytest.mark.parametrize("argv", [["canaries"], ["canaries", "new"]])
+def test_help_imports_nothing_heavy(argv):
+    code = (
+        "import sys\n"
+        "from pipeline.cli import build_parser\n"
+        "p = build_parser()\n"
+        f"try:\n    p.parse_args({argv!r} + ['--help'])\n"
+        "except SystemExit:\n    pass\n"
+        f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "usage:" in r.stdout
+
+
+def test_gradient_set_files(params, tmp_path, capsys):
+    out = tmp_path / "set"
+    rc = main(["canaries", "new", "--kind", "gradient", "--count", "60", "--params",
+               str(params), "--clip", "0.5", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    doc = json.loads((out / "canaries.json").read_text())
+    assert doc["kind"] == "gradient" and doc["count"] == 60
+    assert '"included"' not in json.dumps(doc)  # no bit in the public file
+    co = doc["gradient"]["coordinates"]
+    assert len({(c["param"], c["index"]) for c in co}) == 60
+    # stratified: every group has canaries (at least min(M/G, size) each)
+    groups = {p["name"]: O.group_of_name(p["name"]) for p in PARAMS["params"]}
+    per = {g: sum(groups[c["param"]] == g for c in co) for g in ("lora_A", "lora_B", "other")}
+    assert per == {"lora_A": 20, "lora_B": 20, "other": 20}
+    priv = out / "private"
+    assert stat.S_IMODE(priv.stat().st_mode) == 0o700
+    for f in ("inclusion.json", "noise.key"):
+        assert stat.S_IMODE((priv / f).stat().st_mode) == 0o600
+    cs = O.load_canary_set(out)  # re-derived from the key and checked
+    assert cs.included.shape == (60,) and 10 < cs.included.sum() < 50
+
+
+def test_key_file_is_used_not_copied(params, tmp_path):
+    from fl.privacy.rng import NoiseKey
+
+    key = NoiseKey.generate()
+    (tmp_path / "k").mkdir()
+    kp = key.write(tmp_path / "k")
+    out = tmp_path / "set"
+    assert main(["canaries", "new", "--kind", "input", "--count", "30", "--num-classes", "3",
+                 "--key", str(kp), "--out", str(out)]) == 0  # fmt: skip
+    assert not (out / "private" / "noise.key").exists()
+    doc = json.loads((out / "canaries.json").read_text())
+    assert doc["key_id"] == key.key_id
+    cs = O.load_canary_set(out, key_file=kp)
+    assert cs.key.key_id == key.key_id
+    # the same key makes the same set
+    out2 = tmp_path / "set2"
+    O.new_canary_set("input", 30, out2, key_file=kp, num_classes=3)
+    assert (out2 / "canaries.json").read_bytes() == (out / "canaries.json").read_bytes()
+
+
+def test_tampered_bits_refused(params, tmp_path, capsys):
+    out = tmp_path / "set"
+    O.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
+    bp = out / "private" / "inclusion.json"
+    d = json.loads(bp.read_text())
+    d["included"][0] = 1 - d["included"][0]
+    bp.write_text(json.dumps(d))
+    with pytest.raises(O.UsageError, match="do not derive from the set's key"):
+        O.load_canary_set(out)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--kind", "gradient", "--count", "0", "--clip", "1"],
+        ["--kind", "gradient", "--count", "-5", "--clip", "1"],
+        ["--kind", "gradient", "--count", "abc", "--clip", "1"],
+        ["--kind", "gradient", "--count", "1000", "--clip", "1"],  # > 192 coordinates
+        ["--kind", "gradient", "--count", "10", "--clip", "nan"],
+        ["--kind", "gradient", "--count", "10", "--clip", "-1"],
+        ["--kind", "gradient", "--count", "10", "--clip", "inf"],
+        ["--kind", "gradient", "--count", "10"],  # no --clip
+        ["--kind", "banana", "--count", "10", "--clip", "1"],
+        ["--kind", "gradient", "--count", "10", "--clip", "1", "--num-classes", "3"],
+        ["--kind", "input", "--count", "10", "--num-classes", "1"],
+        ["--kind", "input", "--count", "10"],
+        ["--kind", "client", "--count", "10", "--clip", "1", "--dim", "0"],
+        ["--kind", "client", "--count", "10", "--clip", "1", "--dim", "50", "--rate", "2"],
+        [
+            "--kind",
+            "client",
+            "--count",
+            "10",
+            "--clip",
+            "1",
+            "--dim",
+            "50",
+            "--participation",
+            "poisson",
+        ],  # fmt: skip
+        ["--kind", "client", "--count", "10", "--clip", "1", "--dim", "50", "--rate", "0.5"],
+    ],
+)
+def test_refusals_write_nothing(extra, params, tmp_path, capsys):
+    out = tmp_path / "set"
+    argv = ["canaries", "new", "--out", str(out)] + extra
+    if extra[1] == "gradient":
+        argv += ["--params", str(params)]
+    _one_line_exit_2(argv, capsys)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["params.json"]
+
+
+def test_refuses_existing_folder_and_bad_params(params, tmp_path, capsys):
+    out = tmp_path / "set"
+    out.mkdir()
+    (out / "x").write_text("keep")
+    line = _one_line_exit_2(["canaries", "new", "--kind", "gradient", "--count", "5",
+                             "--params", str(params), "--clip", "1", "--out", str(out)],
+                            capsys)  # fmt: skip
+    assert "--out" in line and sorted(p.name for p in out.iterdir()) == ["x"]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"params": [{"name": "a", "shape": [0]}]}')
+    line = _one_line_exit_2(["canaries", "new", "--kind", "gradient", "--count", "5",
+                             "--params", str(bad), "--clip", "1", "--out", str(tmp_path / "n")],
+                            capsys)  # fmt: skip
+    assert "shape" in line and not (tmp_path / "n").exists()
+    line = _one_line_exit_2(["canaries", "new", "--kind", "gradient", "--count", "5",
+                             "--params", str(tmp_path / "none.json"), "--clip", "1",
+                             "--out", str(tmp_path / "n")], capsys)  # fmt: skip
+    assert "--params" in line and not (tmp_path / "n").exists()
+
+
+def _claim(tmp_path, name="claim.json", **kw):
+    c = dict(level="sample", noise_multiplier=2.0, clipping_norm=1.0, sampling="poisson",
+             sample_rate=0.5, steps_per_round=4, rounds=1, claimed_epsilon=3.0, delta=1e-5,
+             noise_source="keyed_csprng")  # fmt: skip
+    c.update(kw)
+    p = tmp_path / name
+    p.write_text(json.dumps(c))
+    return p
+
+
+def _obs(tmp_path, cs, **kw):
+    f = dict(kind="gradient", set_sha256=cs.sha256, obs=np.zeros((4, cs.count)), sigma=2.0,
+             clip=1.0, q=0.5)  # fmt: skip
+    f.update(kw)
+    return O.write_observations(tmp_path / "obs.npz", f)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(sigma=0.5), ["0.5", "noise_multiplier = 2"]),
+        (dict(q=0.25), ["0.25", "0.5"]),
+        (dict(clip=2.0), ["C = 2", "1"]),
+        (dict(obs=np.zeros((9, 20))), ["9 DP-SGD steps", "4"]),
+        (dict(obs=np.zeros((4, 19))), ["shape"]),
+        (dict(obs=np.full((4, 20), np.nan)), ["non-finite"]),
+        (dict(set_sha256="0" * 64), ["another canary set"]),
+        (dict(kind="client"), ["kind"]),
+    ],
+)
+def test_audit_refuses_inconsistent_observations(change, words, params, tmp_path, capsys):
+    out = tmp_path / "set"
+    O.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
+    cs = O.load_canary_set(out)
+    obs = _obs(tmp_path, cs, **change)
+    line = _one_line_exit_2(["audit", "--canaries", str(out), "--observations", str(obs),
+                             "--claim", str(_claim(tmp_path))], capsys)  # fmt: skip
+    for w in words:
+        assert w in line, line
+
+
+def test_audit_flag_combinations(params, tmp_path, capsys):
+    out = tmp_path / "set"
+    O.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
+    cs = O.load_canary_set(out)
+    obs, claim = _obs(tmp_path, cs), _claim(tmp_path)
+    _one_line_exit_2(["audit", "--canaries", str(out), "--claim", str(claim)], capsys)
+    _one_line_exit_2(["audit", "--canaries", str(out), "--observations", str(obs)], capsys)
+    _one_line_exit_2(["audit", "--canaries", str(out), "--observations", str(obs), "--claim",
+                      str(claim), "--alpha", "1.5"], capsys)  # fmt: skip
+    line = _one_line_exit_2(["audit", "--canaries", str(out), "--observations", str(obs),
+                             "--claim", str(_claim(tmp_path, "c2.json", level="client",
+                             clients_per_round=2, total_clients=2))], capsys)  # fmt: skip
+    assert "sample-level" in line
+    # zeros everywhere: consistent (exit 0), a JSON document
+    assert main(["audit", "--canaries", str(out), "--observations", str(obs), "--claim",
+                 str(claim), "--json"]) == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "ok" and doc["epsilon_lb"] <= 3.0
+
+
+@pytest.mark.parametrize("content", [b"PK\x03\x04junk", b"garbage\x00", b""])
+def test_audit_unreadable_observations(content, params, tmp_path, capsys):
+    out = tmp_path / "set"
+    O.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
+    obs = tmp_path / "obs.npz"
+    obs.write_bytes(content)
+    line = _one_line_exit_2(["audit", "--canaries", str(out), "--observations", str(obs),
+                             "--claim", str(_claim(tmp_path))], capsys)  # fmt: skip
+    assert "--observations" in line
