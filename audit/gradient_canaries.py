@@ -159,6 +159,9 @@ def run_scores(run_dir: str | Path, canaries: list[dict], statistic: str = DEFAU
     return scores, {
         "files": len(obs),
         "client_steps": steps,
+        # where the B canaries live: "flat" (DP-SGD's coordinates) or "w" (FedASK's W-space
+        # slots, fl/privacy/wspace.py); the head's are coordinates either way
+        "space": sorted({str(o.get("space", "flat")) for o in obs}),
         # per group: observed / claimed noise, and the σ its canaries were scored at
         "noise": {
             g: {

@@ -21,8 +21,9 @@ local steps, M = 5 000 gradient canaries (4 000 for FedASK), δ = 1e-5. ``q1``: 
 Gaussian); ``q025``: batch 20 (q = 0.25), for the two faults that change nothing at q = 1
 (``fixed_batches``: at q = 1 the fixed batch is the whole client, exactly Poisson's;
 ``noise_reuse``: at q = 1 a canary is in every step, so one reused draw hides it as well as
-fresh ones). ``fedask``: FedASK with ``--opt clip_space=b`` (its W-space privatizer takes no
-gradient canaries). ``client``: client-level FedAvg-LoRA audited by its canary clients
+fresh ones). ``fedask``: FedASK with ``--opt clip_space=b`` (the flat DP-SGD step; FedASK's
+default W-space privatizer takes W-space gradient canaries too, tests/fl/test_wspace_canaries.py,
+but refuses the flat step's faults). ``client``: client-level FedAvg-LoRA audited by its canary clients
 (``--canary-clients 4000``, ``audit/canary_clients.py``), for the server-noise faults.
 """
 

@@ -91,13 +91,20 @@ class SpaceDpSgd:
     #: a planted noise factor (``--inject-fault``, tests only: the transform's noise
     #: multiplier times this; set by the trainer); None on every real run
     fault_noise_scale: float | None = None
+    #: this local training's gradient canaries (``--canary-kind gradient``, set by the
+    #: trainer when the transform takes them: its ``canary_space``); None otherwise
+    canaries: object | None = None
 
     def __call__(self, params: list[torch.nn.Parameter], batch_size: int) -> dict:
         if self.fault_noise_scale is not None:
             dp = replace(
                 self.dp, noise_multiplier=self.dp.noise_multiplier * self.fault_noise_scale
             )
+            if self.canaries is not None:
+                return self.transform(params, dp, self.noise, batch_size, canaries=self.canaries)
             return self.transform(params, dp, self.noise, batch_size)
+        if self.canaries is not None:
+            return self.transform(params, self.dp, self.noise, batch_size, canaries=self.canaries)
         return self.transform(params, self.dp, self.noise, batch_size)
 
     def end_pass(self) -> None:

@@ -346,17 +346,25 @@ class LocalTrainer:
     def _begin_canaries(self, privatizer, params, names, q: float, steps: int):
         """The gradient canaries of this local training, handed to the DP-SGD privatizer
         (:mod:`fl.privacy.gradient_canaries`); None without them (the default path) or
-        without DP-SGD. A per-sample privatizer in a method's own space cannot take them."""
+        without DP-SGD. A privatizer in a method's own space takes them when its transform
+        says in which space they live (``canary_space``: FedASK's W-space clipping,
+        :mod:`fl.privacy.wspace`); any other is refused."""
         gc = self.gradient_canaries
         if gc is None or not getattr(privatizer, "per_sample", False):
             return None
+        space = None
         if not isinstance(privatizer, DpSgd):
-            raise UsageError(
-                "gradient canaries enter DP-SGD's flat clipped sum; this method privatizes "
-                "in its own space (FedASK's W-space clipping): use input canaries"
-            )
+            space = getattr(getattr(privatizer, "transform", None), "canary_space", None)
+            if space is None:
+                raise UsageError(
+                    "gradient canaries enter DP-SGD's flat clipped sum or FedASK's W-space "
+                    "sum; this method privatizes in another space of its own: use input "
+                    "canaries"
+                )
         dp = privatizer.dp
-        cc = gc.begin(privatizer.noise, params, names, q, steps, dp.clip, dp.noise_multiplier)
+        cc = gc.begin(
+            privatizer.noise, params, names, q, steps, dp.clip, dp.noise_multiplier, space=space
+        )
         privatizer.canaries = cc
         return cc
 

@@ -30,6 +30,15 @@ a *record* whose clipped gradient is C·e_j:
   not, and written per local training to ``RUN/private/canary_observations/`` (operator
   only, never released).
 
+Under FedASK's W-space privatizer (:mod:`fl.privacy.wspace`, its default ``clip_space=w``)
+the B canaries live in W-space: the slot (layer, a·r + k) of B (m×r) is the unit W-space
+direction e_a ⊗ V[:,k] (A = U S Vᵀ, the thin SVD of the fixed public A), whose clipped
+gradient C·(e_a ⊗ V[:,k]) is added to the W-space sum before its noise; the observation is
+c = (released B row a)·U[:,k]/(s·S_k) = (privatized W-space sum, row a)·V[:,k], a public
+linear function of the released B gradient, distributed as the flat observation
+(N(data + b_j·s_t·C, σ²C²), i.i.d. over the slots). The head's canaries stay coordinates.
+The observation files then carry ``space = "w"``.
+
 Nothing here runs unless the canary kind is ``gradient``: the default training path is
 untouched.
 """
@@ -211,32 +220,50 @@ class ClientCanaries:
             self._flat_dev = self.flat.to(device)
         return self._flat_dev
 
+    def sampled(self) -> np.ndarray:
+        """The canaries (positions in :attr:`ids`) that enter this step: included and
+        sampled by this step's coin (host values only: no device sync)."""
+        if self.step >= len(self.coins):
+            raise RuntimeError("gradient canaries: more DP-SGD steps than coins drawn")
+        return np.flatnonzero(self.coins[self.step] & self.included)
+
+    def clipped(
+        self, n: int, dtype: torch.dtype, device: torch.device, clip: bool = True
+    ) -> torch.Tensor:
+        """The coefficients of ``n`` sampled canaries along their unit vectors after the
+        step's clip: K·C (K = :data:`PRE_CLIP`) clipped as the clip's definition says,
+        g·min(1, C/‖g‖), computed as C·(g/‖g‖) so that the result is C bit for bit
+        (g/‖g‖ = 1.0 exactly: one non-zero coefficient along a unit vector). ``clip=False``
+        (only under the planted fault ``no_clip``, tests only) lets K·C through."""
+        g = torch.full((n,), PRE_CLIP * self.clip, dtype=dtype, device=device)
+        if clip:
+            norm = g.abs()  # ‖K·C·e_j‖: one non-zero coordinate
+            g = torch.where(norm > self.clip, self.clip * (g / norm), g)
+        return g
+
     def contribute(self, summed: torch.Tensor, clip: bool = True) -> None:
         """Add the clipped gradients of the included canaries sampled in this step to the
         clipped sum (before the noise); nothing else is touched.
 
         A canary's per-example gradient is K·C·e_j (K = :data:`PRE_CLIP`); the step clips
-        it to C exactly as the clip's definition says, g·min(1, C/‖g‖), computed as
-        C·(g/‖g‖) so that the result is C·e_j bit for bit (g/‖g‖ = 1.0 exactly for one
-        non-zero coordinate). ``clip=False`` (only under the planted fault ``no_clip``,
-        tests only) lets K·C through: a skipped clip is then K times the contribution."""
-        if self.step >= len(self.coins):
-            raise RuntimeError("gradient canaries: more DP-SGD steps than coins drawn")
-        sel = np.flatnonzero(self.coins[self.step] & self.included)
+        it to C·e_j (:meth:`clipped`). ``clip=False`` (only under the planted fault
+        ``no_clip``, tests only) lets K·C through: a skipped clip is then K times the
+        contribution."""
+        sel = self.sampled()
         if sel.size:
             at = self._on(summed.device)[torch.as_tensor(sel, device=summed.device)]
-            g = torch.full(
-                (sel.size,), PRE_CLIP * self.clip, dtype=summed.dtype, device=summed.device
-            )
-            if clip:
-                norm = g.abs()  # ‖K·C·e_j‖: one non-zero coordinate
-                g = torch.where(norm > self.clip, self.clip * (g / norm), g)
+            g = self.clipped(sel.size, summed.dtype, summed.device, clip)
             summed.index_put_((at,), g, accumulate=True)  # distinct coordinates
 
     def observe(self, noisy: torch.Tensor) -> None:
         """Record the privatized sum at every canary coordinate of the client (no host
         sync: kept on the device until :meth:`result`)."""
-        self.observed.append(noisy.index_select(0, self._on(noisy.device)).detach().clone())
+        self.record(noisy.index_select(0, self._on(noisy.device)))
+
+    def record(self, values: torch.Tensor) -> None:
+        """Record this step's observation of every canary of the training (a vector in
+        :attr:`ids` order, on any device) and move to the next step."""
+        self.observed.append(values.detach().clone())
         self.step += 1
 
     def result(self) -> dict:
@@ -286,11 +313,17 @@ class GradientCanaries:
         steps: int,
         clip: float,
         sigma: float,
+        space: str | None = None,
     ) -> ClientCanaries:
         """The canaries of the local training whose DP-SGD noise stream is
         ``noise_source`` (named ``("dpsgd-noise", round, client, stage[, "attempt",
         a])``): its client's canaries on the trained ``params``, and their coins from
-        ``("gradient-canary-coins", round, client, stage[, "attempt", a])``."""
+        ``("gradient-canary-coins", round, client, stage[, "attempt", a])``.
+
+        ``space``: None (DP-SGD's flat clipped sum: every canary is a coordinate) or
+        ``"w"`` (FedASK's W-space privatizer, :mod:`fl.privacy.wspace`: a B canary's slot
+        is a W-space direction, the head's a coordinate); recorded in the observation
+        file's ``space`` field (absent when None)."""
         parts = getattr(noise_source, "parts", None)
         if not parts or parts[0] != "dpsgd-noise" or len(parts) < 4:
             raise RuntimeError("gradient canaries need the run's DP-SGD noise stream")
@@ -329,6 +362,7 @@ class GradientCanaries:
                 "sigma": float(sigma),
                 "clip": float(clip),
                 "q": float(q),
+                **({"space": str(space)} if space is not None else {}),
             },
         )
 
@@ -370,8 +404,9 @@ def read_observations(run_dir: str | Path) -> list[dict]:
             rec[k] = int(rec[k])
         for k in ("sigma", "clip", "q"):
             rec[k] = float(rec[k])
-        for k in ("client", "stage"):
-            rec[k] = str(rec[k])
+        for k in ("client", "stage", "space"):
+            if k in rec:
+                rec[k] = str(rec[k])
         rec["file"] = p.name
         out.append(rec)
     return out

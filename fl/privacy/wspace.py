@@ -40,6 +40,21 @@ N(0, s²σ²C² A Aᵀ / (q·n)²) — correlated across B's columns through A A
 plain B-space clipping (``clip_and_noise`` on B's own gradient) adds isotropic
 N(0, σ²C² I / (q·n)²). See docs/fedask.md.
 
+Gradient canaries (``--canary-kind gradient``, :mod:`fl.privacy.gradient_canaries`):
+with the thin SVD A = U diag(S) Vᵀ (U r×r, S r, V n×r; :func:`slot_basis`, A of full row
+rank r), the slot a·r + k of B (m×r) is the unit W-space vector w = e_a ⊗ V[:,k] (row a,
+in A's row space, so the projection keeps all of it). A sampled included canary is one
+more record whose W-space gradient K·C·w is clipped to C·w and added to Σ_W before Z_W;
+in B's clipped sum that is s·C·(e_a ⊗ V[:,k]ᵀAᵀ) = s·C·S_k·U[:,k]ᵀ on row a. The
+observation of the slot is the public linear function of the released B-sum row
+y_a = s·(Σ_W row a)Aᵀ (before ÷ q·n)
+
+    c_{a,k} = y_a·U[:,k] / (s·S_k) = (Σ_W row a)·V[:,k]
+
+whose noise part z_a·V[:,k] is N(0, σ²C²), i.i.d. over (a, k) (V orthonormal), and to
+which an included sampled canary adds exactly C: in these coordinates a B canary is a
+flat Dirac canary, scored as one. Head canaries are plain coordinates of Σ_h.
+
 Activations are captured by our own hooks (not Opacus' stored activations, whose
 layout is private to Opacus): a forward hook on each ``lora_A`` module stores its
 input x̃ (batch×T×n) and a forward hook on each ``lora_B`` module registers a tensor
@@ -49,9 +64,11 @@ manager; the hooks exist only inside ``with``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fl import factors as F
+from fl.errors import UsageError
 from fl.privacy.dpsgd import (
     DpSgdParams,
     clip_factors,
@@ -60,7 +77,11 @@ from fl.privacy.dpsgd import (
     set_noisy_grad,
 )
 
-__all__ = ["wspace_sq_norms", "wspace_sq_norms_reference", "WSpaceClipper"]
+__all__ = ["wspace_sq_norms", "wspace_sq_norms_reference", "WSpaceClipper", "slot_basis"]
+
+#: W-space gradient canaries need A (r×n) of full row rank: σ_min(A) > this · σ_max(A)
+#: (below it the r slots of a row are not all in A's numerical row space)
+MIN_RANK_RATIO = 1e-6
 
 
 def _as_seq(t: torch.Tensor) -> torch.Tensor:
@@ -92,6 +113,50 @@ def wspace_sq_norms_reference(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return G.pow(2).sum(dim=(1, 2))
 
 
+def slot_basis(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(U, S, V): the thin SVD A = U diag(S) Vᵀ of a LoRA A factor (r×n, r <= n) in
+    float64 on the CPU (U r×r, S r descending, V n×r with orthonormal columns), each
+    column pair's sign fixed (U[:,k]'s largest-magnitude entry positive) so that the
+    slots do not depend on the SVD routine's sign choice. The W-space canary slots of
+    the layer (module doc). ValueError unless A has full row rank r
+    (σ_min > :data:`MIN_RANK_RATIO`·σ_max)."""
+    A = A.detach().to("cpu", torch.float64)
+    r, n = A.shape
+    if r > n:
+        raise ValueError(f"A is {r}×{n}: W-space gradient canaries need rank r <= n")
+    U, S, Vh = torch.linalg.svd(A, full_matrices=False)
+    if not (bool(torch.isfinite(S).all()) and float(S[-1]) > MIN_RANK_RATIO * float(S[0])):
+        raise ValueError(
+            f"A ({r}×{n}) is not of full row rank r = {r} (singular values "
+            f"{float(S[0]):.3g} … {float(S[-1]):.3g}): its row space has fewer than r "
+            "directions, so some W-space gradient canary slots would be lost to the "
+            "projection; use --canary-kind input, or FedASK's --opt clip_space=b"
+        )
+    top = U.abs().argmax(dim=0)
+    sign = torch.sign(U[top, torch.arange(r)])
+    sign[sign == 0] = 1.0
+    return U * sign, S, Vh.mT * sign
+
+
+class _Slots:
+    """The canaries of one local training on one trained parameter: their positions in
+    the training's canary list (``pos``) and, for a B factor (``U`` set), their rows and
+    columns in slot coordinates; for any other parameter their flat indices."""
+
+    def __init__(self, pos, local, shape, basis=None, device="cpu"):
+        self.pos = pos  # numpy: positions in ClientCanaries.ids
+        self.pos_t = torch.as_tensor(pos, dtype=torch.long, device=device)
+        self.local_t = torch.as_tensor(local, dtype=torch.long, device=device)
+        self.U = self.S = None
+        if basis is not None:
+            r = shape[1]
+            self.rows = local // r
+            self.cols_t = torch.as_tensor(local % r, dtype=torch.long, device=device)
+            self.rows_t = torch.as_tensor(self.rows, dtype=torch.long, device=device)
+            U, S, _ = basis
+            self.U, self.S = U.to(device), S.to(device)
+
+
 class WSpaceClipper:
     """``grad_transform`` for ``client.train`` that privatizes in W-space.
 
@@ -107,6 +172,9 @@ class WSpaceClipper:
     ``last_noise`` (if ``keep_noise``) the W-space noise per layer key (m×n).
     """
 
+    #: gradient canaries (``--canary-kind gradient``): B slots live in W-space
+    canary_space = "w"
+
     def __init__(self, layers: dict, scaling: float, keep_noise: bool = False):
         self.layers = layers
         self.s = float(scaling)
@@ -120,6 +188,8 @@ class WSpaceClipper:
         self._akey = {id(v[2]): k for k, v in layers.items()}
         self.last_norms: torch.Tensor | None = None
         self.last_noise: dict[str, torch.Tensor] = {}
+        #: (the local training's ClientCanaries, its slots per parameter index)
+        self._slots: tuple | None = None
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, scaling: float, **kw) -> WSpaceClipper:
@@ -228,15 +298,83 @@ class WSpaceClipper:
         dp: DpSgdParams,
         generator: torch.Generator | None,
         batch_size: int,
+        canaries=None,
     ) -> dict:
         """Set each param's ``.grad`` to the W-space privatized gradient (module doc)
-        and clear ``.grad_sample``. Returns mean_norm, frac_clipped, nonfinite."""
+        and clear ``.grad_sample``. Returns mean_norm, frac_clipped, nonfinite.
+
+        ``canaries``: this local training's gradient canaries
+        (:class:`fl.privacy.gradient_canaries.ClientCanaries`, module doc: B slots in
+        W-space, head coordinates) or None (the default path, untouched)."""
         try:
-            return self._apply(params, dp, generator, batch_size)
+            return self._apply(params, dp, generator, batch_size, canaries)
         finally:
             self._clear()
 
-    def _apply(self, params, dp, generator, batch_size) -> dict:
+    def _canary_slots(self, params, cc) -> dict[int, _Slots]:
+        """The canaries of ``cc`` per parameter index (cached for the local training: A
+        is fixed within it, checked by :meth:`_apply`)."""
+        if self._slots is not None and self._slots[0] is cc:
+            return self._slots[1]
+        flat = cc.flat.cpu().numpy()
+        starts = np.cumsum([0] + [p.numel() for p in params])
+        which = np.searchsorted(starts, flat, side="right") - 1
+        if flat.size and (flat.min() < 0 or flat.max() >= starts[-1]):
+            raise RuntimeError("gradient canaries: a coordinate outside the trained parameters")
+        out = {}
+        for i, p in enumerate(params):
+            pos = np.flatnonzero(which == i)
+            if not pos.size:
+                continue
+            local = flat[pos] - starts[i]
+            basis = None
+            if id(p) in self._bkey:
+                key = self._bkey[id(p)]
+                A = self.layers[key][2]
+                if p.dim() != 2 or p.shape[1] != A.shape[0]:
+                    raise RuntimeError(f"layer {key!r}: B {tuple(p.shape)} vs A {tuple(A.shape)}")
+                try:
+                    basis = slot_basis(A)
+                except ValueError as exc:
+                    raise UsageError(f"W-space gradient canaries, layer {key!r}: {exc}") from None
+            out[i] = _Slots(pos, local, tuple(p.shape), basis, p.device)
+        self._slots = (cc, out)
+        return out
+
+    def _contribute(self, sl: _Slots, summed: torch.Tensor, cc, sel: np.ndarray) -> None:
+        """Add the clipped W-space gradients C·(e_a ⊗ V[:,k]) of the sampled included
+        canaries on this parameter to its clipped sum (B: s·C·S_k·U[:,k]ᵀ on row a; the
+        head: C at the coordinate)."""
+        j = np.flatnonzero(np.isin(sl.pos, sel))
+        if not j.size:
+            return
+        jt = torch.as_tensor(j, dtype=torch.long, device=summed.device)
+        if sl.U is None:
+            g = cc.clipped(j.size, summed.dtype, summed.device)
+            summed.view(-1).index_put_((sl.local_t[jt],), g, accumulate=True)
+            return
+        coef = cc.clipped(j.size, torch.float64, summed.device)  # C along the unit w
+        k = sl.cols_t[jt]
+        rows = (self.s * coef * sl.S[k]).unsqueeze(1) * sl.U[:, k].mT  # (j, r)
+        urows, inv = np.unique(sl.rows[j], return_inverse=True)
+        delta = torch.zeros(
+            (urows.size, summed.shape[1]), dtype=torch.float64, device=summed.device
+        )
+        delta.index_add_(0, torch.as_tensor(inv, dtype=torch.long, device=summed.device), rows)
+        ur = torch.as_tensor(urows, dtype=torch.long, device=summed.device)
+        summed[ur] += delta.to(summed.dtype)
+
+    def _observe(self, sl: _Slots, noisy: torch.Tensor, out: torch.Tensor) -> None:
+        """The slots' observations from this parameter's privatized sum (before ÷ q·n):
+        the head's coordinates; for B, c = y_a·U[:,k] / (s·S_k) (module doc)."""
+        if sl.U is None:
+            out[sl.pos_t] = noisy.reshape(-1)[sl.local_t].double()
+            return
+        y = noisy.double()[sl.rows_t]  # (slots, r)
+        c = (y * sl.U[:, sl.cols_t].mT).sum(dim=1) / (self.s * sl.S[sl.cols_t])
+        out[sl.pos_t] = c
+
+    def _apply(self, params, dp, generator, batch_size, canaries=None) -> dict:
         for p in params:
             if id(p) in self._akey:
                 raise ValueError(
@@ -267,8 +405,15 @@ class WSpaceClipper:
             factor, stats = clip_factors(norms, dp.clip)
         std = dp.noise_multiplier * dp.clip
         self.last_noise = {}
-        for p in params:
+        if canaries is not None:
+            slots = self._canary_slots(params, canaries)
+            sel = canaries.sampled()
+            dev = params[0].device if params else torch.device("cpu")
+            seen = torch.zeros(len(canaries.ids), dtype=torch.float64, device=dev)
+        for i, p in enumerate(params):
             summed = clipped_sum(p, factor)
+            if canaries is not None and i in slots:
+                self._contribute(slots[i], summed, canaries, sel)
             if id(p) in self._bkey:
                 key = self._bkey[id(p)]
                 A = self.layers[key][2].detach()
@@ -280,5 +425,15 @@ class WSpaceClipper:
                 noise = self.s * (z @ A.float().mT)
             else:
                 noise = gaussian_noise(tuple(p.shape), std, generator, p.dtype, p.device)
-            set_noisy_grad(p, summed, noise, dp)
+            if canaries is None:  # the default path
+                set_noisy_grad(p, summed, noise, dp)
+                continue
+            # set_noisy_grad's arithmetic, with the privatized sum read in between
+            noisy = summed + noise.to(summed.dtype)
+            if i in slots:
+                self._observe(slots[i], noisy, seen)
+            p.grad = (noisy / dp.expected_batch).to(p.dtype)
+            p.grad_sample = None
+        if canaries is not None:
+            canaries.record(seen)
         return stats
