@@ -254,6 +254,20 @@ def _utility(r: dict) -> str:
     return " · ".join(parts) or "–"
 
 
+def _empirical_cell(bound: dict | None) -> str:
+    """The verdict table's certified lower bound: the one the claim is tested with, then
+    Steinke et al.'s and the f-DP one side by side (each certified on its own)."""
+    if not bound:
+        return "–"
+    cell = f"[{_fmt(bound['epsilon_lb'], 3)}, ∞) at {1 - bound['alpha']:.0%}"
+    if bound.get("fdp") is not None:
+        cell += (
+            f" (Steinke {_fmt(bound['steinke'], 3)}, f-DP {_fmt(bound['fdp'], 3)}; "
+            f"each at {1 - bound['alpha']:.0%})"
+        )
+    return f"{cell} · {bound['source']}"
+
+
 def run_verdict(r: dict) -> dict:
     """The verdict row's cells for one run (strings), and the verdict itself."""
     a = r.get("audit") or {}
@@ -280,11 +294,7 @@ def run_verdict(r: dict) -> dict:
         "utility": _utility(r),
         "epsilon_claimed": r.get("epsilon_claimed") if ev.dp_claimed else "no DP",
         "epsilon_recomputed": ev.epsilon_recomputed,
-        "empirical": (
-            f"[{_fmt(bound['epsilon_lb'], 3)}, ∞) at {1 - bound['alpha']:.0%} · {bound['source']}"
-            if bound
-            else "–"
-        ),
+        "empirical": _empirical_cell(bound),
         "auc": f"{_with_ci(att.get('auc'), ci.get('auc'))} · {name}" if att else "–",
         "tpr": _with_ci(
             (att.get("tpr_at_fpr") or {}).get("0.01"), (ci.get("tpr_at_fpr") or {}).get("0.01")
@@ -317,8 +327,12 @@ def _verdict_section(rows: list[dict]) -> Section:
         Paragraph.of(
             "ε in nats at the run's δ; recomputed by the run audit from the composed DP "
             "events (fedlora audit RUN). The empirical lower bound is the one-run audit over "
-            "the run's canaries (fedlora train --canaries M), a one-sided interval on the "
-            "run's true ε at the confidence shown; – where the run has none. The attacks' "
+            "the run's canaries (fedlora train --canaries M; gradient canaries: white-box "
+            "Dirac canaries in the clipped sums, --canary-kind gradient), a one-sided interval "
+            "on the run's true ε at the confidence shown: the larger of Steinke et al.'s bound "
+            "and the f-DP one (Mahloujifar et al.), each at half the error, which the verdict "
+            "compares with the claim; each of the two, certified on its own, in brackets; – "
+            "where the run has none. The attacks' "
             "member / non-member scores give estimates only (Empirical privacy section), "
             "never this bound. The strongest attack is the one with the highest AUC, chosen "
             "after the fact among the run's attacks, so its bootstrap 95% intervals are "

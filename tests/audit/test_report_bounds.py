@@ -50,5 +50,32 @@ def test_the_certified_bound_is_the_one_run_canary_audit(tmp_path):
     row["audit"] = {"one_run": {"epsilon_lb": 0.25, "alpha": 0.05, "m": 1000}}
     best = best_bound(row)
     assert max(b["epsilon_lb"] for b in row["bounds"]) > 0.25  # the estimates are larger
-    assert best == {"epsilon_lb": 0.25, "source": "1000 canaries, one run", "alpha": 0.05}
+    assert best == {
+        "epsilon_lb": 0.25,
+        "source": "1000 canaries, one run",
+        "alpha": 0.05,
+        "steinke": 0.25,
+        "fdp": None,
+    }
+    # white-box gradient canaries: Steinke et al.'s and the f-DP bound side by side, the
+    # claim tested with the joint one (the larger of the two, each at α/2)
+    row["audit"] = {
+        "one_run": {
+            "epsilon_lb": 0.25,
+            "alpha": 0.05,
+            "m": 5000,
+            "kind": "gradient",
+            "fdp": {"epsilon_lb": 0.31},
+            "claim_check": {"epsilon": 8.0, "delta": 1e-5, "epsilon_lb": 0.29, "exceeds": False},
+        }
+    }
+    row["audit"]["one_run"]["delta"] = 1e-5
+    best = best_bound(row)
+    assert (best["epsilon_lb"], best["steinke"], best["fdp"]) == (0.29, 0.25, 0.31)
+    assert best["source"] == "5000 gradient canaries, one run" and best["limit"] == 8.0
+    from audit.report import _empirical_cell
+
+    assert _empirical_cell(best) == (
+        "[0.29, ∞) at 95% (Steinke 0.25, f-DP 0.31; each at 95%) · 5000 gradient canaries, one run"
+    )
     assert best_bound({}) is None

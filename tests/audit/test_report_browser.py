@@ -119,7 +119,10 @@ def test_verdict_first_and_no_raw_dicts(report):
     assert cells[-1] == s["runs"][0]["verdict"]
     assert cells[-1].startswith("private as claimed (ε = ")
     # the certified bound is the canaries' one-run audit, never the attacks' CP estimates
-    assert re.fullmatch(r"\[[\d.]+, ∞\) at 95% · 20 canaries, one run", cells[4]), cells[4]
+    assert re.fullmatch(
+        r"\[[\d.]+, ∞\) at 95% \(Steinke [\d.]+, f-DP [\d.]+; each at 95%\) · 20 canaries, one run",
+        cells[4],
+    ), cells[4]
     assert re.fullmatch(r"[\d.]+ \[[\d.]+, [\d.]+\] · loss(_class)?", cells[5])  # AUC, interval
     # analyses: a summary, not the rows; claims: readable, with a verdict each
     assert "| both | 2 | 4 |" in md and "Full rows (20) in " in md and "| 0.01 |" not in md

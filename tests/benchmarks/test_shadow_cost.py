@@ -7,8 +7,7 @@ from pipeline.job import PRESETS, RUNS
 
 def test_target_is_the_default_presets_eps8_fedavg_run():
     name, method, over = next(r for r in RUNS if r[0] == "fedavg-eps8")
-    over = {k: v for k, v in over.items() if k != "canaries"}  # canaries: not in the pool
+    # the job's gradient canaries live in the clipped sums, not in the attacker's pool
+    over = {k: v for k, v in over.items() if k != "canaries"}
     want = {**PRESETS["default"].base, **over, "method": method, "seed": 0}
     assert shadow_cost.TARGET == want
-    # the canaries' non-members fit in the preset's non-member pool: same pool size
-    assert PRESETS["default"].canaries + 50 <= want["nonmembers"]

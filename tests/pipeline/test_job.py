@@ -40,6 +40,15 @@ def test_quick_preset_end_to_end(tmp_path):
             assert float(vcells[2]) == pytest.approx(eps, rel=1e-3)
             assert float(vcells[3]) == pytest.approx(eps, rel=1e-3)
             assert vcells[-1].startswith("private as claimed (ε = ")
+            # every DP run carries gradient canaries: a certified, non-vacuous one-run bound
+            # (Steinke et al. and f-DP side by side), below the claim
+            lb = re.match(
+                r"\[([0-9.]+), ∞\) at 95% \(Steinke ([0-9.]+), f-DP ([0-9.]+);", vcells[4]
+            )
+            assert lb, vcells[4]
+            assert "gradient canaries, one run" in vcells[4]
+            assert 0 < float(lb.group(1)) <= eps and float(lb.group(2)) > 0
+            assert f"empirical ε ≥ {lb.group(1)} at 95%" in vcells[-1]
         # the Runs table row of this run shows the manifest's numbers
         runs_md = md.split("\n## Runs\n")[1]
         row = next(line for line in runs_md.splitlines() if line.startswith(f"| {r.name} |"))
@@ -85,7 +94,7 @@ def test_presets_configurations():
     assert (d.model, d.dataset, d.members, d.nonmembers, d.test, d.max_length) == (
         "minilm", "tweets", 2000, 500, 500, 48
     )  # fmt: skip
-    assert (d.clients, d.rounds, d.eval_every, d.local_steps, d.batch_size) == (5, 3, 3, 20, 128)
+    assert (d.clients, d.rounds, d.eval_every, d.local_steps, d.batch_size) == (5, 3, 3, 10, 128)
     assert (d.lr, d.head_lr, d.lora_layers, d.rank, d.alpha) == (1e-3, 3e-2, 1, 8, 16.0)
     assert (d.pooling, d.head_init) == ("auto", "zero")
     q = TrainConfig(**PRESETS["quick"].base)
@@ -94,4 +103,5 @@ def test_presets_configurations():
     )  # fmt: skip
     assert (q.clients, q.batch_size, q.rank, q.alpha, q.max_length) == (3, 32, 4, 8.0, 24)
     assert (q.head_init, q.head_lr, q.lora_layers) == ("random", 0.0, 0)
-    assert PRESETS["quick"].canaries == 40 and PRESETS["default"].canaries == 100
+    assert PRESETS["quick"].canaries == 500 and PRESETS["default"].canaries == 5000
+    assert PRESETS["default"].shadows == 2 and "lira" not in PRESETS["default"].attacks
