@@ -264,7 +264,7 @@ def client_canaries(key, m: int, clip: float, dim: int, participation: str, rate
         sigma=1.0,
         delta=1e-5,
     )
-    ds = cc._dense(["update"], [(dim,)])
+    ds = cc.dense(["update"], [(dim,)])
     if ds["mode"] == "disjoint":
         dirs = {
             "mode": np.asarray("disjoint"),

@@ -136,7 +136,7 @@ class CanaryClients:
         self.cos_final = np.full(self.m, np.nan)
         self.observed = np.zeros(self.rounds, dtype=bool)
         self._coins: dict[int, np.ndarray] = {}
-        self._dense_set: dict | None = None  # dense directions (:meth:`_dense`)
+        self._dense_set: dict | None = None  # dense directions (:meth:`dense`)
         self._fac: dict | None = None  # factored: per-layer stacked B, A and head
         self._initial: dict[str, np.ndarray] = {}
         self._load()
@@ -159,7 +159,7 @@ class CanaryClients:
         return np.flatnonzero(self._coins[r] & self.included)
 
     # ------------------------------------------------------------------ dense space
-    def _dense(self, names: list[str], shapes: list[tuple[int, ...]]) -> dict:
+    def dense(self, names: list[str], shapes: list[tuple[int, ...]]) -> dict:
         """The dense directions, drawn once the clipped parameters are known (d of them).
 
         M <= d: *disjoint supports* (exactly orthogonal canaries): a random permutation of
@@ -201,7 +201,7 @@ class CanaryClients:
     def dense_update_chunks(self, names, shapes, ids, chunk: int = 512):
         """The norm-C updates of the canaries in ``ids`` (one list of float32 tensors,
         shaped like ``names``, per canary), ``chunk`` canaries at a time."""
-        ds = self._dense(list(names), list(shapes))
+        ds = self.dense(list(names), list(shapes))
         ids = np.asarray(ids, dtype=np.int64)
         for s0 in range(0, ids.size, chunk):
             part = []
@@ -231,7 +231,7 @@ class CanaryClients:
     def observe_dense(self, r: int, names, base: list[torch.Tensor], new: list[torch.Tensor]):
         """Record round ``r``: cosines with the released update ``new − base``, and with
         the final-model delta ``new − initial``."""
-        ds = self._dense(list(names), [tuple(t.shape) for t in base])
+        ds = self.dense(list(names), [tuple(t.shape) for t in base])
         b = torch.cat([t.double().reshape(-1) for t in base])
         n = torch.cat([t.double().reshape(-1) for t in new])
         if "dense" not in self._initial:
