@@ -3,7 +3,7 @@ before it, in one interleaved run.
 
 Workload (full): the ε = 8 FedAvg-LoRA target of ``fedlora run``'s default preset
 (:data:`TARGET`: minilm on tweets, LoRA on the top layer over a cached frozen prefix,
-5 clients, 3 rounds × 10 DP-SGD steps of batch 128, 48 tokens) and an attacker pool of
+5 clients, 3 rounds × 6 DP-SGD steps of batch 128, 48 tokens) and an attacker pool of
 3 000 tweets (members + non-members + test of that run: 2 000 + 500 + 500), with the
 shadows' training shortened to :data:`STEPS` (1 round × 4 steps per client, so that
 the benchmark fits a shared 2-core machine): a shadow's training cost scales with its
@@ -46,7 +46,7 @@ K_UNCACHED = 1
 #: the ε = 8 FedAvg-LoRA run of `fedlora run --preset default` (pipeline.job: its preset
 #: base with the run's overrides; tests/benchmarks/test_shadow_cost.py checks they agree)
 TARGET = dict(model="minilm", dataset="tweets", members=2000, nonmembers=500, test=500)
-TARGET |= dict(max_length=48, clients=5, rounds=3, eval_every=3, local_steps=10)
+TARGET |= dict(max_length=48, clients=5, rounds=3, eval_every=3, local_steps=6)
 TARGET |= dict(batch_size=128, lr=1e-3, head_lr=3e-2, lora_layers=1, pooling="auto")
 TARGET |= dict(head_init="zero", rank=8, alpha=16.0, method="fedavg", seed=0)
 TARGET |= dict(dp_level="sample", epsilon=8.0)

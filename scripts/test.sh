@@ -7,4 +7,8 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports  # layer contracts of pyproject.toml (no cycles, fl below the rest)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 MPLBACKEND=Agg
-.venv/bin/python -m pytest -n 2 --dist loadgroup --timeout 600 "$@"
+# --dist loadfile: each test file runs on one worker, so a module's fixtures (trained runs,
+# a Flower simulation, a Ray instance) are built once, not once per worker. (loadgroup's
+# xdist_group marks are silently ignored with pytest 9 and xdist 3.8: xdist renames
+# item._nodeid, which pytest 9 no longer reads; measured 2026-12-03.)
+.venv/bin/python -m pytest -n 2 --dist loadfile --timeout 600 "$@"

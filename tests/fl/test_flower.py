@@ -18,13 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-# One worker runs the whole file under `pytest -n 2 --dist loadgroup`, so the Flower
-# simulation session (Ray) and the in-process references are built once.
-pytestmark = pytest.mark.xdist_group("flower")
-
-from fl.engine import Engine  # noqa: E402
-from fl.methods import registry  # noqa: E402
-from fl.transport import Dispatcher  # noqa: E402
+# One worker runs the whole file (scripts/test.sh: `pytest -n 2 --dist loadfile`), so the
+# Flower simulation session (Ray) and the in-process references are built once.
+from fl.engine import Engine
+from fl.methods import registry
+from fl.transport import Dispatcher
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

@@ -94,7 +94,7 @@ def test_presets_configurations():
     assert (d.model, d.dataset, d.members, d.nonmembers, d.test, d.max_length) == (
         "minilm", "tweets", 2000, 500, 500, 48
     )  # fmt: skip
-    assert (d.clients, d.rounds, d.eval_every, d.local_steps, d.batch_size) == (5, 3, 3, 10, 128)
+    assert (d.clients, d.rounds, d.eval_every, d.local_steps, d.batch_size) == (5, 3, 3, 6, 128)
     assert (d.lr, d.head_lr, d.lora_layers, d.rank, d.alpha) == (1e-3, 3e-2, 1, 8, 16.0)
     assert (d.pooling, d.head_init) == ("auto", "zero")
     q = TrainConfig(**PRESETS["quick"].base)
