@@ -57,7 +57,7 @@ PRESETS: dict[str, Preset] = {
     # tiny-bert on synthetic text, about 2 minutes on 2 CPU cores (what the tests run)
     "quick": Preset(
         base=dict(model="tiny-bert", dataset="synthetic", members=300, nonmembers=120, test=100)
-        | dict(max_length=24, clients=3, rounds=3, local_steps=20, batch_size=32, lr=0.03)
+        | dict(max_length=24, clients=3, rounds=2, local_steps=20, batch_size=32, lr=0.03)
         | dict(rank=4, alpha=8.0, head_init="random", head_lr=0.0, lora_layers=0),
         canaries=500,
     ),

@@ -99,7 +99,7 @@ def test_presets_configurations():
     assert (d.pooling, d.head_init) == ("auto", "zero")
     q = TrainConfig(**PRESETS["quick"].base)
     assert (q.model, q.dataset, q.members, q.rounds, q.local_steps, q.lr) == (
-        "tiny-bert", "synthetic", 300, 3, 20, 0.03
+        "tiny-bert", "synthetic", 300, 2, 20, 0.03
     )  # fmt: skip
     assert (q.clients, q.batch_size, q.rank, q.alpha, q.max_length) == (3, 32, 4, 8.0, 24)
     assert (q.head_init, q.head_lr, q.lora_layers) == ("random", 0.0, 0)
