@@ -723,6 +723,24 @@ def _check_set(cs: CanarySet, obs: dict, where: str) -> None:
         )
 
 
+def _check_sigma_clip(sigma: float, clip: float, claim, spec: dict, where: str) -> None:
+    """The observed σ and C against the claim's and the canary set's (one line each)."""
+    if not _same(sigma, claim.noise_multiplier):
+        raise UsageError(
+            f"{where}: noise multiplier σ = {sigma:g} observed, the claim says "
+            f"noise_multiplier = {claim.noise_multiplier:g}"
+        )
+    if not _same(clip, float(spec["clip"])):
+        raise UsageError(
+            f"{where}: clip C = {clip:g} observed, the canary set's clip is {spec['clip']:g}"
+        )
+    if claim.clipping_norm is not None and not _same(clip, claim.clipping_norm):
+        raise UsageError(
+            f"{where}: clip C = {clip:g} observed, the claim says clipping_norm = "
+            f"{claim.clipping_norm:g}"
+        )
+
+
 def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> tuple:
     from audit import gradient_canaries as GC
     from audit.claims import opacus_sample_rate
@@ -735,20 +753,7 @@ def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -
     clip = _scalar(obs, "clip", where)
     q = _scalar(obs, "q", where)
     sp = cs.spec
-    if not _same(sigma, claim.noise_multiplier):
-        raise UsageError(
-            f"{where}: noise multiplier σ = {sigma:g} observed, the claim says "
-            f"noise_multiplier = {claim.noise_multiplier:g}"
-        )
-    if not _same(clip, float(sp["clip"])):
-        raise UsageError(
-            f"{where}: clip C = {clip:g} observed, the canary set's clip is {sp['clip']:g}"
-        )
-    if claim.clipping_norm is not None and not _same(clip, claim.clipping_norm):
-        raise UsageError(
-            f"{where}: clip C = {clip:g} observed, the claim says clipping_norm = "
-            f"{claim.clipping_norm:g}"
-        )
+    _check_sigma_clip(sigma, clip, claim, sp, where)
     if claim.sampling == "poisson":
         rates = [claim.record_rate] + [r for r in [opacus_sample_rate(claim)] if r is not None]
         if not any(_same(q, r) for r in rates):
@@ -823,20 +828,7 @@ def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> 
     sigma, clip = _scalar(obs, "sigma", where), _scalar(obs, "clip", where)
     per_round = _scalar(obs, "clients_per_round", where)
     sp = cs.spec
-    if not _same(sigma, claim.noise_multiplier):
-        raise UsageError(
-            f"{where}: noise multiplier σ = {sigma:g} observed, the claim says "
-            f"noise_multiplier = {claim.noise_multiplier:g}"
-        )
-    if not _same(clip, float(sp["clip"])):
-        raise UsageError(
-            f"{where}: clip C = {clip:g} observed, the canary set's clip is {sp['clip']:g}"
-        )
-    if claim.clipping_norm is not None and not _same(clip, claim.clipping_norm):
-        raise UsageError(
-            f"{where}: clip C = {clip:g} observed, the claim says clipping_norm = "
-            f"{claim.clipping_norm:g}"
-        )
+    _check_sigma_clip(sigma, clip, claim, sp, where)
     if int(per_round) != claim.clients_per_round:
         raise UsageError(
             f"{where}: {int(per_round)} clients per round (the server's denominator m) "

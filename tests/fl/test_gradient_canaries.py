@@ -107,10 +107,11 @@ def test_non_included_canaries_change_nothing_in_a_step():
     assert cc.result()["obs"].shape == (1, 3)  # still observed
 
 
-def test_non_included_canaries_leave_a_run_bit_exact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["fedavg", "fedask"])  # flat DP-SGD; FedASK's W-space
+def test_non_included_canaries_leave_a_run_bit_exact(tmp_path, monkeypatch, method):
     from fl.engine import train
 
-    base = dict(noise_multiplier=1.0, delta=1e-5, rounds=1, local_steps=3)
+    base = dict(method=method, noise_multiplier=1.0, delta=1e-5, rounds=1, local_steps=3)
     train(tiny_config(**base), tmp_path / "plain", quiet=True, noise_key=FIXED_KEY)
     built = []
     orig = G.GradientCanaries.for_engine.__func__
@@ -135,6 +136,10 @@ def test_non_included_canaries_leave_a_run_bit_exact(tmp_path, monkeypatch):
     assert p1["sample_rates"] == p2["sample_rates"]
     obs = G.read_observations(tmp_path / "canaries")
     assert len(obs) == 3 and all(o["obs"].shape[0] == 3 for o in obs)  # one per client
+    if method == "fedask":
+        assert all(o["space"] == "w" for o in obs)
+        groups = {G.group_of(c["param"]) for c in built[0].records}
+        assert groups == {"B", "head"}  # FedASK trains B and the head only
 
 
 # ---------------------------------------------- (c) the bound: sound, and powerful at σ≈0

@@ -12,7 +12,7 @@ HEAVY = ("torch", "matplotlib", "transformers", "peft", "opacus", "scipy", "flwr
 
 
 @pytest.mark.parametrize("argv", [[], ["train"], ["attack"], ["audit"], ["report"],
-                                  ["analyze"], ["run"], ["bench"], ["export"], ["base"], ["canaries"]])  # fmt: skip
+                                  ["analyze"], ["run"], ["bench"], ["export"], ["base"], ["canaries"], ["canaries", "new"]])  # fmt: skip
 def test_help_imports_nothing_heavy(argv):
     code = (
         "import sys\n"
