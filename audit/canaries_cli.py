@@ -98,7 +98,7 @@ def _check(args) -> None:
 
 def cmd_new(args) -> int:
     _check(args)
-    from audit.outside import new_canary_set
+    from audit.canary_set import new_canary_set
 
     out = new_canary_set(
         args.kind,

@@ -62,6 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
+from audit import canary_set as CS
 from audit import outside as O
 from fl.errors import UsageError
 
@@ -84,7 +85,7 @@ def describe(model) -> dict:
     (Opacus's ``_module.`` prefix removed; group ``lora_A`` / ``lora_B`` / ``other``)."""
     return {
         "params": [
-            {"name": O.clean_name(n), "shape": list(p.shape), "group": O.group_of_name(n)}
+            {"name": CS.clean_name(n), "shape": list(p.shape), "group": CS.group_of_name(n)}
             for n, p in model.named_parameters()
             if p.requires_grad
         ]
@@ -111,7 +112,7 @@ class GradientCanaryHook:
     every step uses every record or batches are fixed. ``sigma``: the noise multiplier
     (Opacus: read from the optimizer)."""
 
-    def __init__(self, cset: O.CanarySet, sample_rate: float | None = None, sigma=None):
+    def __init__(self, cset: CS.CanarySet, sample_rate: float | None = None, sigma=None):
         if cset.kind != "gradient":
             raise UsageError(f"{cset.folder} holds {cset.kind} canaries, not gradient canaries")
         if cset.key is None:
@@ -141,7 +142,7 @@ class GradientCanaryHook:
 
     @classmethod
     def load(cls, folder, *, sample_rate=None, sigma=None, key_file=None) -> GradientCanaryHook:
-        return cls(O.load_canary_set(folder, key_file=key_file), sample_rate, sigma)
+        return cls(CS.load_canary_set(folder, key_file=key_file), sample_rate, sigma)
 
     def _set_rate(self, q) -> None:
         q = float(q)
@@ -164,7 +165,7 @@ class GradientCanaryHook:
         be there with its shape (more parameters are fine: their canary rows are 0)."""
         import torch
 
-        named = [(O.clean_name(n), p) for n, p in named_params]
+        named = [(CS.clean_name(n), p) for n, p in named_params]
         index = {n: i for i, (n, _) in enumerate(named)}
         for sp in self.cset.spec["params"]:
             if sp["name"] not in index:
@@ -194,7 +195,7 @@ class GradientCanaryHook:
         from fl.privacy import rng as R
 
         if self._coins is None:
-            src = self.cset.key.stream(O.COIN_STREAM, self.step)
+            src = self.cset.key.stream(CS.COIN_STREAM, self.step)
             self._coins = R.bernoulli_mask(src, self.m, self.q).numpy().astype(bool)
         return np.flatnonzero(self._coins & self.included)
 
@@ -357,7 +358,7 @@ class GradientCanaryHook:
 def input_canaries(folder, key_file=None) -> list[tuple[str, int]]:
     """The (text, label) records of the INCLUDED input canaries: add each to the training
     data (one more record each, replacing nothing)."""
-    cs = O.load_canary_set(folder, key_file=key_file)
+    cs = CS.load_canary_set(folder, key_file=key_file)
     if cs.kind != "input":
         raise UsageError(f"{folder} holds {cs.kind} canaries, not input canaries")
     recs = cs.spec["records"]
@@ -367,7 +368,7 @@ def input_canaries(folder, key_file=None) -> list[tuple[str, int]]:
 def write_input_observations(path, folder, *, losses=None, scores=None) -> Path:
     """Write every canary's loss (or score, higher = more likely trained on) under the
     trained model, in the set's order (included or not)."""
-    cs = O.load_canary_set(folder, private=False, verify=False)
+    cs = CS.load_canary_set(folder, private=False, verify=False)
     if (losses is None) == (scores is None):
         raise ValueError("give losses or scores")
     name, v = ("loss", losses) if losses is not None else ("score", scores)
@@ -385,7 +386,7 @@ class ClientCanaryHook:
     core: :meth:`contribution` and :meth:`observe`; :meth:`attach_flower` wires them into
     a Flower ``DifferentialPrivacy*FixedClipping`` strategy (Message API)."""
 
-    def __init__(self, cset: O.CanarySet):
+    def __init__(self, cset: CS.CanarySet):
         if cset.kind != "client":
             raise UsageError(f"{cset.folder} holds {cset.kind} canaries, not canary clients")
         self.cset = cset
@@ -399,7 +400,7 @@ class ClientCanaryHook:
         self.included = cset.included
         self._cc = None
         if self.poisson:
-            cc, bits, _ = O.client_canaries(
+            cc, bits, _ = CS.client_canaries(
                 cset.key, self.m, self.clip, self.dim, "poisson", float(sp["rate"])
             )
             if not np.array_equal(bits, self.included):
@@ -419,7 +420,7 @@ class ClientCanaryHook:
 
     @classmethod
     def load(cls, folder, key_file=None) -> ClientCanaryHook:
-        return cls(O.load_canary_set(folder, key_file=key_file))
+        return cls(CS.load_canary_set(folder, key_file=key_file))
 
     def taking_part(self, r: int) -> np.ndarray:
         """Canaries that contribute in round ``r``: included and (Poisson participation)

@@ -106,11 +106,14 @@ def clipped_sum(p: torch.nn.Parameter, factor: torch.Tensor | None) -> torch.Ten
 
 def set_noisy_grad(
     p: torch.nn.Parameter, summed: torch.Tensor, noise: torch.Tensor, dp: DpSgdParams
-) -> None:
+) -> torch.Tensor:
     """The released gradient: ``p.grad = (summed + noise) / (q·n)``; clears
-    ``p.grad_sample``."""
-    p.grad = ((summed + noise.to(summed.dtype)) / dp.expected_batch).to(p.dtype)
+    ``p.grad_sample``. Returns the privatized sum ``summed + noise`` (what gradient
+    canaries observe)."""
+    noisy = summed + noise.to(summed.dtype)
+    p.grad = (noisy / dp.expected_batch).to(p.dtype)
     p.grad_sample = None
+    return noisy
 
 
 def clip_and_noise_per_parameter(

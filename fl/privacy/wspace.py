@@ -425,15 +425,9 @@ class WSpaceClipper:
                 noise = self.s * (z @ A.float().mT)
             else:
                 noise = gaussian_noise(tuple(p.shape), std, generator, p.dtype, p.device)
-            if canaries is None:  # the default path
-                set_noisy_grad(p, summed, noise, dp)
-                continue
-            # set_noisy_grad's arithmetic, with the privatized sum read in between
-            noisy = summed + noise.to(summed.dtype)
-            if i in slots:
+            noisy = set_noisy_grad(p, summed, noise, dp)
+            if canaries is not None and i in slots:
                 self._observe(slots[i], noisy, seen)
-            p.grad = (noisy / dp.expected_batch).to(p.dtype)
-            p.grad_sample = None
         if canaries is not None:
             canaries.record(seen)
         return stats

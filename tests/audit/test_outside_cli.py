@@ -7,6 +7,7 @@ import stat
 import numpy as np
 import pytest
 
+from audit import canary_set as CS
 from audit import outside as O
 from pipeline.cli import main
 
@@ -52,14 +53,14 @@ def test_gradient_set_files(params, tmp_path, capsys):
     co = doc["gradient"]["coordinates"]
     assert len({(c["param"], c["index"]) for c in co}) == 60
     # stratified: every group has canaries (at least min(M/G, size) each)
-    groups = {p["name"]: O.group_of_name(p["name"]) for p in PARAMS["params"]}
+    groups = {p["name"]: CS.group_of_name(p["name"]) for p in PARAMS["params"]}
     per = {g: sum(groups[c["param"]] == g for c in co) for g in ("lora_A", "lora_B", "other")}
     assert per == {"lora_A": 20, "lora_B": 20, "other": 20}
     priv = out / "private"
     assert stat.S_IMODE(priv.stat().st_mode) == 0o700
     for f in ("inclusion.json", "noise.key"):
         assert stat.S_IMODE((priv / f).stat().st_mode) == 0o600
-    cs = O.load_canary_set(out)  # re-derived from the key and checked
+    cs = CS.load_canary_set(out)  # re-derived from the key and checked
     assert cs.included.shape == (60,) and 10 < cs.included.sum() < 50
 
 
@@ -75,23 +76,23 @@ def test_key_file_is_used_not_copied(params, tmp_path):
     assert not (out / "private" / "noise.key").exists()
     doc = json.loads((out / "canaries.json").read_text())
     assert doc["key_id"] == key.key_id
-    cs = O.load_canary_set(out, key_file=kp)
+    cs = CS.load_canary_set(out, key_file=kp)
     assert cs.key.key_id == key.key_id
     # the same key makes the same set
     out2 = tmp_path / "set2"
-    O.new_canary_set("input", 30, out2, key_file=kp, num_classes=3)
+    CS.new_canary_set("input", 30, out2, key_file=kp, num_classes=3)
     assert (out2 / "canaries.json").read_bytes() == (out / "canaries.json").read_bytes()
 
 
 def test_tampered_bits_refused(params, tmp_path, capsys):
     out = tmp_path / "set"
-    O.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
+    CS.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
     bp = out / "private" / "inclusion.json"
     d = json.loads(bp.read_text())
     d["included"][0] = 1 - d["included"][0]
     bp.write_text(json.dumps(d))
     with pytest.raises(O.UsageError, match="do not derive from the set's key"):
-        O.load_canary_set(out)
+        CS.load_canary_set(out)
 
 
 @pytest.mark.parametrize(
@@ -188,8 +189,8 @@ def _obs(tmp_path, cs, **kw):
 )
 def test_audit_refuses_inconsistent_observations(change, words, params, tmp_path, capsys):
     out = tmp_path / "set"
-    O.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
-    cs = O.load_canary_set(out)
+    CS.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
+    cs = CS.load_canary_set(out)
     obs = _obs(tmp_path, cs, **change)
     line = _one_line_exit_2(["audit", "--canaries", str(out), "--observations", str(obs),
                              "--claim", str(_claim(tmp_path))], capsys)  # fmt: skip
@@ -199,8 +200,8 @@ def test_audit_refuses_inconsistent_observations(change, words, params, tmp_path
 
 def test_audit_flag_combinations(params, tmp_path, capsys):
     out = tmp_path / "set"
-    O.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
-    cs = O.load_canary_set(out)
+    CS.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
+    cs = CS.load_canary_set(out)
     obs, claim = _obs(tmp_path, cs), _claim(tmp_path)
     _one_line_exit_2(["audit", "--canaries", str(out), "--claim", str(claim)], capsys)
     _one_line_exit_2(["audit", "--canaries", str(out), "--observations", str(obs)], capsys)
@@ -220,7 +221,7 @@ def test_audit_flag_combinations(params, tmp_path, capsys):
 @pytest.mark.parametrize("content", [b"PK\x03\x04junk", b"garbage\x00", b""])
 def test_audit_unreadable_observations(content, params, tmp_path, capsys):
     out = tmp_path / "set"
-    O.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
+    CS.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
     obs = tmp_path / "obs.npz"
     obs.write_bytes(content)
     line = _one_line_exit_2(["audit", "--canaries", str(out), "--observations", str(obs),

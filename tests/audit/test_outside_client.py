@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from audit import canary_set as CS
 from audit import outside as O
 from audit.claims import check_claim
 from audit.hooks import ClientCanaryHook
@@ -25,7 +26,7 @@ def _directions(out, m, d):
 
 @pytest.mark.parametrize("m, d", [(50, 300), (400, 300)])  # disjoint supports, isotropic
 def test_numpy_core_matches_direct(m, d, tmp_path):
-    out = O.new_canary_set("client", m, tmp_path / "set", clip=0.5, dim=d)
+    out = CS.new_canary_set("client", m, tmp_path / "set", clip=0.5, dim=d)
     hook = ClientCanaryHook.load(out)
     u = _directions(out, m, d)
     np.testing.assert_allclose(np.linalg.norm(u, axis=1), 1.0, rtol=1e-6)
@@ -43,7 +44,7 @@ def test_numpy_core_matches_direct(m, d, tmp_path):
 def test_poisson_participation_uses_keyed_coins(tmp_path):
     from fl.privacy import rng as R
 
-    out = O.new_canary_set(
+    out = CS.new_canary_set(
         "client", 200, tmp_path / "set", clip=1.0, dim=1000, participation="poisson", rate=0.25
     )
     hook = ClientCanaryHook.load(out)
@@ -74,7 +75,7 @@ def test_flower_wrapper_in_process(task_identity, tmp_path):
 
     shapes = [(4, 5), (7,)]
     d, m_clients, clip = 27, 3, 0.5
-    out = O.new_canary_set("client", 6, tmp_path / "set", clip=clip, dim=d)
+    out = CS.new_canary_set("client", 6, tmp_path / "set", clip=clip, dim=d)
     hook = ClientCanaryHook.load(out)
     u = _directions(out, 6, d)
     inner = FedAvg(fraction_train=1.0, min_available_nodes=3, min_train_nodes=3)
@@ -120,7 +121,7 @@ def _server_loop(hook, *, rounds, clients, d, clip, sigma, noise_scale, seed):
 @pytest.mark.parametrize("noise_scale, verdict", [(1.0, "ok"), (0.0, "leaks more than claimed")])
 def test_client_audit(noise_scale, verdict, tmp_path):
     m, d, clip, sigma, rounds, clients = 2000, 20000, 0.5, 4.0, 3, 10
-    out = O.new_canary_set("client", m, tmp_path / "set", clip=clip, dim=d)
+    out = CS.new_canary_set("client", m, tmp_path / "set", clip=clip, dim=d)
     hook = ClientCanaryHook.load(out)
     _server_loop(hook, rounds=rounds, clients=clients, d=d, clip=clip, sigma=sigma,
                  noise_scale=noise_scale, seed=2)  # fmt: skip

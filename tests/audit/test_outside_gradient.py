@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from audit import canary_set as CS
 from audit import outside as O
 from audit.claims import check_claim
 from audit.hooks import GradientCanaryHook, describe
@@ -22,7 +23,7 @@ def _linear(seed=0, d_in=8, d_out=6):
 
 def _make_set(tmp_path, model, m, clip, name="set"):
     (tmp_path / "params.json").write_text(json.dumps(describe(model)))
-    return O.new_canary_set(
+    return CS.new_canary_set(
         "gradient", m, tmp_path / name, params=str(tmp_path / "params.json"), clip=clip
     )
 
@@ -96,7 +97,7 @@ def test_plain_loop_matches_reference(mode, tmp_path):
     assert got["obs"].shape == (steps, m)
     np.testing.assert_allclose(got["obs"], expected, rtol=1e-5, atol=1e-5)
     assert got["sigma"] == sigma and got["clip"] == clip and got["q"] == q
-    assert got["set_sha256"] == O.load_canary_set(out).sha256
+    assert got["set_sha256"] == CS.load_canary_set(out).sha256
     assert entered > 20  # canaries did enter (about M·q·steps/2 = 50)
 
 

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from audit import canary_set as CS
 from audit import outside as O
 from audit.claims import check_claim
 from audit.hooks import input_canaries, write_input_observations
@@ -25,7 +26,7 @@ def _claim(level="sample"):
 
 
 def test_random_text_records(tmp_path):
-    out = O.new_canary_set("input", 300, tmp_path / "set", num_classes=4, words=5)
+    out = CS.new_canary_set("input", 300, tmp_path / "set", num_classes=4, words=5)
     doc = json.loads((out / "canaries.json").read_text())
     recs = doc["input"]["records"]
     assert len(recs) == 300 and all(len(r["text"].split()) == 5 for r in recs)
@@ -38,19 +39,19 @@ def test_random_text_records(tmp_path):
 def test_mislabel_from_source(tmp_path):
     src = tmp_path / "pool.jsonl"
     src.write_text("".join(json.dumps({"text": f"t{i}", "label": i % 3}) + "\n" for i in range(50)))
-    out = O.new_canary_set("input", 20, tmp_path / "set", num_classes=3, source=str(src))
+    out = CS.new_canary_set("input", 20, tmp_path / "set", num_classes=3, source=str(src))
     recs = json.loads((out / "canaries.json").read_text())["input"]["records"]
     assert len({r["text"] for r in recs}) == 20
     assert all(r["label"] != int(r["text"][1:]) % 3 for r in recs)  # every label moved
     with pytest.raises(O.UsageError, match="need 60 records"):
-        O.new_canary_set("input", 60, tmp_path / "s2", num_classes=3, source=str(src))
+        CS.new_canary_set("input", 60, tmp_path / "s2", num_classes=3, source=str(src))
     assert not (tmp_path / "s2").exists()
 
 
 @pytest.mark.parametrize("level", ["sample", "client"])
 def test_input_audit(level, tmp_path):
-    out = O.new_canary_set("input", 1000, tmp_path / "set", num_classes=2)
-    cs = O.load_canary_set(out)
+    out = CS.new_canary_set("input", 1000, tmp_path / "set", num_classes=2)
+    cs = CS.load_canary_set(out)
     rng = np.random.default_rng(0)
     # memorized canaries: included ones have a far lower loss
     loss = np.where(cs.included, 0.01, 3.0) + rng.normal(0, 0.01, 1000)
