@@ -28,7 +28,7 @@ The Monte Carlo uses common random numbers across the σ grid (the same N scaled
 
 From real runs (``runs=[(noisy, clean), ...]``): the noise part of ΔW is
 Σ_modules ‖s(B_σA_σ − B_0A_0)‖_F² between two runs that differ only in σ (same seed,
-same data order); :func:`train_pair` makes such a pair with ``fl.engine.train``.
+same data order); :func:`train_pair` makes such a pair with ``fl.run.engine.train``.
 """
 
 from __future__ import annotations
@@ -272,10 +272,10 @@ def run_pair_rows(pairs) -> list[dict]:
 
 
 def train_pair(cfg, out, sigma: float, level: str | None = None) -> tuple[Path, Path]:
-    """Train ``cfg`` twice with ``fl.engine.train``: at noise multiplier σ and at σ = 0
+    """Train ``cfg`` twice with ``fl.run.engine.train``: at noise multiplier σ and at σ = 0
     (same seed, hence the same data order and initialization). ``level`` defaults to
     cfg.dp_level, or "sample" when that is "none". Returns (noisy_dir, clean_dir)."""
-    from fl.engine import train
+    from fl.run.engine import train
 
     if not (sigma > 0):
         raise UsageError(f"σ must be > 0 for the noisy run, got {sigma}")

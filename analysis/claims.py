@@ -341,7 +341,7 @@ def output_vs_powerdp(seed, eps=(2.0, 8.0), trials=2) -> dict:
 
 def _run(seed: int = 0, out=None, runs=None, figure: bool = True, grids=None) -> dict:
     """All claims (synthetic; ``runs`` adds FedASK's a_rowspace_angle from metrics;
-    ``grids``, folders of ``benchmarks.grids`` results, adds the privacy–utility claims
+    ``grids``, folders of ``benchmarks.grids.runner`` results, adds the privacy–utility claims
     decided over seeds by :mod:`analysis.utility_claims`, with their cells under
     ``utility``). Returns the JSON document; writes claims.{json,png,svg} (and
     claims_utility.{png,svg}) to ``out`` when given."""

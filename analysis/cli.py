@@ -233,7 +233,7 @@ def register(subparsers) -> None:
                 nargs="+",
                 default=None,
                 metavar="DIR",
-                help="benchmarks.grids result folders (results.jsonl), or a folder of them "
+                help="benchmarks.grids.runner result folders (results.jsonl), or a folder of them "
                 "(benchmarks/results/claims): adds the privacy-utility "
                 "claims decided over seeds with 95%% intervals (holds / does not hold / "
                 "inconclusive) and the accuracy-vs-ε figure claims_utility.png",

@@ -2,7 +2,7 @@
 (FLoRA, FlexLoRA, HETLoRA, Fed-PLoRA), from a fast synthetic federated simulation
 built on the pure functions of ``fl.linalg``, or from runs' metrics.jsonl.
 
-Noise definitions (ARCHITECTURE.md, ``fl.noise``), on the effective update ΔW:
+Noise definitions (ARCHITECTURE.md, ``fl.linalg.noise``), on the effective update ΔW:
 * init_noise: mean over the round's clients of ‖W_client_start − W_global‖_F;
 * agg_noise: ‖ΔW_server − Σ_k p_k ΔW_k‖_F (the server's new global update minus the
   exact data-weighted average of the clients' trained updates).

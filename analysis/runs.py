@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from fl import rundir
 from fl.errors import UsageError
+from fl.run import rundir
 
 __all__ = [
     "read_manifest",

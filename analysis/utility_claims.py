@@ -1,6 +1,6 @@
 """The papers' privacy–utility claims decided from measurement grids (issue 18, item 5).
 
-Input: the ``results.jsonl`` files of ``python -m benchmarks.grids`` runs (one row per
+Input: the ``results.jsonl`` files of ``python -m benchmarks.grids.runner`` runs (one row per
 training run: ``grid``, ``group`` = ``method/condition``, ``seed``, ``accuracy``,
 ``balanced_accuracy``, ``attacks``...). Rows with an ``error`` or ``skipped`` field are
 ignored; a job run twice (same ``key``) counts once (the last row).
@@ -71,7 +71,7 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> dict:
 def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
     """The finished rows of the grids in ``dirs`` (a results.jsonl file or its folder,
     or a folder of such folders, e.g. ``benchmarks/results/claims``; a folder's
-    ``mia.jsonl``, written by ``benchmarks.claims_mia``, adds the attacks to the rows of
+    ``mia.jsonl``, written by ``benchmarks.grids.claims_mia``, adds the attacks to the rows of
     the same ``key``)."""
     rows: dict[str, dict] = {}
     anon = 0
@@ -87,7 +87,7 @@ def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
         path = p / "results.jsonl" if p.is_dir() else p
         if not path.is_file():
             raise UsageError(
-                f"{p}: no results.jsonl (a benchmarks.grids --out folder, or a folder of them)"
+                f"{p}: no results.jsonl (a benchmarks.grids.runner --out folder, or a folder of them)"
             )
         if path.suffix != ".jsonl":
             raise UsageError(f"{p}: not a results.jsonl file or a grid folder")
@@ -343,7 +343,7 @@ def hetero_claims(table: dict, grid: str = "claims-hetero") -> list[dict]:
     return [c for c in out if c is not None]
 
 
-#: the DP linear probe's group in the dplearn grid (benchmarks.grid_jobs)
+#: the DP linear probe's group in the dplearn grid (benchmarks.grids.jobs)
 DPLEARN_PROBE = "probe-b500-s20-r10-lr5e-2"
 
 

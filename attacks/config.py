@@ -1,7 +1,7 @@
 """Attack settings: one frozen dataclass, validated, each field with its help text.
 
 ``fedlora attack`` generates its setting flags from these fields (:func:`add_flags`, as
-``fedlora train`` does from :class:`fl.config.TrainConfig`), and ``attacks.run``'s
+``fedlora train`` does from :class:`fl.run.config.TrainConfig`), and ``attacks.run``'s
 functions take their defaults from them: there is no second source of defaults or of
 valid choices. Field metadata: ``help``; ``choices`` (the valid values, passed to
 argparse); ``subset_of`` (a comma-separated subset of these values); ``runtime`` (does

@@ -1,7 +1,7 @@
 """A causal-LM adapter's membership signals on texts: the model scored with the adapter on,
 with it off (the base model, the reference of a LoRA), and on the lowercased texts.
 
-Sequences are framed exactly as training frames them (:class:`fl.lm_data.LmTokenizedData`:
+Sequences are framed exactly as training frames them (:class:`fl.data.lm.LmTokenizedData`:
 ``[bos] prompt text [eos]``, scored on the text and eos; plain text is scored on every token
 after bos). The per-token statistics (:class:`attacks.lm_signals.TokenStats`) are cached on
 disk (npz) under a key of the adapter weights' sha256, the base model and seed, the texts
@@ -30,11 +30,11 @@ def is_causal_adapter(adapter_dir) -> bool:
 
 @torch.no_grad()
 def lm_token_stats(model, data, batch_size: int, device, adapter: bool = True) -> TokenStats:
-    """Token stats of ``model`` on ``data`` (an :class:`fl.lm_data.LmTokenizedData`), in
+    """Token stats of ``model`` on ``data`` (an :class:`fl.data.lm.LmTokenizedData`), in
     data order; ``adapter=False`` scores the base model (the adapter disabled)."""
     import contextlib
 
-    from fl.causal_lm import adapter_off
+    from fl.models.causal_lm import adapter_off
 
     parts = []
     ctx = contextlib.nullcontext() if adapter else adapter_off(model)
@@ -94,9 +94,9 @@ def lm_adapter_signals(
         extras: also the base model's loss (adapter off) and the loss on lowercased texts
             (the target needs them; the shadows do not).
     """
-    from fl.causal_lm import load_causal_lm
-    from fl.lm_data import LmTokenizedData
-    from fl.models import load_tokenizer, resolve_device
+    from fl.data.lm import LmTokenizedData
+    from fl.models.base import load_tokenizer, resolve_device
+    from fl.models.causal_lm import load_causal_lm
 
     read_adapter_config(adapter_dir)
     if prompts is not None and len(prompts) != len(texts):

@@ -8,18 +8,18 @@ exactly ⌊k/2⌋ or ⌈k/2⌉ shadows and OUT of the others. The same shadows s
 reference models (calibration uses the OUT ones), Shokri's shadow models, LiRA's shadows
 and RMIA's reference models.
 
-Each shadow is a full ``fl.engine.train`` run with the target's configuration (same model,
+Each shadow is a full ``fl.run.engine.train`` run with the target's configuration (same model,
 method, federated set-up, rounds, local steps, DP level and budget, and seed — the seed
 fixes the random-init base of tiny models, which the attacker is assumed to know); only
 the data differs. The pool is written to a JSONL file whose row order makes
-``fl.data.split_dataset`` pick exactly the chosen half as members (verified after
+``fl.data.datasets.split_dataset`` pick exactly the chosen half as members (verified after
 training against the shadow's splits.json). Finished shadows are reused on later calls
 when their configuration and data are unchanged.
 
 Shadows are independent tasks (:mod:`fl.distributed`: on Ray, or in this process one
 after another, with the same results). With LoRA on the top layers, the frozen prefix is
 the same model for every shadow and every shadow's data is a subset of the pool: each
-process encodes the whole pool once (:func:`fl.heads.shared_rows`) and every shadow's
+process encodes the whole pool once (:func:`fl.models.heads.shared_rows`) and every shadow's
 halves take their rows from it, so a shadow costs its top-layer training only.
 """
 
@@ -88,7 +88,7 @@ def train_shadows(
     """Train (or reuse) k shadow models on random halves of the pool.
 
     Args:
-        cfg: the target's fl.config.TrainConfig (copied; data fields replaced per shadow).
+        cfg: the target's fl.run.config.TrainConfig (copied; data fields replaced per shadow).
         ids, texts, labels: the attacker's pool, n examples; labels (n,) ints.
         k: number of shadow models.
         out_dir: folder for shadow_<j>.jsonl and shadow_<j>/ run directories.
@@ -100,13 +100,13 @@ def train_shadows(
             order). A failed shadow is retried once; if it fails again the call raises
             after the others have finished (they are kept and reused by the next call).
         share_prefix: the shadows take their frozen-prefix cache rows from the whole
-            pool's, encoded once per process (:func:`fl.heads.shared_rows`) instead of
+            pool's, encoded once per process (:func:`fl.models.heads.shared_rows`) instead of
             each encoding its own halves.
     """
-    from fl.config import TrainConfig
-    from fl.data import split_dataset
+    from fl.data.datasets import split_dataset
     from fl.distributed import run_tasks
     from fl.io import atomic_write_json
+    from fl.run.config import TrainConfig
 
     labels = np.asarray(labels, dtype=np.int64)
     n = len(texts)
@@ -197,8 +197,8 @@ def _warn(msg: str) -> None:
 def train_shadow(task: dict) -> float:
     """One shadow model (a task of :func:`train_shadows`, here or on a Ray worker): writes
     its JSONL and trains it from scratch; returns the wall seconds of the training."""
-    from fl.config import TrainConfig
-    from fl.engine import train
+    from fl.run.config import TrainConfig
+    from fl.run.engine import train
 
     run_dir = Path(task["run_dir"])
     if run_dir.exists():  # stale or unfinished shadow of ours: retrain from scratch
@@ -216,14 +216,14 @@ def train_shadow(task: dict) -> float:
 
 
 def _shared_pool(pool):
-    """:func:`fl.heads.shared_rows` over the tokenized pool (nothing when ``pool`` is None)."""
+    """:func:`fl.models.heads.shared_rows` over the tokenized pool (nothing when ``pool`` is None)."""
     from contextlib import nullcontext
 
     if pool is None:
         return nullcontext()
-    from fl.heads import shared_rows
-    from fl.models import load_tokenizer
-    from fl.tokenized import TokenizedData
+    from fl.data.tokenized import TokenizedData
+    from fl.models.base import load_tokenizer
+    from fl.models.heads import shared_rows
 
     texts, labels, model, max_length = pool
     return shared_rows(

@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fl import rundir
 from fl.errors import UsageError
 from fl.io import file_sha256
+from fl.run import rundir
 
 ADAPTER_WEIGHTS = rundir.ADAPTER_WEIGHTS
 _PREFIX = "base_model.model."
@@ -202,9 +202,9 @@ def check_adapter_fits(adapter_dir: str | Path, base: torch.nn.Module) -> None:
 
 def adapter_pooling(adapter_dir: str | Path) -> str:
     """The pooling the head of ``adapter_dir`` reads: recorded in the manifest beside it
-    (a run directory or a release bundle, :func:`fl.models.recorded_pooling`), else
+    (a run directory or a release bundle, :func:`fl.models.base.recorded_pooling`), else
     ``cls``, Hugging Face's own sequence-classification head (a foreign adapter)."""
-    from fl.models import recorded_pooling
+    from fl.models.base import recorded_pooling
 
     man = Path(adapter_dir).parent / "manifest.json"
     try:
@@ -236,12 +236,12 @@ def load_adapter_model(
     device="cpu",
     pooling: str | None = None,
 ):
-    """Base model (``fl.models.load_base_model``) + the PEFT LoRA adapter, in eval mode.
+    """Base model (``fl.models.base.load_base_model``) + the PEFT LoRA adapter, in eval mode.
 
     ``seed`` must be the seed the base was created with for random-init models
     (tiny-bert, tiny-gpt2); it is irrelevant for pretrained ones. ``pooling``: what the
     head reads (None: :func:`adapter_pooling`)."""
-    from fl.models import load_base_model
+    from fl.models.base import load_base_model
 
     read_adapter_config(adapter_dir)
     if pooling is None:
@@ -300,15 +300,15 @@ def model_logits(
 @torch.no_grad()
 def _prefix_logits(model, tokenizer, texts, max_length, device, batch_size):
     """Logits over the frozen-prefix cache, or None when ``model`` has no frozen prefix
-    (not a BERT-family classifier of ``fl.heads``, or LoRA in its lowest layer).
+    (not a BERT-family classifier of ``fl.models.heads``, or LoRA in its lowest layer).
 
     When the adapter's LoRA sits in the top layers only, the layers below are the base
     model's own, whatever the adapter: their hidden states are computed once per process
-    for the same base and texts (``fl.heads.FrozenPrefix.encode_cached``) and every
+    for the same base and texts (``fl.models.heads.FrozenPrefix.encode_cached``) and every
     adapter scored on those texts (the target, each shadow) runs only its top layers:
     the same logits up to float rounding (``tests/fl/test_heads.py``)."""
-    from fl.heads import BertClassifier, FrozenPrefix
-    from fl.tokenized import TokenizedData
+    from fl.data.tokenized import TokenizedData
+    from fl.models.heads import BertClassifier, FrozenPrefix
 
     get_base = getattr(model, "get_base_model", None)
     net = get_base() if callable(get_base) else None
@@ -348,14 +348,14 @@ def adapter_signals(
 
     Args:
         adapter_dir: PEFT LoRA adapter folder (adapter_config.json + safetensors).
-        base_model: a fl.models name (minilm, tiny-bert, tiny-gpt2) or a local HF folder.
+        base_model: a fl.models.base name (minilm, tiny-bert, tiny-gpt2) or a local HF folder.
         texts, labels: n examples; labels (n,) ints.
         max_length: truncation length in tokens (use the training one).
         seed: seed of the random-init base model (tiny models); see load_adapter_model.
         num_labels: classes of the head (default: from the adapter's head, else labels).
         cache_dir: where to keep ``signals-<key>.npz`` (None = no cache).
     """
-    from fl.models import load_tokenizer, resolve_device
+    from fl.models.base import load_tokenizer, resolve_device
 
     labels = np.asarray(labels, dtype=np.int64)
     if len(texts) != len(labels):
@@ -407,7 +407,7 @@ def load_run(run_dir: str | Path) -> RunData:
     """Read manifest.json + splits.json and rebuild the examples from the dataset
     (ids ``<dataset>:<row>`` → rows via ``TextDataset.ids``); ids touched by audit
     canaries are left out (see below)."""
-    from fl.data import load_dataset
+    from fl.data.datasets import load_dataset
 
     d = Path(run_dir)
     man = rundir.read_manifest(d)
@@ -425,7 +425,7 @@ def load_run(run_dir: str | Path) -> RunData:
         raise UsageError(f"{d} has no splits.json (the run's member list); cannot attack it")
     task = cfg.get("task", "classification")
     if task == "causal-lm":
-        from fl.lm_data import load_lm_dataset
+        from fl.data.lm import load_lm_dataset
 
         ds = load_lm_dataset(
             cfg["dataset"],

@@ -51,7 +51,7 @@ class Target:
     kind: str  # one of KINDS
     source: str  # the run directory, adapter folder or bundle, as attacks.json names it
     adapter_dir: Path  # PEFT adapter folder (adapter_config.json + safetensors)
-    base_model: str  # fl.models name or local HF folder
+    base_model: str  # fl.models.base name or local HF folder
     max_length: int  # tokens per example
     base_seed: int  # seed of a random-init base model (tiny-bert, tiny-gpt2)
     num_labels: int  # classes of the head
@@ -60,7 +60,7 @@ class Target:
     texts: tuple[str, ...]  # (m,)
     labels: np.ndarray  # (m,) int64
     role: np.ndarray  # (m,) "member" | "nonmember" | "test"
-    shadow_config: object  # fl.config.TrainConfig of the shadows' training pipeline
+    shadow_config: object  # fl.run.config.TrainConfig of the shadows' training pipeline
     pool_note: str  # how the attacker pool was formed (attacks.json's shadow design)
     method: str | None = None  # the target's own method, dataset, DP level, where known
     dataset: str | None = None
@@ -186,7 +186,7 @@ class Target:
     @classmethod
     def from_run(cls, run_dir) -> Target:
         """A finished run directory (see :func:`attacks.signals.load_run`)."""
-        from fl.config import TrainConfig
+        from fl.run.config import TrainConfig
 
         run = _signals().load_run(run_dir)
         cfg = TrainConfig.from_dict(run.config)
@@ -233,14 +233,14 @@ class Target:
         (one client, non-private) of a LoRA like the adapter's (:func:`adapter_shadow_fields`:
         rank, alpha, dropout, target modules, layers, the head's pooling), TrainConfig
         defaults overridden by ``shadow_config`` (fields of TrainConfig)."""
-        from fl.config import TrainConfig
+        from fl.run.config import TrainConfig
 
         acfg = _signals().read_adapter_config(adapter)
         base_cfg = base_model_config(model)
         check_max_length(max_length, model, base_cfg)
         causal = acfg.get("task_type") == "CAUSAL_LM"
         if causal:
-            from fl.lm_data import load_lm_dataset
+            from fl.data.lm import load_lm_dataset
 
             mem, non = (
                 load_lm_dataset(str(f), text_column) for f in (members_file, nonmembers_file)
@@ -356,7 +356,7 @@ class Target:
 
 def _client_shards(run_dir) -> dict | None:
     """splits.json's client shards (client id → ids), None where it has none."""
-    from fl import rundir
+    from fl.run import rundir
 
     shards = (rundir.read_splits(run_dir) or {}).get("clients")
     return {str(c): list(ids) for c, ids in shards.items()} if isinstance(shards, dict) else None
@@ -364,9 +364,9 @@ def _client_shards(run_dir) -> dict | None:
 
 def _read_candidates(path, text_column: str, label_column: str) -> tuple[list, list]:
     """(texts, label strings) of a classification candidate file (CSV/JSONL, as
-    :func:`fl.data.load_local` reads it). One label per file is fine: the labels of the
+    :func:`fl.data.datasets.load_local` reads it). One label per file is fine: the labels of the
     member and non-member files are pooled (:func:`_joint_labels`)."""
-    from fl.data import read_rows
+    from fl.data.datasets import read_rows
 
     rows = read_rows(str(path))
     header = [str(k) for k in rows[0] if k is not None]
@@ -387,7 +387,7 @@ def _read_candidates(path, text_column: str, label_column: str) -> tuple[list, l
 
 def _joint_labels(raw) -> tuple[list[np.ndarray], int]:
     """Map the label strings of several files to one set of class indices (integers as
-    themselves, else sorted names, as fl.data.load_local does for one file)."""
+    themselves, else sorted names, as fl.data.datasets.load_local does for one file)."""
     names = sorted({v for r in raw for v in r})
     if all(v.lstrip("-").isdigit() for v in names):
         vals = [np.asarray([int(v) for v in r], np.int64) for r in raw]
@@ -403,9 +403,9 @@ def base_model_config(model: str):
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from fl.models import _tiny_config, model_folder
+    from fl.models.base import _tiny_config, model_folder
 
-    hf_logging.set_verbosity_error()  # as fl.models does: config notices are not ours
+    hf_logging.set_verbosity_error()  # as fl.models.base does: config notices are not ours
     if model in ("tiny-bert", "tiny-gpt2"):
         return _tiny_config(model, 2, 30522)  # only positions and layers are read
     path = model_folder(model)  # UsageError for an unknown name
@@ -537,7 +537,7 @@ class TargetSpec:
 
     def resolve(self) -> Target:
         """The :class:`Target` named, or a UsageError for a combination that names none."""
-        from fl.release import is_release
+        from fl.run.release import is_release
 
         foreign = [self.adapter, self.model, self.members, self.nonmembers]
         if self.run_dir and is_release(self.run_dir):
@@ -589,6 +589,6 @@ class TargetSpec:
         """The --shadow-config TOML's fields (a run directory's shadows ignore it)."""
         if not self.shadow_config:
             return None
-        from fl.config import load_toml
+        from fl.run.config import load_toml
 
         return load_toml(self.shadow_config)

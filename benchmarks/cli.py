@@ -84,14 +84,14 @@ def run_benchmarks(
     names: list[str], quick: bool, device: str = "cpu", log=None, note: str | None = None
 ) -> dict:
     """Run ``names`` in order; returns the JSON document {"meta", "ratios", "results"}:
-    ``ratios`` is every ratio measured, flat (:func:`benchmarks.ratios.ratio_list`)."""
-    from benchmarks.ratios import ratio_list
+    ``ratios`` is every ratio measured, flat (:func:`benchmarks.perf.ratios.ratio_list`)."""
+    from benchmarks.perf.ratios import ratio_list
 
     meta = _meta(quick, device, note)
     t0 = time.perf_counter()
     results = []
     for name in resolve_names(names):
-        mod = importlib.import_module(f"benchmarks.{name}")
+        mod = importlib.import_module(f"benchmarks.perf.{name}")
         if log:
             log(f"bench: {name}{' (quick)' if quick else ''} ...")
         t = time.perf_counter()
@@ -114,7 +114,7 @@ def _load():
 
 
 def _cpu_model() -> str | None:
-    from fl.inflight import cpu_model
+    from fl.run.inflight import cpu_model
 
     return cpu_model() or None
 

@@ -9,7 +9,7 @@ per test file) cannot use the function-scoped ``tiny_cfg`` fixture, and with pyt
 
 from __future__ import annotations
 
-from fl.config import TrainConfig
+from fl.run.config import TrainConfig
 
 #: the tiny settings; a test overrides what it needs (``tiny_config(rounds=3)``)
 TINY: dict = dict(

@@ -16,10 +16,12 @@ import sys
 
 from analysis import cli as analysis_cli
 from attacks import cli as attacks_cli
-from audit import canaries_cli
-from audit import cli as audit_cli
+from audit.cli import audit as audit_cli
+from audit.cli import canaries as canaries_cli
 from benchmarks import cli as benchmarks_cli
-from fl import cli_base, cli_export, cli_train
+from fl.cli import export as cli_export
+from fl.cli import pretrain as cli_base
+from fl.cli import train as cli_train
 from fl.errors import StoppedAtRound, UsageError
 from pipeline import job
 

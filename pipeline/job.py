@@ -29,8 +29,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from fl.config import TrainConfig
+from benchmarks.paths import RESULTS
 from fl.errors import UsageError
+from fl.run.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ RUNS = (
 #: the committed privacy–utility grids (issue 18), one folder per grid with its
 #: results.jsonl: the claims analysis decides the papers' utility claims from them (this
 #: job's own runs are one seed each, too few to decide them)
-CLAIMS_GRIDS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "claims"
+CLAIMS_GRIDS = RESULTS / "claims"
 
 ANALYSES = ("amplification", "exactness", "hetero", "refactorization", "claims")
 
@@ -103,7 +104,7 @@ def _log(msg: str) -> None:
 def train_run(task: tuple) -> dict:
     """One training run of the job, ``(config dict, run directory, quiet)``: a Ray task
     when the preset trains runs at once. Returns the run's accuracy and ε."""
-    from fl.engine import train
+    from fl.run.engine import train
 
     cfg, out, quiet = task
     m = train(TrainConfig.from_dict(cfg), out, quiet=quiet)
@@ -230,7 +231,7 @@ def run_job(
             status["errors"].append(f"analysis {name}: {traceback.format_exc(limit=3)}")
 
     # --- report (audits are run inside, per run)
-    from audit.report import build_report
+    from audit.report.build import build_report
 
     _log("writing the report")
     summary = build_report(

@@ -7,7 +7,7 @@
 2. writes its trainable parameters and makes a canary set:
    ``fedlora canaries new --kind gradient --count M --params params.json --clip C --out DIR``;
 3. trains it with Opacus DP-SGD (Poisson sampling) on synthetic data, with the canaries
-   added by ``audit.hooks.GradientCanaryHook.attach_opacus``, and writes the observations;
+   added by ``audit.canaries.hooks.GradientCanaryHook.attach_opacus``, and writes the observations;
 4. writes the claim Opacus's accountant makes (``claim.toml``) and runs
    ``fedlora audit --canaries DIR --observations obs.npz --claim claim.toml``,
    printing the certified lower bound on ε next to the claimed ε.
@@ -83,7 +83,7 @@ def train(model, canaries: Path, obs_path: Path, *, sigma, clip, steps, records,
     import torch
     from opacus import PrivacyEngine
 
-    from audit.hooks import GradientCanaryHook
+    from audit.canaries.hooks import GradientCanaryHook
 
     # Opacus draws its Poisson batches and noise from torch's generator: seed it from OS
     # entropy (the public seed above made the model and the data only)
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from audit.hooks import write_params
+    from audit.canaries.hooks import write_params
     from pipeline.cli import main as fedlora
 
     torch.set_num_threads(1)

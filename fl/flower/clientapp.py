@@ -14,7 +14,7 @@ key itself never travels in a message.
 
 The client rebuilds what it needs from the TrainConfig: the data split, its partition
 and the model init are deterministic functions of it (``Engine.setup()``), so a
-client-side :class:`fl.engine.Engine` is built once per process and cached. The
+client-side :class:`fl.run.engine.Engine` is built once per process and cached. The
 client's persistent ``client.state`` (FedASK between its two stages, SCAFFOLD's c_i,
 FedSA's local B, optimizer moments) lives in Flower's ``context.state`` between
 messages, under a key derived from the run's configuration. The DP events the
@@ -42,8 +42,8 @@ _ENGINE: dict = {}  # {"key": str, "engine": Engine}: one cached client-side eng
 
 def config_key(cfg_dict: dict) -> str:
     """A short fingerprint of a TrainConfig dict (ignoring the fields that do not change
-    what a client computes: ``fl.config.runtime_fields("client")``)."""
-    from fl.config import runtime_fields
+    what a client computes: ``fl.run.config.runtime_fields("client")``)."""
+    from fl.run.config import runtime_fields
 
     skip = set(runtime_fields("client"))
     d = {k: v for k, v in cfg_dict.items() if k not in skip}
@@ -78,8 +78,8 @@ def node_noise_key(context: Context | None, meta: dict):
 def client_engine(cfg_dict: dict, sigma: float, noise_key=None, mechanism_sigmas=None):
     """The cached client-side Engine for this configuration (built with setup() on
     first use: dataset, split, partition, tokenized data, model + LoRA init)."""
-    from fl.config import TrainConfig
-    from fl.engine import Engine
+    from fl.run.config import TrainConfig
+    from fl.run.engine import Engine
 
     key = config_key(cfg_dict) + (noise_key.key_id if noise_key is not None else "")
     if _ENGINE.get("key") != key:
@@ -113,9 +113,9 @@ def partition_id(context: Context) -> int | None:
 
 def handle_stage(message: Message, context: Context) -> Message:
     """Run ``method.on_<stage>`` for the client this node holds."""
-    from fl.engine import ClientContext
     from fl.errors import ClientFailure
     from fl.methods.base import RoundInfo
+    from fl.run.engine import ClientContext
 
     stage = message.metadata.message_type.split(".", 1)[1]
     meta = R.decode(message.content, META)

@@ -26,8 +26,8 @@ RESERVED = ("out-dir", "resume", "stage-timeout", "noise-key")
 
 def config_from_run_config(rc: dict):
     """(TrainConfig, out_dir, resume, timeout, noise_key) from a Flower run config."""
-    from fl.config import TrainConfig
     from fl.errors import UsageError
+    from fl.run.config import TrainConfig
 
     d: dict = {}
     opts: dict = {}
@@ -59,8 +59,8 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    from fl.engine import Engine
     from fl.flower.transport import bind_grid
+    from fl.run.engine import Engine
 
     cfg, out, resume, timeout, key = config_from_run_config(dict(context.run_config))
     with bind_grid(grid, timeout):

@@ -20,7 +20,7 @@ it (``query.partition``) and addresses client ``str(partition-id)``.
 
 Faults: a node whose reply is a Flower error, or that does not reply within the
 timeout (``FEDLORA_FLOWER_TIMEOUT`` seconds, default 600), is a *lost* reply: the
-engine's Dispatcher (``fl.transport``) charges the DP-SGD event it planned for that
+engine's Dispatcher (``fl.run.transport``) charges the DP-SGD event it planned for that
 client. A handler that raised ``ClientFailure`` reports its DP events and rolls its
 node-side state back. Either way the client goes to ``replies.failed``. Any other
 exception in a handler is a bug and is re-raised on the server with the client's
@@ -63,7 +63,7 @@ def bind_grid(grid, timeout: float | None = None):
 
 
 class FlowerTransport:
-    """``send`` for :class:`fl.engine.Engine` over a Flower grid (see the module doc)."""
+    """``send`` for :class:`fl.run.engine.Engine` over a Flower grid (see the module doc)."""
 
     name = "flower"
 
@@ -135,9 +135,9 @@ class FlowerTransport:
     # ---- the transport interface --------------------------------------------------------
     def deliver(self, method, rnd, stage, payloads, faults):
         """Send one ``train.<stage>`` message per client and collect the replies as
-        :class:`fl.transport.Delivery` (the engine's Dispatcher does the rest)."""
+        :class:`fl.run.transport.Delivery` (the engine's Dispatcher does the rest)."""
         from fl.privacy.accounting import Event, PrivacyError
-        from fl.transport import Delivery
+        from fl.run.transport import Delivery
 
         eng = self.engine
         if not stage.isidentifier():

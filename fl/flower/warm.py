@@ -37,7 +37,7 @@ PRELOAD = (
     "flwr.supernode.cli.flwr_clientapp",
     "flwr.supernode.runtime.run_clientapp",
     "fl.flower.clientapp",
-    "fl.engine",
+    "fl.run.engine",
     "fl.methods",
     "transformers",
     "transformers.models.bert.modeling_bert",

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from fl import factors as F
 from fl.errors import UsageError
 from fl.methods.context import ClientView, ServerView  # noqa: F401 - the contract's views
+from fl.methods.rounds import Replies, RoundInfo  # noqa: F401 - the method contract's types
+from fl.models import factors as F
 from fl.privacy import clipping
-from fl.rounds import Replies, RoundInfo  # noqa: F401 - the method contract's types
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Method:
     # What is released to the clients / the world each round (stated in the manifest).
     release_note = "LoRA factors A, B and the classification head"
     # Stages whose handler runs local (DP-)SGD: a lost reply in one of them is charged
-    # the DP-SGD event the server planned for that client (fl.transport.Dispatcher).
+    # the DP-SGD event the server planned for that client (fl.run.transport.Dispatcher).
     train_stages: tuple[str, ...] = ("train",)
     #: Whether ``head_warmup_rounds`` applies: the method's factors persist across
     #: rounds, so head-only rounds leave them as they were (FedAvg-LoRA and its
@@ -176,8 +176,8 @@ class Method:
     def noise_metrics(self, replies: Replies, new_global: dict | None = None) -> dict:
         """init_noise (mean of the clients' reported ``init_noise``) and agg_noise of the
         new global state against the exact weighted average of the replied states
-        (fl.noise). Call after aggregation."""
-        from fl.noise import agg_noise
+        (fl.linalg.noise). Call after aggregation."""
+        from fl.linalg.noise import agg_noise
 
         new_global = self.global_state if new_global is None else new_global
         cids = [c for c in replies.senders if "state" in replies.ok[c]]

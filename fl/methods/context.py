@@ -3,8 +3,8 @@ its client) and :class:`ServerView` (the server program's view of the run), as t
 protocols.
 
 They list exactly what the methods use and nothing more: a method never reaches the
-engine, its trainer, its data or the full configuration. ``fl.contexts.ClientContext``
-and ``fl.contexts.ServerContext`` implement them in process (the Flower client app
+engine, its trainer, its data or the full configuration. ``fl.run.contexts.ClientContext``
+and ``fl.run.contexts.ServerContext`` implement them in process (the Flower client app
 builds the same ClientContext); tests/fl/test_method_contexts.py checks statically
 that every method's code touches only these members, and runs every registered
 method against fakes that implement nothing else.
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from fl.methods.rounds import RoundInfo
 from fl.privacy.rng import NoiseSource
-from fl.rounds import RoundInfo
 
 if TYPE_CHECKING:
     from fl.privacy.canary_clients import CanaryClients
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class RunSettings(Protocol):
-    """The run's public settings a method reads (``fl.config.TrainConfig`` has them)."""
+    """The run's public settings a method reads (``fl.run.config.TrainConfig`` has them)."""
 
     @property
     def rank(self) -> int:
@@ -49,7 +49,7 @@ class RunSettings(Protocol):
 
 
 class TrainOutcome(Protocol):
-    """What ``ClientView.train`` returns (``fl.trainer.TrainResult`` has it; named here
+    """What ``ClientView.train`` returns (``fl.run.trainer.TrainResult`` has it; named here
     so that methods do not import the trainer, which imports the configuration)."""
 
     #: the trained {"factors": {module: {"A", "B"}}, "head": {...}}

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fl import factors as F
 from fl import linalg as L
 from fl.errors import UsageError
 from fl.methods.base import Method, Options, Replies, RoundInfo
 from fl.methods.context import ClientView, ServerView
 from fl.methods.registry import register
+from fl.models import factors as F
 
 __all__ = [
     "FedASK",
@@ -339,7 +339,7 @@ class FedASK(Method):
         metrics.update(self.angle_metrics())
         metrics.update(self._bytes(r1, r2, alive))
         if self.opts.measure_noise:
-            from fl.noise import agg_noise
+            from fl.linalg.noise import agg_noise
 
             # Clients start exactly at the global state: init_noise is 0 by construction.
             metrics["init_noise"] = 0.0
@@ -396,7 +396,7 @@ class FedASK(Method):
         """Bytes of the protocol's upstream tensors (the transport's bytes_up also counts
         the measurement side-channel): Y_k, Ỹ_k and the head of the surviving clients
         (retries re-send Ỹ_k; only the final one is counted here)."""
-        from fl.rounds import payload_bytes
+        from fl.methods.rounds import payload_bytes
 
         sk, head = 0, 0
         for c in alive:

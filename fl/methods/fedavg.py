@@ -51,7 +51,7 @@ class FedAvg(Method):
         return metrics
 
     def local_train(self, client: ClientView, payload: dict, start=None, **kw) -> dict:
-        from fl.noise import state_distance
+        from fl.linalg.noise import state_distance
 
         start = payload["state"] if start is None else start
         res = client.train(start, trainable=self.trainable, **kw)

@@ -236,7 +236,7 @@ def server_aggregate(
 ) -> AggregateResult:
     """The FedPower server step (module docstring), as a function of tensors.
 
-    global_state / client_states: engine states (raw factors, ``fl.factors``).
+    global_state / client_states: engine states (raw factors, ``fl.models.factors``).
     weights: p_k per client (client-level DP: 1/K_expected each; else n_k/Σn).
     scaling: s = alpha/R (applied here only). rank: r. noise_multiplier: σ_rel, the
     PER-RELEASE noise multiplier (std/Δ); Δ = clip·(weight_bound or max p_k).
@@ -465,7 +465,7 @@ class FedPower(Method):
 
     # ----------------------------------------------------------------- client side
     def on_train(self, client: ClientView, payload: dict) -> dict:
-        from fl.noise import state_distance
+        from fl.linalg.noise import state_distance
 
         start = payload["state"]
         res = client.train(start, trainable=("A", "B", "head"))

@@ -4,7 +4,7 @@ to each client as the top-r_k SVD factors of the global update.
 Server state: the global update G = Σ_k p_k B_k A_k of the last round (p_k ∝ n_k), kept
 *exactly* in factored float64 form (B_g = [p_1 B_1 .. p_K B_K], A_g = [A_1; ..; A_K],
 :func:`fl.linalg.flora_stack`, width Σ r_k <= K·R, re-factored exactly at min(m, n) if
-wider). Effective update s·G with s = alpha / R for every client (``fl.factors``).
+wider). Effective update s·G with s = alpha / R for every client (``fl.models.factors``).
 
 Round: client k gets (B_k, A_k) = top-r_k SVD factors of G
 (:func:`fl.linalg.flexlora_redistribute`, split B = U√Σ, A = √ΣVᵀ) in ranks 0..r_k−1 of
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from fl.linalg import factored_svd, flexlora_redistribute, flora_stack
+from fl.linalg.noise import agg_noise, state_distance
 from fl.methods.base import Method, Options, RoundInfo
 from fl.methods.context import ClientView
 from fl.methods.flora import compress_exact, release_truncation, wide_from_tensors, wide_tensors
 from fl.methods.plora import client_rank, head_average, mean, rank_mask
 from fl.methods.registry import register
-from fl.noise import agg_noise, state_distance
 
 # A singular value at or below this fraction of the largest counts as 0 (dead rank).
 _DEAD_RTOL = 1e-10
@@ -103,7 +103,7 @@ class FlexLoRA(Method):
         }
 
     def global_update_state(self) -> dict:
-        """G as a (wide, float64) pseudo-state for fl.noise."""
+        """G as a (wide, float64) pseudo-state for fl.linalg.noise."""
         return {"factors": {m: {"B": B, "A": A} for m, (B, A) in self.stack.items()}}
 
     def server_round(self, rnd: RoundInfo, clients, send) -> dict:

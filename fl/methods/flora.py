@@ -10,7 +10,7 @@ Round t, client k with rank r_k <= R:
 Server: stacks B = [p_1 B_1 .. p_K B_K], A = [A_1; ..; A_K] (p_k ∝ n_k,
 :func:`fl.linalg.flora_stack`) so that B A = Σ p_k B_k A_k exactly, and merges
 D_{t+1} = D_t + s·B A into the base; the head is averaged (∝ n_k). s = alpha / R
-(``fl.factors``), the same for every client whatever r_k.
+(``fl.models.factors``), the same for every client whatever r_k.
 
 Where the merged update lives. D_t is kept *exactly*, in factored float64 form, in the
 method state (``self.merged[mod] = (B_m, A_m)`` with D = B_m A_m, s included;
@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fl import factors as F
 from fl.linalg import factored_svd, flora_stack, truncated_svd_factors
+from fl.linalg.noise import agg_noise, state_distance
 from fl.methods.base import Method, Options, RoundInfo
 from fl.methods.context import ClientView
 from fl.methods.plora import client_rank, head_average, mean, rank_mask
 from fl.methods.registry import register
-from fl.noise import agg_noise, state_distance
+from fl.models import factors as F
 
 
 def _lora_layer(model: torch.nn.Module, mod: str):

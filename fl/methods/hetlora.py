@@ -8,7 +8,7 @@ and the head and sends B_k (m×r_k), A_k (r_k×n). The server zero-pads to R
 (:func:`fl.linalg.hetlora_pad`) and averages B and A *separately* with the sparsity
 weights w_k = ‖B_k A_k‖_F / Σ_j ‖B_j A_j‖_F, per layer (:func:`fl.linalg.hetlora_aggregate`,
 uniform when all norms are 0); the head is averaged ∝ n_k. s = alpha / R for every
-client (``fl.factors``), so truncation does not rescale the kept ranks.
+client (``fl.models.factors``), so truncation does not rescale the kept ranks.
 
 Noise: init_noise_k = ‖s·B_{:, r_k:} A_{r_k:, :}‖_F summed over layers — the dropped
 tail of the global adapter, > 0 whenever r_k < R and the tail is non-zero. agg_noise is
@@ -34,11 +34,11 @@ import torch
 
 from fl.errors import UsageError
 from fl.linalg import factored_fro_norm, hetlora_aggregate, hetlora_pad, hetlora_truncate
+from fl.linalg.noise import agg_noise, state_distance
 from fl.methods.base import Method, Options, RoundInfo
 from fl.methods.context import ClientView
 from fl.methods.plora import client_rank, head_average, mean, rank_mask
 from fl.methods.registry import register
-from fl.noise import agg_noise, state_distance
 
 
 def server_layer(

@@ -45,10 +45,10 @@ import torch
 
 from fl.errors import UsageError
 from fl.linalg import fold_modules, plora_aggregate, unfold_modules
+from fl.linalg.noise import agg_noise, state_distance
 from fl.methods.base import Method, Options, RoundInfo
 from fl.methods.context import ClientView
 from fl.methods.registry import register
-from fl.noise import agg_noise, state_distance
 
 # ------------------------------------------------------------------ shared rank helpers
 

@@ -5,7 +5,7 @@ the server averages the heads (p_k ∝ n_k), or under client-level DP clips each
 head update and adds Gaussian noise (as FedAvg-LoRA does for its released parameters).
 The LoRA factors are never trained (B stays 0, so the adapter leaves the encoder
 unchanged), which makes the whole encoder a frozen prefix: its pooled features are
-computed once per example and every step costs a linear layer (:mod:`fl.heads`), so a
+computed once per example and every step costs a linear layer (:mod:`fl.models.heads`), so a
 private run takes seconds. With sample-level DP each step is DP-SGD on the head alone:
 per-example gradients of a linear softmax classifier, clipped to C, with N(0, σ²C²) noise.
 """

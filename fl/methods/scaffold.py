@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from fl import factors as F
 from fl.methods.context import ClientView
 from fl.methods.fedavg import FedAvg
 from fl.methods.registry import register
+from fl.models import factors as F
 
 
 @register

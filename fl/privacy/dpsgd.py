@@ -233,7 +233,7 @@ class StepFault:
 def server_noise_fault(noise: torch.Tensor, cfg) -> torch.Tensor:
     """PLANTED FAULT at client level (``--inject-fault``, tests only): the server's noise
     draw times F (``noise_scale=F``) or times 0 (``server_noise_omitted``); any other fault
-    leaves it. Called by ``fl.contexts.ServerContext.noise`` only when a fault is set."""
+    leaves it. Called by ``fl.run.contexts.ServerContext.noise`` only when a fault is set."""
     name, _, value = cfg.inject_fault.partition("=")  # validated with the config
     name = name.strip()
     if cfg.dp_level != "client" or name not in ("noise_scale", "server_noise_omitted"):

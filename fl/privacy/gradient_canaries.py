@@ -289,7 +289,7 @@ class GradientCanaries:
 
     @classmethod
     def for_engine(cls, engine) -> GradientCanaries:
-        """Build the set for an :class:`fl.engine.Engine` after its trainer exists, attach
+        """Build the set for an :class:`fl.run.engine.Engine` after its trainer exists, attach
         it to the trainer, and return it (``engine.setup``)."""
         cfg = engine.cfg
         factors = _FACTORS_TRAINED.get(cfg.method, ("A", "B"))

@@ -67,8 +67,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fl import factors as F
 from fl.errors import UsageError
+from fl.models import factors as F
 from fl.privacy.dpsgd import (
     DpSgdParams,
     clip_factors,
@@ -194,7 +194,7 @@ class WSpaceClipper:
     @classmethod
     def from_model(cls, model: torch.nn.Module, scaling: float, **kw) -> WSpaceClipper:
         """Find every peft LoRA layer of ``model`` (modules whose weight is a lora_A /
-        lora_B parameter of :func:`fl.factors.lora_param_map`)."""
+        lora_B parameter of :func:`fl.models.factors.lora_param_map`)."""
         pmap = F.lora_param_map(model)
         owner = {}
         for _, mod in model.named_modules():

@@ -189,7 +189,7 @@ def test_claims_cli_with_grids(tmp_path):
     import contextlib
     import io
 
-    from audit.report_sections import _claims_section
+    from audit.report.analyses import _claims_section
     from pipeline.cli import main
 
     g = tmp_path / "grid"

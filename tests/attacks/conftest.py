@@ -21,7 +21,7 @@ def _one_thread():
 def train_target(tmp_path_factory):
     """``train_target(name, **overrides)`` → (run directory, manifest) of a freshly trained
     tiny run (:data:`TARGET` updated with ``overrides``), in its own temporary folder."""
-    from fl.engine import train
+    from fl.run.engine import train
     from fl.testing import tiny_config
 
     def make(name: str, **overrides):

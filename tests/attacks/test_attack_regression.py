@@ -74,7 +74,7 @@ def run_case(case: str, out: Path, monkeypatch) -> tuple[dict, dict]:
     import attacks.target
     from attacks.config import AttackConfig
     from attacks.target import Target
-    from fl.config import TrainConfig
+    from fl.run.config import TrainConfig
 
     ids, labels, role, target, in_mask, shadows = synthetic()
     by_dir = {Path(f"shadow_{j}"): s for j, s in enumerate(shadows)}

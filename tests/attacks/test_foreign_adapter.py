@@ -85,7 +85,7 @@ def test_causal_adapter_loads_without_future_warning(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from attacks.lm_target import lm_adapter_signals
-    from fl.causal_lm import load_causal_lm
+    from fl.models.causal_lm import load_causal_lm
 
     net = load_causal_lm("tiny-gpt2", seed=0)
     cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], task_type="CAUSAL_LM")

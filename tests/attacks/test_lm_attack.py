@@ -1,5 +1,5 @@
 """`fedlora attack` on a causal-LM run (tiny-gpt2): every LM signal, the shadow attacks on
-per-sequence losses, the client level; the scores agree with fl.causal_lm's own scoring."""
+per-sequence losses, the client level; the scores agree with fl.models.causal_lm's own scoring."""
 
 import json
 
@@ -25,8 +25,9 @@ def test_lm_signals_end_to_end(lm_run, tmp_path, capsys):
     from attacks import lm_signals as lm
     from attacks.lm_target import lm_adapter_signals
     from attacks.signals import load_run
-    from fl.causal_lm import load_run_lm, token_logprobs
-    from fl.lm_data import LmTokenizedData
+    from fl.data.lm import LmTokenizedData
+    from fl.models.causal_lm import token_logprobs
+    from fl.run.lm_run import load_run_lm
 
     run_dir, man = lm_run
     out = tmp_path / "out"
@@ -41,7 +42,7 @@ def test_lm_signals_end_to_end(lm_run, tmp_path, capsys):
     ppl = doc["lm"]["perplexity"]
     assert ppl["test"]["adapter"] == pytest.approx(man["metrics"]["final"]["perplexity"], 1e-6)
     assert set(ppl) == {"member", "nonmember", "test"} and ppl["member"]["base"] > 0
-    # scores against fl.causal_lm's independent per-token log-probs (adapter on and off)
+    # scores against fl.models.causal_lm's independent per-token log-probs (adapter on and off)
     run = load_run(run_dir)
     model, tok, cfg = load_run_lm(run_dir)
     texts = list(np.asarray(run.texts)[run.role != "test"])

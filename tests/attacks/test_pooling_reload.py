@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from attacks.signals import adapter_pooling, load_adapter_model, model_logits
-from fl.data import load_dataset, split_dataset
-from fl.engine import train
-from fl.models import load_tokenizer
+from fl.data.datasets import load_dataset, split_dataset
+from fl.models.base import load_tokenizer
+from fl.run.engine import train
 from fl.testing import tiny_config
 
 
@@ -47,7 +47,7 @@ def test_model_logits_sorted_batches_equal_one_text_at_a_time(top_layers):
     import torch
 
     from attacks import signals
-    from fl.models import LoraSpec, load_base_model, wrap_lora
+    from fl.models.base import LoraSpec, load_base_model, wrap_lora
 
     net = load_base_model("tiny-bert", 2, seed=0, pooling="mean", head_init="random")
     model = wrap_lora(net, LoraSpec(4, 8.0, top_layers=top_layers), seed=0).eval()

@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from attacks.reference import train_shadows
-from fl import heads
-from fl.config import TrainConfig
-from fl.data import make_synthetic
-from fl.models import load_tokenizer
-from fl.tokenized import TokenizedData
+from fl.data.datasets import make_synthetic
+from fl.data.tokenized import TokenizedData
+from fl.models import heads
+from fl.models.base import load_tokenizer
+from fl.run.config import TrainConfig
 
 POOL = 60
 
@@ -84,7 +84,7 @@ def test_shadows_encode_the_pool_once_and_match_the_uncached_path(cfg, tmp_path,
 
 def test_gathered_rows_equal_an_own_encode(cfg):
     """FrozenPrefix level: a subset's rows gathered from the pool equal its own encode."""
-    from fl.trainer import LocalTrainer
+    from fl.run.trainer import LocalTrainer
 
     tr = LocalTrainer(cfg, 2, torch.device("cpu"))
     prefix = tr.prefix

@@ -1,4 +1,4 @@
-"""The canary-client estimates (audit.canary_clients): the Gaussian fit on synthetic
+"""The canary-client estimates (audit.canaries.clients): the Gaussian fit on synthetic
 scores, and the one-run audit of tiny client-level runs."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from audit.canary_clients import gaussian_fit
-from audit.empirical import gdp_epsilon
+from audit.bounds.hypothesis import gdp_epsilon
+from audit.canaries.clients import gaussian_fit
 from fl.privacy import rng as R
 
 KEY = R.NoiseKey(bytes(range(1, 33)))
@@ -41,7 +41,7 @@ def test_gaussian_fit_negative_mu_is_zero_epsilon():
 
 
 def _train(tmp, **kw):
-    from fl.engine import train
+    from fl.run.engine import train
     from fl.testing import tiny_config
 
     base = dict(
@@ -51,7 +51,7 @@ def _train(tmp, **kw):
 
 
 def test_honest_run_is_not_flagged_and_one_run_audit_reports_both(tmp_path):
-    from audit.runaudit import audit_run
+    from audit.bundle.audit import audit_run
 
     _train(tmp_path, epsilon=8.0, canary_clients=300)
     out = audit_run(tmp_path, one_run=True)
@@ -71,7 +71,7 @@ def test_all_iterates_estimate_close_to_ledger(tmp_path):
     """Every client in every round, canaries with disjoint supports: the Gaussian-fit
     estimate is near the ledger's ε (fixed key: deterministic; the
     table in docs/audit.md has more canaries and ε)."""
-    from audit.canary_clients import audit
+    from audit.canaries.clients import audit
 
     m = _train(tmp_path, epsilon=3.0, canary_clients=2000, rounds=2)
     eps = m["privacy"]["epsilon"]["pld"]

@@ -15,9 +15,9 @@ import dp_accounting
 import pytest
 from dp_accounting import pld, rdp
 
-import audit.claims
-from audit.claims import check_claim, load_claim, validate_claim
-from audit.empirical import gdp_epsilon
+import audit.claims.check
+from audit.bounds.hypothesis import gdp_epsilon
+from audit.claims.check import check_claim, load_claim, validate_claim
 from fl.errors import UsageError
 from fl.privacy.accounting import NEIGHBOURING, epsilon
 
@@ -272,7 +272,7 @@ def dp_eps(event, count, delta, acc="pld", grid=1e-4):
 
 
 def test_neighbouring_relation_is_stated():
-    assert "add/remove" in audit.claims.__doc__
+    assert "add/remove" in audit.claims.check.__doc__
     res = check_claim(dict(BASE, claimed_epsilon=1.0))
     assert res["neighbouring"] == NEIGHBOURING["sample"] == "add/remove one example"
     res = check_claim(dict(CLIENT, claimed_epsilon=1.0))
@@ -417,7 +417,7 @@ def test_docs_example_claim(tmp_path):
 def test_claim_is_a_frozen_record_validated_when_built():
     import dataclasses
 
-    from audit.claims import Claim
+    from audit.claims.check import Claim
 
     doc = dict(BASE, claimed_epsilon=1.0, rounds=10.0, name="paper X")
     c = Claim(**doc)  # built directly: checked and normalized like a file's table

@@ -1,8 +1,7 @@
-"""Tests for audit.empirical: validity and tightness of empirical epsilon lower bounds."""
+"""Tests for audit.bounds.hypothesis: validity and tightness of empirical epsilon lower bounds."""
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ from scipy import integrate, special
 from scipy.spatial import ConvexHull
 from scipy.stats import binom, norm
 
-from audit.empirical import (
+from audit.bounds.hypothesis import (
     _counts,
     _eps_from_rates,
     _gdp_mu_from_rates,
@@ -22,8 +21,8 @@ from audit.empirical import (
     gdp_epsilon,
     one_run_p_value,
 )
-from benchmarks.jax_privacy_compare import compare as jax_compare
-from benchmarks.jax_privacy_compare.arrays import fingerprint, scores
+from benchmarks.auditing.jax_privacy import compare as jax_compare
+from benchmarks.auditing.jax_privacy.arrays import fingerprint, scores
 
 DELTA = 1e-5
 ALPHA = 0.05
@@ -518,11 +517,11 @@ def test_gdp_helpers_validation():
 
 # --------------------------------------------------------------------------- side-by-side table
 
-TABLE = Path(jax_compare.__file__).with_name("results.json")
+TABLE = jax_compare.HERE / "results.json"
 
 
 def test_bounds_equal_recorded_and_below_the_truth():
-    """The committed table (benchmarks/jax_privacy_compare) holds the toolkit to its figures
+    """The committed table (benchmarks/results/jax_privacy) holds the toolkit to its figures
     both ways: a change that loosens a bound or inflates it (unsound) changes a figure.
     None exceeds the truth. The one-run figure is at least jax_privacy's; the Bonferroni
     ones are at most jax_privacy's, whose union over data-chosen hull vertices is not valid

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from fl.config import parse_fault
 from fl.errors import UsageError
 from fl.privacy import gradient_canaries as G
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams, StepFault, clip_and_noise, server_noise_fault
+from fl.run.config import parse_fault
+from fl.run.trainer import LocalTrainer, fixed_batches
 from fl.testing import tiny_config
-from fl.trainer import LocalTrainer, fixed_batches
 
 SHAPES = ((4, 5), (7,))  # "factors/l/A" (20 coordinates), "head/b" (7)
 NAMES = ["factors/l/A", "head/b"]
@@ -91,7 +91,7 @@ def test_head_unnoised_leaves_the_heads_sum_noiseless():
 
 
 def test_trainer_plants_each_fault_on_its_group():
-    from fl.local_step import DpSgd
+    from fl.run.local_step import DpSgd
 
     params = _params()
 
@@ -164,8 +164,8 @@ def test_validation():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from audit.runaudit import audit_run
-    from fl.engine import train
+    from audit.bundle.audit import audit_run
+    from fl.run.engine import train
 
     base = dict(epsilon=1.0, delta=1e-5, batch_size=80, canaries=2000, canary_kind="gradient")
     key = R.NoiseKey(bytes(range(32)))
@@ -209,9 +209,9 @@ def test_faulted_run_writes_no_release_and_export_refuses_it(runs, tmp_path, cap
 def test_the_audit_never_reads_the_fault(runs, tmp_path):
     import shutil
 
-    from audit.runaudit import audit_run
-    from fl.integrity import seal
-    from fl.release import run_key
+    from audit.bundle.audit import audit_run
+    from fl.run.integrity import seal
+    from fl.run.release import run_key
 
     d, _, before = runs["faulted"]
     copy = tmp_path / "run"
@@ -250,7 +250,7 @@ def _obs(recs, head_noise, q, reuse=False, T=4, sigma=10.0, seed=0):
 
 
 def test_correct_noise_keeps_the_claimed_sigma_scores_bit_for_bit():
-    from audit import gradient_canaries as GC
+    from audit.canaries import gradient as GC
 
     recs = _records(400)
     obs = _obs(recs, 10.0, 0.5)
@@ -262,8 +262,8 @@ def test_correct_noise_keeps_the_claimed_sigma_scores_bit_for_bit():
 
 @pytest.mark.parametrize("q, reuse", [(1.0, False), (0.5, False), (0.5, True)])
 def test_a_group_without_its_noise_is_scored_at_the_noise_observed(q, reuse):
-    from audit import gradient_canaries as GC
-    from audit.empirical import epsilon_one_run
+    from audit.bounds.hypothesis import epsilon_one_run
+    from audit.canaries import gradient as GC
 
     recs = _records(2000)
     obs = _obs(recs, 0.0 if not reuse else 10.0, q, reuse=reuse)

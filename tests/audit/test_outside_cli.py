@@ -7,8 +7,8 @@ import stat
 import numpy as np
 import pytest
 
-from audit import canary_set as CS
-from audit import outside as O
+from audit.canaries import canary_set as CS
+from audit.canaries import outside as O
 from pipeline.cli import main
 
 HEAVY = ("torch", "matplotlib", "transformers", "peft", "opacus", "scipy", "flwr", "ray")

@@ -1,4 +1,4 @@
-"""Canary clients at an outside server (audit.hooks.ClientCanaryHook): the numpy core
+"""Canary clients at an outside server (audit.canaries.hooks.ClientCanaryHook): the numpy core
 against direct computations, the Flower wrapper in process (no network), and the audit of
 a correct and a faulted server loop."""
 
@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from audit import canary_set as CS
-from audit import outside as O
-from audit.claims import check_claim
-from audit.hooks import ClientCanaryHook
+from audit.canaries import canary_set as CS
+from audit.canaries import outside as O
+from audit.canaries.hooks import ClientCanaryHook
+from audit.claims.check import check_claim
 
 
 def _directions(out, m, d):

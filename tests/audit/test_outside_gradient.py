@@ -1,4 +1,4 @@
-"""Gradient canaries in outside DP-SGD loops (audit.hooks.GradientCanaryHook): the plain
+"""Gradient canaries in outside DP-SGD loops (audit.canaries.hooks.GradientCanaryHook): the plain
 loop's observations against a slow, obvious reference; Opacus: a correct run stays below
 its claim with a non-trivial bound, planted faults are caught as leaking more than
 claimed."""
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from audit import canary_set as CS
-from audit import outside as O
-from audit.claims import check_claim
-from audit.hooks import GradientCanaryHook, describe
+from audit.canaries import canary_set as CS
+from audit.canaries import outside as O
+from audit.canaries.hooks import GradientCanaryHook, describe
+from audit.claims.check import check_claim
 from fl.privacy import rng as R
 
 

@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from audit import canary_set as CS
-from audit import outside as O
-from audit.claims import check_claim
-from audit.hooks import input_canaries, write_input_observations
+from audit.canaries import canary_set as CS
+from audit.canaries import outside as O
+from audit.canaries.hooks import input_canaries, write_input_observations
+from audit.claims.check import check_claim
 
 
 def _claim(level="sample"):

@@ -3,7 +3,7 @@ bundle and refuses what it must not overwrite; the run key stays private; a bund
 be attacked and reported on without the operator's files.
 
 The allow-list below is written out here on purpose, independently of
-``fl.release.PUBLIC_FIELDS``: a field added to the public manifest must be added here too,
+``fl.run.release.PUBLIC_FIELDS``: a field added to the public manifest must be added here too,
 after someone has asked whether it may be published.
 """
 
@@ -35,7 +35,7 @@ class ListOf:
 
 
 def _config_fields():
-    from fl.config import TrainConfig
+    from fl.run.config import TrainConfig
 
     return {f.name: SCALAR for f in dataclasses.fields(TrainConfig) if f.name != "opts"} | {
         "opts": MapOf(SCALAR)
@@ -79,7 +79,7 @@ PUBLIC_MANIFEST = {
     "versions": MapOf(SCALAR),
     "adapter_sha256": SCALAR,
     "device": SCALAR,  # where it trained (cpu / cuda): replay tolerance
-    # the seal (fl.integrity): hashes of the bundle's files and a MAC under the run key
+    # the seal (fl.run.integrity): hashes of the bundle's files and a MAC under the run key
     "integrity": {
         "files": MapOf(
             SCALAR,
@@ -236,7 +236,7 @@ def _safetensors_header(path):
 
 @pytest.fixture
 def canary_run(tmp_path, tiny_cfg):
-    from fl.engine import train
+    from fl.run.engine import train
 
     run = tmp_path / "run"
     cfg = tiny_cfg(method="fedavg", dp_level="sample", noise_multiplier=2.0, canaries=4,
@@ -334,7 +334,7 @@ def _one_line_error(capsys, needle):
 
 
 def test_export_errors(tmp_path, tiny_cfg, capsys):
-    from fl.engine import train
+    from fl.run.engine import train
 
     run = tmp_path / "run"
     train(tiny_cfg(rounds=1), run, quiet=True)
@@ -391,9 +391,9 @@ def test_export_errors(tmp_path, tiny_cfg, capsys):
 
 def test_attack_and_report_on_a_bundle(tmp_path, tiny_cfg, capsys):
     from attacks.signals import load_run
-    from audit.report import build_report
-    from fl.engine import train
+    from audit.report.build import build_report
     from fl.errors import UsageError
+    from fl.run.engine import train
 
     run = tmp_path / "run"
     train(tiny_cfg(rounds=1, dp_level="sample", noise_multiplier=2.0), run, quiet=True)

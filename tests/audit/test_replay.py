@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from audit.replay import _trained_device
-from audit.runaudit import CUDA_RTOL, TAMPER_CODES, audit_run, compare_adapters
+from audit.bundle.audit import CUDA_RTOL, TAMPER_CODES, audit_run, compare_adapters
+from audit.bundle.replay import _trained_device
 from fl.privacy.accounting import Ledger
 from pipeline.cli import main
 
@@ -29,7 +29,7 @@ TRUSTED_WITHOUT_KEY = {
 
 
 def _train(tmp_path, tiny_cfg, name="run", **kw):
-    from fl.engine import train
+    from fl.run.engine import train
 
     out = tmp_path / name
     train(tiny_cfg(**{"dp_level": "sample", **kw}), out, quiet=True)
@@ -269,8 +269,8 @@ def test_a_run_with_a_round_rerun_after_a_stop_is_verified(tmp_path, tiny_cfg, m
     """Round 2 stopped midway and re-run (not bit-exactly: another thread count) as attempt
     1 with fresh streams and a charge: the replay re-runs it as attempt 1 too, with the
     charge at the same place in the ledger, and verifies the run."""
-    from fl.contexts import ClientContext
-    from fl.engine import Engine, train
+    from fl.run.contexts import ClientContext
+    from fl.run.engine import Engine, train
 
     cfg = tiny_cfg(dp_level="sample", noise_multiplier=2.0, rounds=2)
     real = ClientContext.train

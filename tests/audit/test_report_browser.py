@@ -13,7 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from audit.report import SECTIONS, build_report
+from audit.report.build import SECTIONS, build_report
 from pipeline.cli import main
 
 
@@ -87,7 +87,7 @@ def _analyses(root):
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    from fl.engine import train
+    from fl.run.engine import train
     from fl.testing import tiny_config
 
     tmp = tmp_path_factory.mktemp("browser")

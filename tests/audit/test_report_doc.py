@@ -4,7 +4,7 @@ sections, tables (typed cells, one formatting), figures and text."""
 import base64
 import math
 
-from audit.report_doc import (
+from audit.report.document import (
     BulletList,
     CodeBlock,
     Emphasis,

@@ -1,5 +1,5 @@
 """`fedlora report` on what an outside user has: a foreign adapter's attack folder and the
-saved JSON of `fedlora audit --claim FILE --json` (audit.report.build_report directly)."""
+saved JSON of `fedlora audit --claim FILE --json` (audit.report.build.build_report directly)."""
 
 import json
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from attacks.metrics import roc_metrics
-from audit.claims import check_claim
-from audit.report import build_report
+from audit.claims.check import check_claim
+from audit.report.build import build_report
 from fl.errors import UsageError
 
 

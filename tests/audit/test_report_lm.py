@@ -7,14 +7,14 @@ import re
 import pytest
 import torch
 
-from audit.report import SECTIONS, build_report
-from audit.report_lm import CLIENT_TITLE, LM_TITLE
+from audit.report.build import SECTIONS, build_report
+from audit.report.lm import CLIENT_TITLE, LM_TITLE
 from pipeline.cli import main
 
 
 @pytest.fixture(scope="module")
 def lm_report(tmp_path_factory):
-    from fl.engine import train
+    from fl.run.engine import train
     from fl.testing import tiny_config
 
     torch.set_num_threads(1)

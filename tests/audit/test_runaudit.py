@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from audit.runaudit import audit_run, canary_scores
+from audit.bundle.audit import audit_run, canary_scores
 from fl.errors import UsageError
 from fl.privacy.accounting import epsilon
 
@@ -25,7 +25,7 @@ def _cfg(**kw):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from fl.engine import train
+    from fl.run.engine import train
 
     out = tmp_path_factory.mktemp("runs") / "dp"
     train(_cfg(dp_level="sample", noise_multiplier=1.0, canaries=20), out, quiet=True)
@@ -159,7 +159,7 @@ def test_canary_scores_reproduce_released_model(run, loader, monkeypatch):
     attacks.signals when present, the private fallback when it is not importable)."""
     import sys
 
-    from fl.data import load_dataset
+    from fl.data.datasets import load_dataset
 
     if loader == "own":
         monkeypatch.setitem(sys.modules, "attacks.signals", None)  # import -> ImportError
@@ -185,7 +185,7 @@ def test_one_run_cli(run, capsys):
     assert one["epsilon_lb"] <= doc["epsilon_pld"]
     # the same figures from splits.json's canaries scored here: the scores and the
     # included flags are aligned canary by canary (a mix-up would change r, v or k)
-    from audit.empirical import epsilon_one_run
+    from audit.bounds.hypothesis import epsilon_one_run
 
     canaries = json.loads((run / "splits.json").read_text())["canaries"]
     s = canary_scores(run, [c["text"] for c in canaries], [int(c["label"]) for c in canaries])
@@ -214,7 +214,7 @@ def test_cli_exit_codes(run, copy, capsys, tmp_path):
 
 
 def test_client_level_run(tmp_path):
-    from fl.engine import train
+    from fl.run.engine import train
 
     out = tmp_path / "cl"
     cfg = _cfg(
@@ -234,9 +234,9 @@ def test_one_run_claim_check_at_client_level_allows_replace_one_client():
     """A canary changes one client's data: under client-level (add/remove-one-client) DP at
     ε that is (2ε, (1 + e^ε)δ) by group privacy, so a bound between ε and 2ε is no leak;
     at sample level the same bound exceeds the claim."""
-    from audit.empirical import epsilon_one_run
-    from audit.fdp import fdp_one_run_bound
-    from audit.runaudit import _claim_check
+    from audit.bounds.fdp import fdp_one_run_bound
+    from audit.bounds.hypothesis import epsilon_one_run
+    from audit.bundle.audit import _claim_check
 
     rng = np.random.default_rng(0)
     inc = rng.random(1000) < 0.5

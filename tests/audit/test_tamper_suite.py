@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from audit.runaudit import audit_run
+from audit.bundle.audit import audit_run
 from fl.errors import UsageError
-from fl.integrity import check_files, verify_mac
 from fl.io import file_sha256
 from fl.privacy.accounting import Ledger
 from fl.privacy.rng import NoiseKey
+from fl.run.integrity import check_files, verify_mac
 from pipeline.cli import main
 
 
@@ -35,7 +35,7 @@ def _cfg(**kw):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from fl.engine import train
+    from fl.run.engine import train
 
     root = tmp_path_factory.mktemp("tamper")
     out = {
@@ -457,8 +457,8 @@ def test_a_sealed_cuda_run_is_compared_within_the_tolerance_and_says_what_that_m
     """A run the operator made on CUDA (the manifest sealed with the key says so): the
     CPU replay is compared within CUDA_RTOL, and the audit says that a tolerance cannot
     rule out a low-bit channel (here: 9 low mantissa bits of every weight overwritten)."""
-    from fl.integrity import file_hashes, seal
-    from fl.release import SEALED_FILES
+    from fl.run.integrity import file_hashes, seal
+    from fl.run.release import SEALED_FILES
 
     b = _copy(runs["sample"] / "release", tmp_path)
     _watermark_low_bits(b / "adapter" / "adapter_model.safetensors")
@@ -480,7 +480,7 @@ def test_bundles_sharing_a_noise_key_are_flagged(runs, tmp_path, capsys):
     """Two different releases made with one key (here: the same key object on a config
     with one member fewer) cancel each other's noise; `fedlora audit A B` flags both. The
     same bundle given twice is not flagged."""
-    from fl.engine import train
+    from fl.run.engine import train
 
     key = NoiseKey.read(_key(runs["sample"]))
     other = tmp_path / "other"
@@ -500,7 +500,7 @@ def test_bundles_sharing_a_noise_key_are_flagged(runs, tmp_path, capsys):
     assert main(["audit", str(a), str(b), "--key", str(_key(runs["sample"]))]) == 2
     assert "--key belongs to one run" in capsys.readouterr().err
     # the report flags them too
-    from audit.report import build_report
+    from audit.report.build import build_report
 
     s = build_report([str(a), str(b)], str(tmp_path / "report"))
     assert "key_shared" in (tmp_path / "report" / "report.md").read_text()

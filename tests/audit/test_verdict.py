@@ -5,7 +5,7 @@ import math
 import pytest
 
 from audit.findings import Code, Finding
-from audit.verdict import CHANCE_BALANCED, Evidence, findings_summary, verdict
+from audit.report.verdict import CHANCE_BALANCED, Evidence, findings_summary, verdict
 
 TAMPER = Finding(Code.ADAPTER_HASH_MISMATCH, "the adapter changed")
 UNDER = Finding(Code.EPSILON_UNDERSTATED, "stated 8 < 9.1")

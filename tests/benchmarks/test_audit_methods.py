@@ -1,4 +1,4 @@
-"""benchmarks.audit_methods at a tiny size: one sample-level and one client-level run of
+"""benchmarks.auditing.audit_methods at a tiny size: one sample-level and one client-level run of
 FedAvg-LoRA, a refusal row, and the table; every certified bound is at most the ledger's ε."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks import audit_methods as AM
+from benchmarks.auditing import audit_methods as AM
 
 
 def test_one_method_both_levels(tmp_path, monkeypatch):

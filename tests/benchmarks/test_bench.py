@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from benchmarks import cli, harness
+from benchmarks import cli
+from benchmarks.perf import harness
 
 KEYS = {"name", "workload", "baseline", "candidate", "ratio", "target", "met", "details"}
 
@@ -79,7 +80,7 @@ def _check_ratio(e: dict) -> None:
 
 
 def _rec(name, ratio, spread, details, available=True):
-    from benchmarks import harness
+    from benchmarks.perf import harness
 
     r = harness.result(name, "w", "b", "c", ratio, "time", details=details, spread=spread)
     r["available"] = available
@@ -89,8 +90,8 @@ def _rec(name, ratio, spread, details, available=True):
 def test_ratio_list_from_hand_records():
     """ratio_list lifts the sub-ratios out of the details, applies the issue's targets
     (not in --quick mode), and lists the unmeasured ones with a reason."""
-    from benchmarks import dp_overhead
-    from benchmarks.ratios import ratio_list
+    from benchmarks.perf import dp_overhead
+    from benchmarks.perf.ratios import ratio_list
 
     sp = {"median": 1.02, "min": 0.9, "max": 1.3, "boot_lo": 1.0, "boot_hi": 1.1, "n": 5}
     step = {"median_s": 0.5, "min_s": 0.4, "max_s": 0.6, "reps": 5}
@@ -156,10 +157,10 @@ def test_each_benchmark_quick(name, tmp_path):
 def test_noise_source_quick_details():
     """noise_source: both generators' steps see Poisson batches of exactly the batch size,
     and the record carries the per-step draw costs of both and the noise coordinates."""
-    from benchmarks import noise_source
-    from benchmarks.dp_overhead import make_trainer
-    from fl.engine import poisson_masks
+    from benchmarks.perf import noise_source
+    from benchmarks.perf.dp_overhead import make_trainer
     from fl.privacy.rng import NoiseKey
+    from fl.run.engine import poisson_masks
 
     for make in (noise_source.keyed_factory(NoiseKey.generate()), noise_source.seeded_factory(0)):
         name = noise_source.matched_name(make, ("t",), 160, 0.1, 2, 16)
@@ -181,11 +182,11 @@ def test_noise_source_quick_details():
 
 def test_readme_performance_table_is_its_committed_file():
     """The README's Performance section names a committed bench.json and quotes the
-    table that file renders (benchmarks.readme), so its figures are measured ones."""
+    table that file renders (benchmarks.perf.readme), so its figures are measured ones."""
     import re
     from pathlib import Path
 
-    from benchmarks import readme
+    from benchmarks.perf import readme
 
     root = Path(__file__).resolve().parents[2]
     text = (root / "README.md").read_text(encoding="utf-8")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import claims_jobs as C
-from benchmarks import grid_jobs as J
-from fl.config import TrainConfig
+from benchmarks.grids import claims as C
+from benchmarks.grids import jobs as J
+from fl.run.config import TrainConfig
 
 
 @pytest.fixture
@@ -92,13 +92,13 @@ def test_other_claims_grids(lrs):
 
 
 def test_claims_mia_attacks_a_grid_run(tmp_path):
-    """benchmarks.claims_mia attacks the selected runs of a grid folder once (resumable)
+    """benchmarks.grids.claims_mia attacks the selected runs of a grid folder once (resumable)
     and its rows give the analysis its membership-inference claim."""
     import json
 
     from analysis import utility_claims as U
-    from benchmarks import claims_mia
-    from fl.engine import train
+    from benchmarks.grids import claims_mia
+    from fl.run.engine import train
     from fl.testing import tiny_config
 
     root = tmp_path / "grid"

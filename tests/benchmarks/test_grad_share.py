@@ -1,4 +1,4 @@
-"""benchmarks.grad_share: the head's per-example gradient norm against its closed form
+"""benchmarks.perf.grad_share: the head's per-example gradient norm against its closed form
 (a linear softmax head: ‖∂L/∂W‖² + ‖∂L/∂b‖² = ‖p − y‖²(‖h‖² + 1) for pooled features h)."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from benchmarks.grad_share import gradient_norms, main
-from fl.engine import train
+from benchmarks.perf.grad_share import gradient_norms, main
+from fl.run.engine import train
 from fl.testing import tiny_config
 
 
 def test_head_norms_match_the_closed_form_and_lora_share_is_a_fraction(tmp_path, capsys):
     from attacks.signals import load_adapter_model, load_run
-    from fl.models import load_tokenizer
+    from fl.models.base import load_tokenizer
 
     cfg = tiny_config(pooling="mean", lora_layers=1, rounds=1, lr=0.05)
     out = tmp_path / "run"

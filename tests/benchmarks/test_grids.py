@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from benchmarks import grid_jobs as J
-from benchmarks import grids as G
+from benchmarks.grids import jobs as J
+from benchmarks.grids import runner as G
 
 # The fields passed as --base to the real call (values from the shared tiny_cfg fixture).
 BASE_FIELDS = (
@@ -31,7 +31,7 @@ def test_grid_sizes_and_unique_keys():
     sizes = {g: len(f(base, seeds)) for g, f in J.GRIDS.items()}
     # 4 privacy settings x 3 methods x 3 seeds; 3 ε x 3 methods x 3 seeds + 2 x 3 + 3;
     # 2 privacy x 2 partitions x 5 methods x 3 seeds; 4 attack targets; 8 recipes x 2.
-    # dplearn: 3 ε x 12 candidates x 3 seeds; dplearn-m21k 3 ε x 2 x 3. The claims grids (benchmarks.claims_jobs):
+    # dplearn: 3 ε x 12 candidates x 3 seeds; dplearn-m21k 3 ε x 2 x 3. The claims grids (benchmarks.grids.claims):
     # tune 13 lrs; fedask 3 ε x 5 variants x 3 seeds + 4 non-private; hetero 2 privacy x
     # 3 partitions x 4 methods x 3 seeds; fedpower (3 x 3 + 2) x 3 and its tuning 5 clips x
     # 3 methods; bbc 5 x 3 + 72.
@@ -55,8 +55,8 @@ def test_grid_sizes_and_unique_keys():
 
 
 def test_grid_configs_are_valid_train_configs():
-    from fl.config import TrainConfig
     from fl.methods import registry
+    from fl.run.config import TrainConfig
 
     methods = set()
     for f in J.GRIDS.values():

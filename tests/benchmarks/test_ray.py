@@ -70,8 +70,8 @@ def _rows(path):
 
 
 def test_grid_on_ray_gives_the_sequential_rows(ray_local, tmp_path, monkeypatch, tiny_cfg):
-    from benchmarks import grid_jobs as J
-    from benchmarks import grids as G
+    from benchmarks.grids import jobs as J
+    from benchmarks.grids import runner as G
 
     def jobs(base, seeds, overrides=None):
         return [
@@ -95,7 +95,7 @@ def test_grid_on_ray_gives_the_sequential_rows(ray_local, tmp_path, monkeypatch,
 
 def test_shadows_on_ray_equal_the_sequential_shadows(ray_local, tmp_path, monkeypatch, tiny_cfg):
     from attacks.reference import train_shadows
-    from fl.data import make_synthetic
+    from fl.data.datasets import make_synthetic
 
     monkeypatch.setattr(distributed, "usable_cpus", lambda: 2)  # 1 torch thread per task
     cfg = tiny_cfg(members=30, nonmembers=0, test=20, clients=2, rounds=1, local_steps=2)

@@ -1,7 +1,7 @@
 """The shadow-cost benchmark measures the target it names: the ε = 8 FedAvg-LoRA run of
 `fedlora run`'s default preset."""
 
-from benchmarks import shadow_cost
+from benchmarks.perf import shadow_cost
 from pipeline.job import PRESETS, RUNS
 
 

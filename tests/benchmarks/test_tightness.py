@@ -1,4 +1,4 @@
-"""benchmarks.tightness at a tiny size: one seed on tiny-bert, M = 500 gradient canaries and
+"""benchmarks.auditing.tightness at a tiny size: one seed on tiny-bert, M = 500 gradient canaries and
 500 canary clients; the files are written and every figure is finite, each certified ε_lb at
 most the ledger's ε (the targets are not asserted: they need the full size). The utility
 pairing and the ideal-mechanism simulation on small inputs."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks.tightness import ideal, main, utility_summary
+from benchmarks.auditing.tightness import ideal, main, utility_summary
 
 
 def test_tightness_tiny(tmp_path, capsys):

@@ -6,7 +6,7 @@ def small_engine(tmp_path_factory):
     """A factory of set-up Engines on a small tiny-bert federation (2 clients, 120
     members, one round of 3 local steps, FFA) for tests that drive the trainer
     directly: ``small_engine("name", optimizer="sgd")``; keywords override the config."""
-    from fl.engine import Engine
+    from fl.run.engine import Engine
     from fl.testing import tiny_config
 
     def make(name: str, **overrides):

@@ -157,8 +157,8 @@ def test_shipped_dp_recipe_parses_and_calibrates_to_its_stated_sigma(name, sigma
     at q = B / (members / clients) calibrates to the σ their comments state."""
     from pathlib import Path
 
-    from fl.config import TrainConfig, load_toml
     from fl.privacy.accounting import calibrate_noise
+    from fl.run.config import TrainConfig, load_toml
 
     path = Path(__file__).resolve().parents[2] / "configs" / name
     cfg = TrainConfig(**load_toml(str(path)), epsilon=8.0)

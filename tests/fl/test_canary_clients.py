@@ -12,9 +12,9 @@ import torch
 from fl.errors import UsageError
 from fl.methods.fedavg import FedAvg, FedAvgOptions
 from fl.methods.fedpower import server_aggregate
+from fl.methods.rounds import Replies, RoundInfo
 from fl.privacy import rng as R
 from fl.privacy.canary_clients import FILE, CanaryClients, check_supported
-from fl.rounds import Replies, RoundInfo
 
 C = 0.7
 KEY = R.NoiseKey(bytes(range(32)))
@@ -72,7 +72,7 @@ def _average(canaries, rnd=0):
 
 
 def _flat(state, names):
-    from fl import factors as F
+    from fl.models import factors as F
 
     flat = F.flatten_state(state)
     return torch.cat([flat[k].double().reshape(-1) for k in names])
@@ -111,7 +111,7 @@ def test_excluded_canaries_change_nothing_and_directions_are_orthogonal():
     cc2.included[:] = False
     _, new, _ = _average(cc2)
     _, ref, _ = _average(None)
-    from fl import factors as F
+    from fl.models import factors as F
 
     a, b = F.flatten_state(new), F.flatten_state(ref)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -180,7 +180,7 @@ def test_refusals():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from fl.engine import train
+    from fl.run.engine import train
     from fl.testing import tiny_config
 
     base = dict(

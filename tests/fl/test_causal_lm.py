@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from fl.causal_lm import (
+from fl.data.lm import IGNORE, LmTokenizedData, load_lm_dataset
+from fl.errors import UsageError
+from fl.models.base import LoraSpec, load_tokenizer, wrap_lora
+from fl.models.causal_lm import (
     adapter_off,
     evaluate,
     load_causal_lm,
-    load_run_lm,
     sequence_loss_sum,
     token_logprobs,
 )
-from fl.engine import train
-from fl.errors import UsageError
-from fl.lm_data import IGNORE, LmTokenizedData, load_lm_dataset
-from fl.models import LoraSpec, load_tokenizer, wrap_lora
+from fl.run.engine import train
+from fl.run.lm_run import load_run_lm
 from fl.testing import tiny_lm_config, write_instruction_jsonl
 
 
@@ -178,7 +178,7 @@ def test_per_example_gradients_are_those_of_each_sequence_loss(tok):
 def instruction_runs(jsonl, tmp_path_factory):
     """A non-private and a sample-level DP run on the instruction file; the DP run's
     engine is kept (its model holds the released state after the run)."""
-    from fl.engine import Engine
+    from fl.run.engine import Engine
 
     root = tmp_path_factory.mktemp("lmruns")
     common = dict(dataset=str(jsonl), members=60, nonmembers=20, test=20, rounds=2)
@@ -190,7 +190,7 @@ def instruction_runs(jsonl, tmp_path_factory):
 
 
 def test_instruction_runs_record_the_task_and_keep_the_split_contract(instruction_runs, jsonl):
-    from audit.runaudit import audit_run
+    from audit.bundle.audit import audit_run
 
     root, nodp, dp, _ = instruction_runs
     for man in (nodp, dp):
@@ -287,7 +287,7 @@ def test_empty_or_broken_files_and_impossible_setups_give_clear_errors(tmp_path,
 def test_a_checkpoint_written_before_the_task_fields_resumes(tmp_path):
     """Checkpoints of runs started before ``task``/``lm_format``/... existed lack them:
     they mean the defaults, so such a run resumes; a really changed field still refuses."""
-    from fl.engine import Engine
+    from fl.run.engine import Engine
     from fl.testing import tiny_config
 
     cfg = tiny_config(rounds=1)
@@ -304,7 +304,7 @@ def test_a_checkpoint_written_before_the_task_fields_resumes(tmp_path):
 
 
 def test_a_runs_splits_can_be_scored_with_the_adapter_on_and_off(instruction_runs):
-    from fl.causal_lm import run_split_data
+    from fl.run.lm_run import run_split_data
 
     root, _, man, eng = instruction_runs
     model, tok, cfg = load_run_lm(root / "dp")

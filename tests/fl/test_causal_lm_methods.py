@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from fl.causal_lm import load_causal_lm, token_logprobs
-from fl.engine import train
+from fl.data.lm import LmTokenizedData
 from fl.errors import UsageError
-from fl.lm_data import LmTokenizedData
 from fl.methods import registry
-from fl.models import LoraSpec, load_tokenizer, wrap_lora
+from fl.models.base import LoraSpec, load_tokenizer, wrap_lora
+from fl.models.causal_lm import load_causal_lm, token_logprobs
+from fl.run.engine import train
 from fl.testing import tiny_lm_config
 
 #: per-method settings a run needs (heterogeneous ranks)
@@ -53,7 +53,7 @@ def test_every_method_trains_a_causal_lm(tmp_path, method, level):
     assert flat and all("lora_" in k for k in flat)  # LoRA factors only, no head
     assert all(torch.isfinite(t).all() for t in flat.values())
     if level != "none":
-        from audit.runaudit import audit_run
+        from audit.bundle.audit import audit_run
 
         res = audit_run(tmp_path / "r")
         eps = man["privacy"]["epsilon"]["pld"]

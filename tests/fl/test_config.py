@@ -6,15 +6,15 @@ import dataclasses
 
 import pytest
 
-from fl.cli_train import add_config_flags
-from fl.config import (
+from fl.cli.train import add_config_flags
+from fl.errors import UsageError
+from fl.run.config import (
     RUNTIME_FIELDS,
     TrainConfig,
     field_choices,
     result_fields,
     runtime_fields,
 )
-from fl.errors import UsageError
 
 CHOICE_FIELDS = [f for f in dataclasses.fields(TrainConfig) if field_choices(f) is not None]
 
@@ -102,7 +102,7 @@ def test_clients_per_round_takes_a_fraction_or_a_count_from_files_and_flags():
     """clients_per_round is a float field with the integer default 0: a config.json or
     TOML value 0.5 (client-level grids write one) and ``--clients-per-round 0.5`` load; a
     count stays an int, so config.json round-trips unchanged."""
-    from fl.config import TrainConfig
+    from fl.run.config import TrainConfig
 
     assert TrainConfig.from_dict({"clients": 10, "clients_per_round": 0.5}).clients_per_round == 0.5
     c = TrainConfig.from_dict({"clients": 10, "clients_per_round": 3})
@@ -125,7 +125,7 @@ def test_config_file_may_be_a_runs_config_json(tmp_path):
     UsageError naming the file."""
     import json
 
-    from fl.config import load_toml
+    from fl.run.config import load_toml
 
     cfg = TrainConfig.from_dict(
         {"method": "ffa", "clients": 7, "epsilon": 3.0, "dp_level": "sample"}

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from fl.data import label_skew, load_dataset, load_local, partition, split_dataset
+from fl.data.datasets import label_skew, load_dataset, load_local, partition, split_dataset
 from fl.errors import UsageError
 
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fl import factors as F
-from fl.engine import Engine, derive_seed, poisson_masks, train
-from fl.models import LoraSpec, load_base_model, wrap_lora
+from fl.models import factors as F
+from fl.models.base import LoraSpec, load_base_model, wrap_lora
 from fl.privacy.accounting import Ledger, epsilon
+from fl.run.engine import Engine, derive_seed, poisson_masks, train
 from pipeline.cli import main as cli_main
 
 
@@ -169,7 +169,7 @@ def test_resume_equals_uninterrupted_and_keeps_budget(tmp_path, tiny_cfg):
 
 def _kill_in_round_three(eng_cls_train, monkeypatch):
     """Make ClientContext.train raise (as a kill would stop it) in round 3."""
-    from fl.contexts import ClientContext
+    from fl.run.contexts import ClientContext
 
     def train_or_die(self, *a, **kw):
         if self.round.index == 2:
@@ -188,7 +188,7 @@ def test_round_killed_midway_is_replayed_or_rerun_with_fresh_noise(
     environment (here: another thread count) its planned events are charged again and it
     is re-run with fresh noise streams, never the first attempt's noise over a computation
     that may differ."""
-    from fl.contexts import ClientContext
+    from fl.run.contexts import ClientContext
 
     cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
     full = train(cfg, tmp_path / "full")
@@ -228,7 +228,7 @@ def _killed_elsewhere(cfg, tmp_path, monkeypatch):
     """A full run, then the same run (its key) killed in round 3 whose journal says another
     CPU environment (no bit-exact replay here). Returns (full manifest, key, run, journal
     path, journal, the real ClientContext.train); the kill stays patched in."""
-    from fl.contexts import ClientContext
+    from fl.run.contexts import ClientContext
 
     full = train(cfg, tmp_path / "full")
     key = tmp_path / "full/private/noise.key"
@@ -249,7 +249,7 @@ def test_round_killed_twice_keeps_the_first_attempts_charge(tmp_path, tiny_cfg, 
     in the same round and resumed where attempt 1 replays bit for bit: the first attempt's
     charge lived only in memory, so the second journal carries it and the final ledger
     holds it once; the third pass charges nothing new."""
-    from fl.contexts import ClientContext
+    from fl.run.contexts import ClientContext
 
     cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
     full, key, run, journal_path, journal, real = _killed_elsewhere(cfg, tmp_path, monkeypatch)
@@ -298,8 +298,8 @@ def test_stop_file_stops_at_a_round_boundary_and_resume_charges_nothing_twice(
 ):
     """RUN/STOP stops a run after its current round's checkpoint (exit 3, one line), with
     no round in flight; --resume then finishes it as if it had never stopped."""
-    from fl.contexts import ClientContext
-    from fl.engine import STOP_FILE
+    from fl.run.contexts import ClientContext
+    from fl.run.engine import STOP_FILE
 
     cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
     full = train(cfg, tmp_path / "full")
@@ -441,7 +441,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     ],
 )
 def test_probe_learning_rate_forms_that_say_what_they_do(args, head):
-    from fl.cli_train import config_from_args
+    from fl.cli.train import config_from_args
     from pipeline.cli import build_parser
 
     cfg = config_from_args(build_parser().parse_args(["train", "--method", "probe", *args]))

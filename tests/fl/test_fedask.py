@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fl import linalg as L
-from fl.engine import Engine, train
 from fl.errors import ClientFailure, UsageError
 from fl.methods.base import Replies, RoundInfo, parse_options
 from fl.methods.fedask import FedASK, FedASKOptions, fedask_layer
+from fl.run.engine import Engine, train
 
 DT = torch.float64
 
@@ -254,7 +254,7 @@ def _rows(out):
 def _load_adapter(out):
     from peft import PeftModel
 
-    from fl.models import load_base_model
+    from fl.models.base import load_base_model
 
     model = PeftModel.from_pretrained(load_base_model("tiny-bert", 2, seed=0), str(out / "adapter"))
     assert any("lora_A" in n for n, _ in model.named_parameters())

@@ -154,7 +154,7 @@ def test_joint_clip_bounds_norm_and_zeroes_nonfinite():
 
 
 class FakeServer:
-    """The part of fl.engine.ServerContext that FedPower uses (client-level DP)."""
+    """The part of fl.run.engine.ServerContext that FedPower uses (client-level DP)."""
 
     canary_clients = None  # no --canary-clients
 
@@ -241,7 +241,7 @@ def test_ledger_epsilon_matches_dp_accounting(tiny_cfg, tmp_path):
     """2 rounds, all 3 clients, --noise-multiplier 1.0: the ledger holds one plain
     Gaussian event of σ = 1 per round, and the noise really used per release is
     σ·√k with k = 2·iters + 2 releases (projections + head)."""
-    from fl.engine import train
+    from fl.run.engine import train
 
     cfg = tiny_cfg(method="fedpower", dp_level="client", noise_multiplier=1.0, **SMALL)
     man = train(cfg, tmp_path / "run")
@@ -266,7 +266,7 @@ def test_ledger_epsilon_matches_dp_accounting(tiny_cfg, tmp_path):
 def test_poisson_clients_input_perturbation_accounting(tiny_cfg, tmp_path):
     """Poisson client sampling (q = 0.5): each round is one Poisson-subsampled Gaussian
     event with the calibrated σ_round (not 2t+1 separately subsampled releases)."""
-    from fl.engine import train
+    from fl.run.engine import train
 
     cfg = tiny_cfg(
         method="fedpower",
@@ -306,7 +306,7 @@ def test_poisson_clients_input_perturbation_accounting(tiny_cfg, tmp_path):
     ],
 )
 def test_end_to_end_tiny(tiny_cfg, tmp_path, dp, opts):
-    from fl.engine import train
+    from fl.run.engine import train
 
     kw = dict(noise_multiplier=2.0) if dp == "client" else {}
     cfg = tiny_cfg(method="fedpower", dp_level=dp, rounds=1, opts=opts, **kw, **SMALL)
@@ -330,7 +330,7 @@ def test_end_to_end_tiny(tiny_cfg, tmp_path, dp, opts):
 
 @pytest.mark.parametrize("method", ["fedavg", "ffa"])
 def test_baseline_client_level_one_event_per_round(tiny_cfg, tmp_path, method):
-    from fl.engine import train
+    from fl.run.engine import train
 
     cfg = tiny_cfg(method=method, dp_level="client", noise_multiplier=1.0, **SMALL)
     man = train(cfg, tmp_path / "run")
@@ -420,7 +420,7 @@ def test_manifest_states_the_server_clip_that_noise_is_relative_to(tiny_cfg, tmp
     bundle publishes no per-client steps at client level (with local epochs they give n_k)."""
     import json
 
-    from fl.engine import train
+    from fl.run.engine import train
 
     cfg = tiny_cfg(method="fedpower", dp_level="client", noise_multiplier=1.0, rounds=1,
                    clip=1.0, opts={"server_clip": 0.25}, **SMALL)  # fmt: skip

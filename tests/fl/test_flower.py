@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from fl.methods import registry
+
 # One worker runs the whole file (scripts/test.sh: `pytest -n 2 --dist loadfile`), so the
 # Flower simulation session (Ray) and the in-process references are built once.
-from fl.engine import Engine
-from fl.methods import registry
-from fl.transport import Dispatcher
+from fl.run.engine import Engine
+from fl.run.transport import Dispatcher
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

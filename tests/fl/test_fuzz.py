@@ -7,12 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fl.cli_train import config_from_args
-from fl.config import TrainConfig, load_toml
-from fl.data import load_local
+from fl.cli.train import config_from_args
+from fl.data.datasets import load_local
 from fl.errors import UsageError
 from fl.io import read_json
 from fl.privacy.accounting import Ledger
+from fl.run.config import TrainConfig, load_toml
 from pipeline.cli import build_parser, main
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

@@ -1,7 +1,7 @@
 """Gradient-space (Dirac) canaries of sample-level DP-SGD (``--canary-kind gradient``):
 the contribution, the noise untouched, the observations, the one-run audit, and that
 nothing of them reaches the release bundle (fl/privacy/gradient_canaries.py,
-audit/gradient_canaries.py)."""
+audit/canaries/gradient.py)."""
 
 import json
 import math
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from audit import gradient_canaries as GC
-from audit.empirical import epsilon_one_run
+from audit.bounds.hypothesis import epsilon_one_run
+from audit.canaries import gradient as GC
 from fl.errors import UsageError
 from fl.privacy import accounting
 from fl.privacy import gradient_canaries as G
@@ -109,7 +109,7 @@ def test_non_included_canaries_change_nothing_in_a_step():
 
 @pytest.mark.parametrize("method", ["fedavg", "fedask"])  # flat DP-SGD; FedASK's W-space
 def test_non_included_canaries_leave_a_run_bit_exact(tmp_path, monkeypatch, method):
-    from fl.engine import train
+    from fl.run.engine import train
 
     base = dict(method=method, noise_multiplier=1.0, delta=1e-5, rounds=1, local_steps=3)
     train(tiny_config(**base), tmp_path / "plain", quiet=True, noise_key=FIXED_KEY)
@@ -193,8 +193,8 @@ def test_llr_is_the_linear_statistic_when_every_step_samples():
 
 @pytest.fixture(scope="module")
 def audited_run(tmp_path_factory):
-    from audit.runaudit import audit_run
-    from fl.engine import train
+    from audit.bundle.audit import audit_run
+    from fl.run.engine import train
 
     # q = 1 (batch = the clients' 80 examples): the plain Gaussian, where the one-run
     # audit is strongest; σ for ε = 1 at δ = 1e-5 over 2 × 4 steps
@@ -320,7 +320,7 @@ def test_validation():
 
 
 def test_too_many_canaries_refused_at_setup(tmp_path):
-    from fl.engine import Engine
+    from fl.run.engine import Engine
 
     cfg = tiny_config(noise_multiplier=1.0, canaries=2179, canary_kind="gradient")
     eng = Engine(cfg, tmp_path / "run", quiet=True)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fl.heads import BertClassifier, FrozenPrefix, folder_pooling, mean_pool
-from fl.models import LoraSpec, load_base_model, load_tokenizer, resolve_pooling, wrap_lora
-from fl.tokenized import TokenizedData
+from fl.data.tokenized import TokenizedData
+from fl.models.base import LoraSpec, load_base_model, load_tokenizer, resolve_pooling, wrap_lora
+from fl.models.heads import BertClassifier, FrozenPrefix, folder_pooling, mean_pool
 
 TEXTS = [
     "the cat sat on the mat",

@@ -9,10 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fl import factors as F
-from fl.engine import ClientContext, Engine, train
 from fl.errors import UsageError
 from fl.linalg import fold_modules, unfold_modules
+from fl.linalg.noise import state_distance
 from fl.methods.base import Replies, RoundInfo, parse_options
 from fl.methods.flexlora import FlexLoRA, FlexLoRAOptions
 from fl.methods.flora import FLoRA, FLoRAOptions, fresh_factors, merged_base
@@ -24,7 +23,8 @@ from fl.methods.plora import (
     select_random,
     select_roundrobin,
 )
-from fl.noise import state_distance
+from fl.models import factors as F
+from fl.run.engine import ClientContext, Engine, train
 from fl.testing import tiny_config
 
 R = 4
@@ -444,7 +444,7 @@ def test_masked_coordinates_stay_unchanged_under_dp_noise(dp_eng):
 def test_method_runs_non_dp_and_dp(tmp_path, method):
     from peft import PeftModel
 
-    from fl.models import load_base_model
+    from fl.models.base import load_base_model
 
     # 2 clients; seed 1 draws ranks {2, 4} from --client-ranks 2,4 (seed 0 draws 4, 4)
     small = dict(clients=2, seed=1, members=60, test=30)

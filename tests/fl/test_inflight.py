@@ -1,9 +1,9 @@
-"""fl.inflight.decide: what resume charges for a journaled round, on hand-built journals."""
+"""fl.run.inflight.decide: what resume charges for a journaled round, on hand-built journals."""
 
 import pytest
 
-from fl.inflight import decide
 from fl.privacy.accounting import Event
+from fl.run.inflight import decide
 
 ENV = {"torch": "t", "cpu_capability": "AVX2", "threads": 2, "machine": "x", "processor": "p"}
 
@@ -74,7 +74,7 @@ def test_non_private_runs_charge_nothing():
 
 def test_final_attempt_and_the_ledger_parse():
     from fl.errors import UsageError
-    from fl.inflight import NOTE, attempts_from_ledger, final_attempt
+    from fl.run.inflight import NOTE, attempts_from_ledger, final_attempt
 
     def charged(a, unit):
         return Event("poisson_gaussian", 1.5, 0.1, 20, unit=unit, round=4,

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from fl.config import config_sha256
+from fl.run.config import config_sha256
 from fl.testing import tiny_config, tiny_flags
 from pipeline.cli import main
 
@@ -18,7 +18,7 @@ SMALL = dict(members=60, nonmembers=20, test=20, max_length=16, clients=2, round
 @pytest.fixture(scope="module")
 def first(tmp_path_factory):
     """One private run (fresh key): its directory and config."""
-    from fl.engine import train
+    from fl.run.engine import train
 
     d = tmp_path_factory.mktemp("keyreuse") / "first"
     cfg = tiny_config(**SMALL, noise_multiplier=1.0)
@@ -95,7 +95,7 @@ def test_allowed_reuse_is_marked_not_private_and_export_refuses(first, tmp_path,
     pub = json.loads((out / "release" / "manifest.json").read_text())["privacy"]["noise"]
     assert pub["private"] is False
     assert pub["reused_key"]["original_config_sha256"] == config_sha256(cfg)
-    from audit.runaudit import audit_run
+    from audit.bundle.audit import audit_run
 
     for target in (out, out / "release"):
         res = audit_run(target)
@@ -120,7 +120,7 @@ def test_same_config_replays_bit_exactly_and_stays_private(first, tmp_path, caps
 
 
 def test_insecure_run_is_not_exported(tmp_path, capsys):
-    from fl.engine import train
+    from fl.run.engine import train
 
     run = tmp_path / "insecure"
     train(tiny_config(**SMALL, noise_multiplier=1.0, insecure_deterministic_noise=True), run,
@@ -133,8 +133,8 @@ def test_insecure_run_is_not_exported(tmp_path, capsys):
 
 
 def test_audit_replay_with_a_key_object_stays_private(first, tmp_path):
-    from fl.engine import train
     from fl.privacy.rng import NoiseKey
+    from fl.run.engine import train
 
     run, cfg = first
     m = train(cfg, tmp_path / "r", quiet=True,

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from fl.engine import train
 from fl.privacy.accounting import Ledger, calibrate_noise, epsilon_of_events
+from fl.run.engine import train
 from fl.testing import tiny_config
 
 
@@ -114,7 +114,7 @@ def test_top_layer_lora_with_and_without_cache_agree(tmp_path):
 def test_audit_accepts_per_client_sigma_and_catches_a_changed_one(skewed_run, tmp_path):
     import shutil
 
-    from audit.runaudit import audit_run
+    from audit.bundle.audit import audit_run
 
     _, man, out = skewed_run
     res = audit_run(out)
@@ -137,7 +137,7 @@ def test_audit_accepts_per_client_sigma_and_catches_a_changed_one(skewed_run, tm
 def test_a_cached_prefix_run_replays_bit_for_bit(tmp_path):
     """The audit's replay (same key, same config) rebuilds the prefix cache the same way:
     the released adapter is reproduced exactly."""
-    from audit.runaudit import audit_run
+    from audit.bundle.audit import audit_run
 
     out = tmp_path / "run"
     man = train(

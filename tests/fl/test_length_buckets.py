@@ -1,5 +1,5 @@
 """Length buckets: a training batch run as sub-batches of similar length
-(``fl.tokenized.length_chunks``, ``LocalTrainer._chunks``) gives the single pass's
+(``fl.data.tokenized.length_chunks``, ``LocalTrainer._chunks``) gives the single pass's
 per-example gradients and DP-SGD step."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from fl import factors as F
-from fl.config import TrainConfig
-from fl.local_step import DpSgd, NoPrivacy, SpaceDpSgd
+from fl.data.tokenized import TokenizedData, length_chunks
+from fl.models import factors as F
 from fl.privacy.dpsgd import DpSgdParams
 from fl.privacy.rng import SeededSource
 from fl.privacy.wspace import WSpaceClipper
-from fl.tokenized import TokenizedData, length_chunks
-from fl.trainer import LocalTrainer
+from fl.run.config import TrainConfig
+from fl.run.local_step import DpSgd, NoPrivacy, SpaceDpSgd
+from fl.run.trainer import LocalTrainer
 
 
 def _brute_force_cost(lengths: np.ndarray, overhead: float) -> float:
@@ -127,7 +127,7 @@ def test_buckets_give_the_single_pass_training(monkeypatch, lora_layers, private
             return parts
 
         monkeypatch.setattr(tr, "_chunks", spy)
-        from fl.models import load_tokenizer
+        from fl.models.base import load_tokenizer
 
         data = TokenizedData(texts, labels, load_tokenizer("tiny-bert"), 24)
         start = F.clone_state(tr.initial_state())
@@ -173,7 +173,7 @@ def test_buckets_give_the_single_pass_training(monkeypatch, lora_layers, private
 
 def test_buckets_are_off_on_request_and_for_pooled_features():
     tr = _trainer(False, 1)
-    from fl.models import load_tokenizer
+    from fl.models.base import load_tokenizer
 
     data = TokenizedData(TEXTS, np.zeros(len(TEXTS)), load_tokenizer("tiny-bert"), 24)
     idx = torch.arange(len(TEXTS))

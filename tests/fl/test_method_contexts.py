@@ -23,16 +23,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from fl import factors as F
-from fl.config import TrainConfig
-from fl.contexts import ClientContext, ServerContext
 from fl.methods import registry
 from fl.methods.base import parse_options
 from fl.methods.context import ClientView, RunSettings, ServerView, TrainOutcome
+from fl.methods.rounds import Replies, RoundInfo
+from fl.models import factors as F
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams
-from fl.rounds import Replies, RoundInfo
-from fl.trainer import TrainResult
+from fl.run.config import TrainConfig
+from fl.run.contexts import ClientContext, ServerContext
+from fl.run.trainer import TrainResult
 
 METHODS_DIR = Path(__file__).resolve().parents[2] / "fl" / "methods"
 VIEWS = {"ClientView": ClientView, "ServerView": ServerView, "RunSettings": RunSettings}

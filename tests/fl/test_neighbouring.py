@@ -13,7 +13,7 @@ import pytest
 from dp_accounting import pld, rdp
 from scipy.stats import norm
 
-from audit.empirical import gdp_delta, gdp_epsilon
+from audit.bounds.hypothesis import gdp_delta, gdp_epsilon
 from fl.privacy.accounting import (
     FIXED_COUNT_NOTE,
     NEIGHBOURING,

@@ -6,11 +6,11 @@ import json
 
 import torch
 
-from fl import factors as F
-from fl.engine import Engine
 from fl.methods.base import RoundInfo
+from fl.models import factors as F
 from fl.privacy.rng import SeededSource
-from fl.transport import Delivery, Dispatcher
+from fl.run.engine import Engine
+from fl.run.transport import Delivery, Dispatcher
 
 SIGMA, LR = 1.0, 0.5
 
@@ -222,9 +222,9 @@ def test_canaries_change_neither_weights_nor_sampling_rate(tmp_path, tiny_cfg, m
     reply's n) and its executed Poisson rate stay those of its public size: otherwise the
     aggregate and every other example's inclusion would depend on the canary count,
     outside the mechanism the ledger accounts for."""
-    import fl.trainer as T
-    from fl.contexts import ClientContext
-    from fl.rounds import RoundInfo
+    import fl.run.trainer as T
+    from fl.methods.rounds import RoundInfo
+    from fl.run.contexts import ClientContext
 
     cfg = tiny_cfg(canaries=24, nonmembers=60, dp_level="sample", noise_multiplier=1.0, rounds=1)
     eng = Engine(cfg, tmp_path / "c", quiet=True)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fl.engine import Engine, train
 from fl.errors import UsageError
 from fl.io import RunLock
+from fl.run.engine import Engine, train
 from fl.testing import tiny_flags
 
 TINY = tiny_flags(rounds=4, local_steps=3, dp_level="sample", noise_multiplier=1.1)

@@ -1,4 +1,4 @@
-"""fl.rundir: the run directory's one reader/writer (layout, schema version, formats)."""
+"""fl.run.rundir: the run directory's one reader/writer (layout, schema version, formats)."""
 
 from __future__ import annotations
 
@@ -9,28 +9,28 @@ import numpy as np
 import pytest
 import torch
 
-from fl import rundir
 from fl.errors import UsageError
+from fl.run import rundir
 
 
 def test_one_schema_version_and_one_jsonable_everywhere():
-    import audit.runaudit
-    import fl.engine
-    import fl.manifest
+    import audit.bundle.audit
+    import fl.run.engine
+    import fl.run.manifest
 
-    assert fl.manifest.SCHEMA_VERSION is rundir.SCHEMA_VERSION
-    assert audit.runaudit.SCHEMA_VERSION is rundir.SCHEMA_VERSION
-    assert fl.engine.SCHEMA_VERSION is rundir.SCHEMA_VERSION
-    assert not hasattr(fl.manifest, "_jsonable")
+    assert fl.run.manifest.SCHEMA_VERSION is rundir.SCHEMA_VERSION
+    assert audit.bundle.audit.SCHEMA_VERSION is rundir.SCHEMA_VERSION
+    assert fl.run.engine.SCHEMA_VERSION is rundir.SCHEMA_VERSION
+    assert not hasattr(fl.run.manifest, "_jsonable")
 
 
 def test_one_file_sha256():
     import attacks.signals
-    import audit.runaudit
+    import audit.bundle.audit
     import fl.io
-    import fl.manifest
+    import fl.run.manifest
 
-    for mod in (attacks.signals, audit.runaudit, fl.manifest):
+    for mod in (attacks.signals, audit.bundle.audit, fl.run.manifest):
         assert mod.file_sha256 is fl.io.file_sha256
 
 

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from fl import factors as F
-from fl.contexts import ClientContext
 from fl.errors import UsageError
-from fl.rounds import RoundInfo
+from fl.methods.rounds import RoundInfo
+from fl.models import factors as F
+from fl.run.contexts import ClientContext
 from fl.testing import tiny_config
 
 
@@ -118,7 +118,7 @@ def test_each_round_steps_at_its_scaled_lr(sched_engine):
 def test_a_warmup_run_with_kept_optimizer_state_trains_and_records_both(tmp_path):
     """``--no-reset-optimizer``: the head-only optimizer state is dropped when the
     factors join (its groups differ); the manifest records both settings."""
-    from fl.engine import train
+    from fl.run.engine import train
 
     man = train(
         tiny_config(

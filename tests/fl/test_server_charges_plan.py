@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fl.contexts import InProcessTransport
-from fl.engine import Engine
+from fl.methods.rounds import RoundInfo
 from fl.privacy.accounting import Event
-from fl.rounds import RoundInfo
+from fl.run.contexts import InProcessTransport
+from fl.run.engine import Engine
+from fl.run.transport import Delivery, Dispatcher
 from fl.testing import tiny_config
-from fl.transport import Delivery, Dispatcher
 
 SMALL = dict(
     members=120,
@@ -228,7 +228,7 @@ def _tampered(eng, change):
     ids=["smaller-q", "round", "stage", "unit", "kind", "twice", "no-steps", "garbage"],
 )
 def test_any_difference_from_the_plan_rejects_the_reply(eng, change):
-    from fl.transport import charge_for, costs_at_least
+    from fl.run.transport import charge_for, costs_at_least
 
     replies, charged = _send(eng, _tampered(eng, change))
     assert list(replies.ok) == ["0"]

@@ -1,4 +1,4 @@
-"""The local step (fl/trainer.py): privatizer + post-privacy hooks.
+"""The local step (fl/run/trainer.py): privatizer + post-privacy hooks.
 
 Each hook against a slow obvious reference, and the whole ``LocalTrainer.train``
 against the monolithic loop it replaced (kept below verbatim as the reference):
@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from fl import factors as F
-from fl.local_step import (
+from fl.models import factors as F
+from fl.privacy.dpsgd import DpSgdParams, clip_and_noise, gaussian_noise
+from fl.privacy.wspace import WSpaceClipper
+from fl.run.local_step import (
     Correction,
     DpSgd,
     GradMask,
@@ -22,9 +24,7 @@ from fl.local_step import (
     SpaceDpSgd,
     local_step,
 )
-from fl.privacy.dpsgd import DpSgdParams, clip_and_noise, gaussian_noise
-from fl.privacy.wspace import WSpaceClipper
-from fl.trainer import TrainResult, poisson_masks
+from fl.run.trainer import TrainResult, poisson_masks
 
 # ---- unit tests of each hook against element-by-element references ----------------
 
@@ -406,7 +406,7 @@ def test_head_clip_share_is_wired_through_local_training(engine, monkeypatch):
     """With head_share s the trainer's DP-SGD step marks exactly the head's coordinates
     (from the flat names) and every step clips with (C·√s, C·√(1−s)); the trained state
     differs from the joint clip's; a grad transform (W-space) refuses the split."""
-    import fl.local_step as T
+    import fl.run.local_step as T
     from fl.errors import UsageError
     from fl.privacy import dpsgd
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fl import factors as F
-from fl.config import TrainConfig
-from fl.local_step import NoPrivacy
-from fl.models import load_tokenizer
+from fl.data.tokenized import TokenizedData
+from fl.models import factors as F
+from fl.models.base import load_tokenizer
 from fl.privacy.rng import SeededSource
-from fl.tokenized import TokenizedData
-from fl.trainer import LocalTrainer
+from fl.run.config import TrainConfig
+from fl.run.local_step import NoPrivacy
+from fl.run.trainer import LocalTrainer
 
 TEXTS = ["short", "the cat sat on the mat", "ok then", "federated learning with privacy"] * 4
 
@@ -74,11 +74,11 @@ def test_training_after_eval_or_external_eval_equals_a_fresh_trainer():
 
 
 def test_cpu_local_training_hands_freed_memory_back(monkeypatch):
-    """Each CPU local training ends with one malloc_trim (fl.trainer.release_freed_memory),
+    """Each CPU local training ends with one malloc_trim (fl.run.trainer.release_freed_memory),
     which changes no result: the same training with the trim disabled is bit-identical."""
     import platform
 
-    import fl.trainer as T
+    import fl.run.trainer as T
 
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert T.release_freed_memory() is True

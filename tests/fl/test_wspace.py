@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fl import factors as F
+from fl.models import factors as F
 from fl.privacy.dpsgd import DpSgdParams
 from fl.privacy.wspace import WSpaceClipper, wspace_sq_norms, wspace_sq_norms_reference
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fl import factors as F
 from fl.errors import UsageError
+from fl.models import factors as F
 from fl.privacy import gradient_canaries as G
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams, gaussian_noise
@@ -234,8 +234,8 @@ def test_included_canary_adds_exactly_c_in_slot_coordinates(engine):
 
 
 def test_other_own_space_privatizers_are_still_refused():
-    from fl.local_step import SpaceDpSgd
-    from fl.trainer import LocalTrainer
+    from fl.run.local_step import SpaceDpSgd
+    from fl.run.trainer import LocalTrainer
 
     class Plain:  # a transform that does not say where canaries would live
         def __call__(self, *a, **k):
@@ -250,12 +250,12 @@ def test_other_own_space_privatizers_are_still_refused():
 @pytest.fixture(scope="module")
 def audited_pair(tmp_path_factory):
     """A correct FedASK run (its default W-space clipping, q = 1, ε = 1, rank 16,
-    M = 4 000: benchmarks/faults.py's "fedask" setting without clip_space=b) and the same
+    M = 4 000: benchmarks/auditing/faults.py's "fedask" setting without clip_space=b) and the same
     run with the planted ×¼ noise fault, both audited one-run. (At ε = 8 the correct run
     gives ε_lb ≈ 2.9, but 4 000 canaries cannot certify above ≈ 5.5, so a ×¼ fault there
     stays below the claim: faults are looked for at ε = 1, as in the fault suite.)"""
-    from audit.runaudit import audit_run
-    from fl.engine import train
+    from audit.bundle.audit import audit_run
+    from fl.run.engine import train
 
     base = dict(
         method="fedask",

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from audit.report import CHANCE_BALANCED, SECTIONS
+from audit.report.build import CHANCE_BALANCED, SECTIONS
 from pipeline.job import PRESETS, run_job
 
 
@@ -88,7 +88,7 @@ def test_quick_preset_end_to_end(tmp_path):
 def test_presets_configurations():
     """The presets' training set-ups (the README's ~15 minutes on 2 CPU cores for the
     default one rests on these, whatever TrainConfig's defaults become)."""
-    from fl.config import TrainConfig
+    from fl.run.config import TrainConfig
 
     d = TrainConfig(**PRESETS["default"].base)
     assert (d.model, d.dataset, d.members, d.nonmembers, d.test, d.max_length) == (

@@ -1,0 +1,389 @@
+"""`fedlora audit`: check the privacy claim of a run directory, a release bundle or a
+claim file; `fedlora report`: write the report of run directories (:mod:`audit.report.build`).
+
+    fedlora audit RUN_OR_BUNDLE [--json] [--one-run] [--alpha A] [--key FILE]
+    fedlora audit RUN_OR_BUNDLE RUN_OR_BUNDLE ... [--json]   (also flags shared noise keys)
+    fedlora audit --claim FILE [--json]
+    fedlora audit --canaries DIR --observations FILE --claim FILE [--alpha A] [--key FILE]
+
+``--key FILE`` (the run's ``private/noise.key``) retrains the whole run on the CPU and
+verifies the release against it; without it the output lists the fields taken on trust.
+
+Exit codes: 0 = nothing understated and no error finding; 1 = ε understated, tampering,
+or any other error-severity finding (e.g. δ >= 1/n); 2 = bad input (one line on stderr).
+``--json`` prints only the JSON document (non-finite numbers as the strings "inf"/"nan").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from audit.findings import Finding
+from fl.errors import UsageError
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "audit",
+        help="recompute ε of a run or a claim and flag understatements and tampering",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "claim file (--claim FILE, JSON or TOML): level (sample|client), noise_multiplier "
+            "(sigma = noise std / C), clipping_norm (optional), sampling "
+            "(poisson|shuffle|fixed_batch|all), batch_size + dataset_size (one client's "
+            "records) or sample_rate, steps_per_round, rounds, clients_per_round + "
+            "total_clients (required at client level), accounting "
+            "(composed|per_round|per_epoch|unknown), noise_source "
+            "(keyed_csprng|csprng|seeded|unknown), claimed_epsilon, delta; name/source/notes "
+            "free text. Opacus users: batch_size/dataset_size are read as Opacus's q = "
+            "1/ceil(dataset_size/batch_size) when that explains the claim (warning "
+            "opacus_sample_rate). Every field and finding: docs/audit.md."
+        ),
+        description=(
+            "Recompute ε (PLD, RDP beside) from a run's recorded mechanism, or from a claim "
+            "file describing a mechanism, and name the accounting mistakes that explain an "
+            "understated ε. Exit 0: ok; 1: understated, tampered or other error finding; "
+            "2: bad input."
+        ),
+    )
+    p.add_argument(
+        "run_dir",
+        nargs="*",
+        metavar="RUN_OR_BUNDLE",
+        help="run directories or release bundles (RUN/release, `fedlora export`) to audit; "
+        "with several, each is audited and any two different releases that share a noise "
+        "key are flagged (key_shared)",
+    )
+    p.add_argument("--claim", metavar="FILE", help="claim file (JSON or TOML) to check instead")
+    p.add_argument(
+        "--canaries",
+        metavar="DIR",
+        help="a canary set (`fedlora canaries new`) added to a training done elsewhere; with "
+        "--observations and --claim: score the canaries, bound ε from below and compare it "
+        "with the claim (exit 1: leaks more than claimed)",
+    )
+    p.add_argument(
+        "--observations",
+        metavar="FILE",
+        help="the observation file the training hooks wrote (audit.canaries.hooks), with --canaries",
+    )
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.add_argument(
+        "--one-run",
+        action="store_true",
+        help="also bound ε from below with the run's canaries (Steinke et al. 2023)",
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=0.05,
+        help="1 - confidence of the empirical bound (run directories with --one-run) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--key",
+        metavar="FILE",
+        help="the run's noise key (RUN/private/noise.key): retrain the whole run on the CPU "
+        "and check that it reproduces the released adapter and privacy block; with "
+        "--canaries: the set's key (re-derives and checks the set)",
+    )
+    p.set_defaults(func=cmd_audit)
+
+    r = sub.add_parser(
+        "report",
+        help="write report.html and report.md for runs, bundles, foreign adapters' attacks "
+        "and claim audits",
+        description="Write one self-contained report.html and its twin report.md (verdict "
+        "table, runs, noise analyses, membership inference, empirical privacy, claims check, "
+        "environment, reproduce commands) for fedlora run directories and release bundles, "
+        "and for what an outside user has: the --out folder of `fedlora attack --adapter ...` "
+        "and the saved output of `fedlora audit --claim FILE --json`. Different releases "
+        "that share a noise key are flagged (key_shared).",
+    )
+    r.add_argument(
+        "runs",
+        nargs="*",
+        metavar="RUN_OR_BUNDLE",
+        help="fedlora run directories or release bundles",
+    )
+    r.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="folder to write report.html, report.md and figures/ into (created if missing)",
+    )
+    r.add_argument(
+        "--attack-dir",
+        action="append",
+        dest="attack_dirs",
+        metavar="DIR",
+        help="a foreign adapter's attack folder (fedlora attack --adapter ... --out DIR; "
+        "default ADAPTER/attacks); repeatable",
+    )
+    r.add_argument(
+        "--claim-audit",
+        action="append",
+        dest="claim_audits",
+        metavar="FILE",
+        help="saved output of `fedlora audit --claim FILE --json`; the i-th belongs to the "
+        "i-th --attack-dir; repeatable",
+    )
+    r.add_argument(
+        "--analyses", metavar="DIR", help="folder with analysis results (NAME/NAME.json + figures)"
+    )
+    r.set_defaults(func=cmd_report)
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _num(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:.4g}" if isinstance(x, int | float) else str(x)
+
+
+def exit_code(result: dict) -> int:
+    """0 when nothing is understated and no error finding, else 1."""
+    bad = result.get("understated") or result.get("tampered")
+    bad = bad or any(Finding.from_dict(f).is_error for f in result.get("findings", []))
+    return 1 if bad else 0
+
+
+def _human(result: dict, title: str) -> str:
+    lines = [title]
+    rows = [("claimed ε", result.get("claimed_epsilon")), ("δ", result.get("delta"))]
+    rec = result.get("recomputed")
+    if rec:
+        rows += [
+            (
+                "ledger ε (PLD / RDP)",
+                f"{_num(rec['ledger']['pld'])} / {_num(rec['ledger']['rdp'])}",
+            ),
+            (
+                "config ε (PLD / RDP)",
+                f"{_num(rec['config']['pld'])} / {_num(rec['config']['rdp'])}",
+            ),
+        ]
+    rows += [
+        ("recomputed ε (PLD)", result.get("epsilon_pld")),
+        ("recomputed ε (RDP)", result.get("epsilon_rdp")),
+        ("ratio recomputed/claimed", result.get("ratio")),
+        ("understated", "YES" if result.get("understated") else "no"),
+    ]
+    if "tampered" in result:
+        rows.append(("tampering", "YES" if result["tampered"] else "no"))
+    if result.get("mechanism"):
+        rows.append(("mechanism", result["mechanism"]))
+    one = result.get("one_run")
+    if one and "epsilon_lb" in one and "m" in one:
+        rows.append(
+            (
+                "one-run ε lower bound",
+                f"{_num(one['epsilon_lb'])} (Steinke et al.; m={one['m']} "
+                f"{'gradient ' if one.get('kind') == 'gradient' else ''}canaries, "
+                f"{one.get('r', '-')} guesses, {one.get('v', '-')} correct, confidence "
+                f"{1 - one['alpha']:g})",
+            )
+        )
+        fdp = one.get("fdp")
+        if fdp:
+            rows.append(
+                (
+                    "one-run f-DP ε lower bound",
+                    f"{_num(fdp['epsilon_lb'])} ((ε, δ) curves; μ-GDP: μ >= "
+                    f"{_num(fdp['mu_lb_gdp'])}, confidence {1 - fdp['alpha']:g})",
+                )
+            )
+        check = one.get("claim_check")
+        if check:
+            rows.append(
+                (
+                    "claim test",
+                    f"ε_lb {_num(check['epsilon_lb'])} ({check.get('bound', 'one-run')}) vs "
+                    f"{_num(check['epsilon'])} allowed: "
+                    + ("LEAKS MORE THAN CLAIMED" if check.get("exceeds") else "consistent"),
+                )
+            )
+    w = max(len(k) for k, _ in rows)
+    lines += [f"  {k:<{w}}  {_num(v) if not isinstance(v, str) else v}" for k, v in rows]
+    for sk in result.get("skipped") or []:
+        lines.append(f"skipped: {sk['check']}: {sk['reason']}")
+    rep = result.get("replay")
+    if rep and rep.get("performed"):
+        if rep.get("verified"):
+            how = "bit for bit" if rep.get("exact") else f"within {rep.get('tolerance'):g}"
+            lines.append(
+                f"replay: verified {how} (max |Δ| {_num(rep.get('max_abs_diff'))}) in "
+                f"{rep.get('seconds', 0):.1f} s"
+            )
+        else:
+            lines.append(
+                f"replay: NOT verified (max |Δ| {_num(rep.get('max_abs_diff'))}"
+                + (
+                    f", privacy fields differing: {len(rep['privacy_fields_differing'])}"
+                    if rep.get("privacy_fields_differing")
+                    else ""
+                )
+                + f"), {rep.get('seconds', 0):.1f} s"
+            )
+    elif rep:
+        lines.append(f"replay: not performed ({rep.get('reason')})")
+    if result.get("trusted"):
+        lines.append("taken on trust (no --key): " + ", ".join(result["trusted"]))
+    findings = [Finding.from_dict(f) for f in result.get("findings", [])]
+    if findings:
+        lines.append("findings:")
+        lines += [f"  [{f.severity}] {f.code}: {f.message}" for f in findings]
+    else:
+        lines.append("findings: none")
+    return "\n".join(lines)
+
+
+def cmd_audit(args) -> int:
+    if args.canaries or args.observations:
+        return _audit_outside(args)
+    if args.claim and args.run_dir:
+        raise UsageError("give either RUN_DIR or --claim FILE, not both")
+    if len(args.run_dir) > 1:
+        return _audit_several(args)
+    args.run_dir = args.run_dir[0] if args.run_dir else None
+    if not args.claim and not args.run_dir:
+        raise UsageError("give a RUN_DIR to audit or --claim FILE")
+    if args.claim:
+        if args.one_run:
+            raise UsageError("--one-run needs a RUN_DIR (a claim file has no canaries)")
+        if args.key:
+            raise UsageError("--key needs a RUN_DIR or bundle to replay (not --claim)")
+        from audit.claims.check import check_claim, load_claim
+
+        result = check_claim(load_claim(args.claim))
+        title = f"fedlora audit --claim {args.claim}"
+    else:
+        if not (0.0 < args.alpha < 1.0):
+            raise UsageError(f"--alpha must be in (0, 1), got {args.alpha}")
+        from audit.bundle.audit import audit_run
+
+        def log(line: str) -> None:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+        result = audit_run(
+            args.run_dir, one_run=args.one_run, alpha=args.alpha, key=args.key, log=log
+        )
+        kind = "release bundle" if result.get("kind") == "bundle" else "run directory"
+        title = (
+            f"fedlora audit {args.run_dir}  ({kind}, method {result['method']}, "
+            f"level {result['level']})"
+        )
+    if args.json:
+        sys.stdout.write(json.dumps(_jsonable(result), indent=2) + "\n")
+    else:
+        sys.stdout.write(_human(result, title) + "\n")
+    return exit_code(result)
+
+
+def _audit_outside(args) -> int:
+    """``--canaries DIR --observations FILE --claim FILE``: :mod:`audit.canaries.outside`."""
+    if not (args.canaries and args.observations and args.claim):
+        raise UsageError("--canaries, --observations and --claim go together")
+    if args.run_dir or args.one_run:
+        raise UsageError("--canaries audits a training done elsewhere: no RUN_DIR, no --one-run")
+    if not (0.0 < args.alpha < 1.0):
+        raise UsageError(f"--alpha must be in (0, 1), got {args.alpha}")
+    from audit.canaries.outside import audit_outside, exit_code
+
+    res = audit_outside(
+        args.canaries, args.observations, args.claim, alpha=args.alpha, key_file=args.key
+    )
+    if args.json:
+        sys.stdout.write(json.dumps(_jsonable(res), indent=2) + "\n")
+    else:
+        sys.stdout.write(_human_outside(res) + "\n")
+    return exit_code(res)
+
+
+def _human_outside(r: dict) -> str:
+    c = r["claim"]
+    rows = [
+        ("canaries", f"{r['m']} {r['canary_kind']} ({r['n_included']} included)"),
+        ("claimed ε", f"{_num(c['claimed_epsilon'])} at δ = {_num(c['delta'])}"),
+        ("recomputed ε (PLD / RDP)", f"{_num(c['epsilon_pld'])} / {_num(c['epsilon_rdp'])}"),
+        ("allowed for one canary", f"{_num(r['allowed_epsilon'])} ({r['relation']})"),
+        ("ε_lb Steinke et al. (α/2)", _num(r.get("epsilon_lb_steinke"))),
+        ("ε_lb f-DP (α/2)", _num(r.get("epsilon_lb_fdp"))),
+        (
+            "ε_lb (certified)",
+            f"{_num(r['epsilon_lb'])} ({r['bound']}; confidence {1 - r['alpha']:g})",
+        ),
+    ]
+    for name, e in (r.get("estimate") or {}).items():
+        lo, hi = e["epsilon_interval"]
+        rows.append(
+            (f"estimate {name}", f"{_num(e['epsilon'])} [{_num(lo)}, {_num(hi)}] (not a bound)")
+        )
+    rows.append(("verdict", r["verdict"].upper() if r["verdict"] != "ok" else "ok"))
+    w = max(len(k) for k, _ in rows)
+    lines = [f"fedlora audit --canaries {r['canaries']}"]
+    lines += [f"  {k:<{w}}  {v}" for k, v in rows]
+    lines += [f"note: {n}" for n in r.get("notes") or []]
+    for d in r["findings"]:
+        lines.append(f"  [{d['severity']}] {d['code']}: {d['message']}")
+    return "\n".join(lines)
+
+
+def _audit_several(args) -> int:
+    """Several runs or bundles: each audited, shared noise keys flagged; the JSON output is
+    a list; the exit code the worst of them."""
+    if args.key:
+        raise UsageError("--key belongs to one run: give one RUN_OR_BUNDLE with --key")
+    if not (0.0 < args.alpha < 1.0):
+        raise UsageError(f"--alpha must be in (0, 1), got {args.alpha}")
+    from audit.bundle.audit import audit_run, flag_shared_keys
+
+    results = [audit_run(r, one_run=args.one_run, alpha=args.alpha) for r in args.run_dir]
+    flag_shared_keys(results)
+    if args.json:
+        sys.stdout.write(json.dumps(_jsonable(results), indent=2) + "\n")
+    else:
+        for r in results:
+            kind = "release bundle" if r.get("kind") == "bundle" else "run directory"
+            title = (
+                f"fedlora audit {r['run_dir']}  ({kind}, method {r['method']}, level {r['level']})"
+            )
+            sys.stdout.write(_human(r, title) + "\n\n")
+    return max(exit_code(r) for r in results)
+
+
+def cmd_report(args) -> int:
+    claims = None
+    if args.analyses:
+        cp = Path(args.analyses) / "claims" / "claims.json"
+        if cp.exists():
+            claims = json.loads(cp.read_text())
+    from audit.report.build import build_report
+
+    s = build_report(
+        args.runs,
+        args.out,
+        analyses_dir=args.analyses,
+        claims=claims,
+        attack_dirs=args.attack_dirs,
+        claim_audits=args.claim_audits,
+    )
+    print(f"report: {s['html']}")
+    print(f"markdown: {s['markdown']}")
+    return 0

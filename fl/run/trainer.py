@@ -1,0 +1,517 @@
+"""Local training on the shared model: one peft model (and its Opacus per-sample-gradient
+wrapper) that every client loads its state into, trains with (DP-)SGD, and reads back.
+
+Each local step is: backward, a *privatizer* (DP-SGD in the parameters' space or a
+method's own, or none), then the *post-privacy hooks* in order, then the optimizer step;
+the privatizers, the hooks and :func:`fl.run.local_step.local_step`, which builds them from
+the arguments of ``ClientContext.train``, live in :mod:`fl.run.local_step`.
+
+The Poisson batches and the DP-SGD noise come from the run's secret streams, handed in
+by the caller (:class:`fl.run.contexts.ClientContext`); see :mod:`fl.run.engine`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fl.data.tokenized import TokenizedData, length_chunks
+from fl.errors import UsageError
+from fl.models import causal_lm
+from fl.models import factors as F
+from fl.models.base import LoraSpec, load_base_model, wrap_lora
+from fl.privacy import rng as R
+from fl.privacy.dpsgd import DpSgdParams, DpStats
+from fl.run.config import TrainConfig
+from fl.run.local_step import DpSgd, Hook, local_step
+
+# Expected and harmless: Opacus' full backward hooks on frozen-input modules, and a
+# transformers deprecation notice inside peft; they would drown the progress output.
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+
+
+def poisson_masks(source, n: int, q: float, steps: int) -> list[torch.Tensor]:
+    """The Poisson batches of a local training: step t includes example i iff
+    U_{t,i} < q, with U from the noise stream ``source`` (secret: the amplification by
+    sampling holds only if nobody can predict the batches)."""
+    return [R.bernoulli_mask(source, n, q) for _ in range(steps)]
+
+
+def fixed_batches(source, n: int, q: float, steps: int) -> list[torch.Tensor]:
+    """PLANTED FAULT ``fixed_batches`` (``--inject-fault``, tests only): a secret shuffle of
+    the n examples cut into batches of round(q·n), cycled through the steps, instead of
+    Poisson sampling (still accounted as Poisson)."""
+    perm = np.argsort(R.integers(source, 1 << 30, n), kind="stable")
+    size = max(1, int(round(q * n)))
+    out = []
+    for t in range(steps):
+        nb = -(-n // size)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[torch.as_tensor(perm[(t % nb) * size : (t % nb + 1) * size])] = True
+        out.append(mask)
+    return out
+
+
+def _join_grad_samples(params: list[torch.nn.Parameter]) -> None:
+    """After several backward passes on one batch, Opacus leaves each parameter's
+    per-sample gradients as a list, one tensor per pass; join them into one
+    (examples × shape) tensor, the rows of every parameter in the same example order."""
+    for p in params:
+        gs = getattr(p, "grad_sample", None)
+        if isinstance(gs, list):
+            p.grad_sample = torch.cat(gs, dim=0)
+
+
+_LIBC: list = []
+
+
+def release_freed_memory() -> bool:
+    """Hand the pages that glibc's allocator holds free back to the system
+    (``malloc_trim(0)``); False where the C library is not glibc.
+
+    A local training on the CPU allocates activations, per-example gradients and
+    sub-batches of many sizes between 1 and 32 MB, which glibc serves from its heap and
+    keeps after they are freed: measured on minilm's top layer at batch 500, a process
+    grew from 2 to 9–10 GB over ten rounds. Trimming after each local training returned
+    it to 2.6 GB (4.4 GB at its peak, against 5.2 GB untrimmed, in a two-round run);
+    it costs milliseconds and changes no result.
+    """
+    if not _LIBC:
+        import ctypes
+        import ctypes.util
+
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.append(lib.malloc_trim)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    trim = _LIBC[0]
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@dataclass
+class TrainResult:
+    state: dict
+    loss: float
+    steps: int
+    examples: int
+    dp_stats: dict = field(default_factory=dict)
+
+
+class LocalTrainer:
+    """One peft model (and its Opacus per-sample-gradient wrapper), reused by every
+    client: load state → train → read state."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        num_labels: int,
+        device: torch.device,
+        frozen_encoder: bool = False,
+    ):
+        """``frozen_encoder``: the method never trains the LoRA factors (the linear
+        probe), so the whole encoder is a frozen prefix and its pooled features can be
+        cached."""
+        from opacus import GradSampleModule
+
+        self.cfg = cfg
+        self.device = device
+        self.causal = cfg.task == "causal-lm"
+        if self.causal:  # a causal LM (no head; the prefix cache stays off): fl.models.causal_lm
+            net = causal_lm.load_causal_lm(cfg.model, seed=cfg.seed)
+        else:
+            net = load_base_model(
+                cfg.model, num_labels, seed=cfg.seed, pooling=cfg.pooling, head_init=cfg.head_init
+            )
+        targets = tuple(t for t in cfg.target_modules.split(",") if t) or None
+        spec = LoraSpec(cfg.rank, cfg.alpha, cfg.lora_dropout, targets, cfg.lora_layers)
+        self.model = wrap_lora(net, spec, seed=cfg.seed)
+        self.model.to(device)
+        from fl.models.heads import FrozenPrefix
+
+        self.prefix = FrozenPrefix(self.model, net, frozen_encoder, cfg.prefix_cache)
+        self.scaling = F.scaling(cfg.alpha, cfg.rank)
+        # Hooks mode: Opacus computes per-sample gradients for trainable params only.
+        self.gsm = GradSampleModule(self.model, batch_first=True, loss_reduction="sum")
+        self.gsm.disable_hooks()
+        self.lora = F.lora_param_map(self.model)
+        self.head = F.head_param_map(self.model)
+        self._in_train_mode = False  # see run()
+        self.lr_scale = 1.0  # the last run()'s lr_schedule multiplier (lr_of)
+        self._hook_key = frozenset({"A", "B", "head"})
+        #: the run's gradient canaries (``--canary-kind gradient``, set by the engine's
+        #: set-up: :class:`fl.privacy.gradient_canaries.GradientCanaries`); None otherwise
+        self.gradient_canaries = None
+
+    def _ensure_hooks(self, trainable: set[str]) -> None:
+        """Opacus hooks only the modules that were trainable when hooks were added; a
+        frozen module with a hook would fail ("No activations detected"). Re-hook when
+        the trainable set changes (cheap: no copy of the model)."""
+        key = frozenset(trainable)
+        if key == self._hook_key:
+            return
+        self.gsm.remove_hooks()
+        self._set_trainable(trainable)
+        self.gsm.add_hooks(loss_reduction="sum", batch_first=True)
+        self.gsm.disable_hooks()
+        self._hook_key = key
+
+    def _maps(self) -> F.ParamMaps:
+        return self.lora, self.head
+
+    def initial_state(self) -> dict:
+        return F.get_state(self.model, self._maps())
+
+    def _set_trainable(self, trainable: set[str]) -> list[torch.nn.Parameter]:
+        params = []
+        for ab in self.lora.values():
+            for which, p in ab.items():
+                p.requires_grad_(which in trainable)
+                if which in trainable:
+                    params.append(p)
+        for p in self.head.values():
+            p.requires_grad_("head" in trainable)
+            if "head" in trainable:
+                params.append(p)
+        return params
+
+    def train(
+        self,
+        start: dict,
+        data: TokenizedData,
+        positions: np.ndarray,
+        steps: int,
+        trainable: set[str],
+        dp: DpSgdParams | None,
+        streams: tuple,
+        dropout_seed: int,
+        prox_mu: float = 0.0,
+        correction: dict[str, torch.Tensor] | None = None,
+        opt_state: dict | None = None,
+        grad_transform=None,
+        grad_mask: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[TrainResult, dict]:
+        """:meth:`run` with the privatizer and hooks of :func:`local_step` (the
+        arguments of ``ClientContext.train``). streams: (noise source, batch source)."""
+        noise, batch_src = streams
+        privatizer, hooks = local_step(dp, noise, prox_mu, correction, grad_transform, grad_mask)
+        return self.run(
+            start,
+            data,
+            positions,
+            steps,
+            trainable,
+            privatizer,
+            hooks,
+            batch_src,
+            dropout_seed,
+            opt_state,
+        )
+
+    def run(
+        self,
+        start: dict,
+        data: TokenizedData,
+        positions: np.ndarray,
+        steps: int,
+        trainable: set[str],
+        privatizer,
+        hooks: list[Hook],
+        batch_source,
+        dropout_seed: int,
+        opt_state: dict | None = None,
+        lr_scale: float = 1.0,
+        sample_size: int | None = None,
+    ) -> tuple[TrainResult, dict]:
+        """Local training from ``start``: each step backward, ``privatizer``, then
+        ``hooks`` (see :class:`Hook`), then the optimizer step. Batches are
+        Poisson-sampled with rate q = batch_size / n in both DP and non-DP modes (so
+        σ=0, C=∞ DP training equals non-DP training); the loss is summed and divided by
+        the expected batch q·n (by the privatizer in DP mode). batch_source: the run's
+        secret stream for this client's Poisson batches. dropout_seed: public.
+        lr_scale: this round's multiplier of both learning rates (``lr_schedule``).
+        sample_size: the client's public size n (default ``len(positions)``): q and the
+        expected batch use it, so that secret canaries among ``positions`` change neither
+        (each position, canary or not, is in a batch with probability q = B/n).
+        """
+        cfg = self.cfg
+        F.set_state(self.model, start, self._maps())
+        self.prefix.check(data)
+        self._ensure_hooks(trainable)
+        params = self._set_trainable(trainable)
+        flat_names = self._flat_names(params)
+        # train() walks every module (milliseconds a client): only when something may
+        # have switched a module to eval since this trainer last set train mode.
+        if not (self._in_train_mode and self.model.training):
+            self.model.train()
+            self._in_train_mode = True
+        if self.device.type == "cpu":  # the CPU generator is the one dropout draws from
+            torch.default_generator.manual_seed(dropout_seed)
+        else:
+            torch.manual_seed(dropout_seed)
+        n = len(positions)
+        q = min(1.0, cfg.batch_size / (sample_size or n))
+        expected = q * (sample_size or n)
+        opt = self._optimizer(params)
+        if opt_state is not None:
+            opt.load_state_dict(opt_state)  # restores the saved lrs: set them after
+        self.lr_scale = float(lr_scale)
+        for g, base in zip(opt.param_groups, self._group_lrs(params), strict=True):
+            g["lr"] = base * self.lr_scale
+        for h in hooks:
+            h.start(params, flat_names)
+        if isinstance(privatizer, DpSgd):
+            privatizer.start(params, flat_names)
+        canaries = self._begin_canaries(privatizer, params, flat_names, q, steps)
+        fault = self._plant_fault(privatizer, params, flat_names) if cfg.inject_fault else None
+        pos_t = torch.as_tensor(positions, dtype=torch.long)
+        per_sample = privatizer.per_sample
+        end_pass = getattr(privatizer, "end_pass", None)
+        if per_sample:
+            self.gsm.enable_hooks()
+        # Losses and DP stats stay on the device until the end (no host sync per step).
+        losses, examples, dp_stats = [], 0, DpStats()
+        try:
+            if fault == "fixed_batches":  # planted fault (tests only): no Poisson sampling
+                masks = fixed_batches(batch_source, n, q, steps)
+                if canaries is not None:  # a canary is one more record of the shuffle
+                    nb = -(-n // max(1, int(round(q * n))))
+                    slot = R.integers(batch_source, nb, len(canaries.included))
+                    canaries.coins = [slot == t % nb for t in range(steps)]
+            else:
+                masks = poisson_masks(batch_source, n, q, steps)
+            for mask in masks:
+                idx = pos_t[mask]
+                b = len(idx)
+                examples += b
+                opt.zero_grad(set_to_none=True)
+                if b > 0:
+                    net = self.gsm if per_sample else self.model
+                    loss = 0.0
+                    chunks = self._chunks(data, idx)
+                    for chunk in chunks:
+                        batch = data.batch(chunk, self.device)
+                        labels = batch.pop("labels")
+                        with causal_lm.autocast(self.device, cfg.precision):
+                            logits = net(**batch).logits
+                        part = self.loss_sum(logits, labels)
+                        (part / (1.0 if per_sample else expected)).backward()
+                        loss = loss + part.detach()
+                        if end_pass is not None:  # a transform that keeps per-pass state
+                            end_pass()
+                    if per_sample and len(chunks) > 1:
+                        _join_grad_samples(params)
+                    losses.append((loss, b))
+                for h in hooks:
+                    h.pre(params)
+                st = privatizer(params, b)
+                if st is not None:
+                    dp_stats.add(st, b > 0)
+                for h in hooks:
+                    h.post(params)
+                opt.step()
+                for h in hooks:
+                    h.after_step(params)
+        finally:
+            if per_sample:
+                self.gsm.disable_hooks()
+                for p in params:
+                    p.grad_sample = None
+            if canaries is not None:
+                privatizer.canaries = None
+            if fault is not None:
+                privatizer.fault = None
+            if self.device.type == "cpu":
+                release_freed_memory()
+        if canaries is not None:
+            self.gradient_canaries.finish(canaries)
+        state = F.get_state(self.model, self._maps())
+        losses = [float(loss) / b for loss, b in losses]
+        result = TrainResult(
+            state,
+            float(np.mean(losses)) if losses else float("nan"),
+            steps,
+            examples,
+            dp_stats.summary(),
+        )
+        return result, opt.state_dict()
+
+    def _begin_canaries(self, privatizer, params, names, q: float, steps: int):
+        """The gradient canaries of this local training, handed to the DP-SGD privatizer
+        (:mod:`fl.privacy.gradient_canaries`); None without them (the default path) or
+        without DP-SGD. A privatizer in a method's own space takes them when its transform
+        says in which space they live (``canary_space``: FedASK's W-space clipping,
+        :mod:`fl.privacy.wspace`); any other is refused."""
+        gc = self.gradient_canaries
+        if gc is None or not getattr(privatizer, "per_sample", False):
+            return None
+        space = None
+        if not isinstance(privatizer, DpSgd):
+            space = getattr(getattr(privatizer, "transform", None), "canary_space", None)
+            if space is None:
+                raise UsageError(
+                    "gradient canaries enter DP-SGD's flat clipped sum or FedASK's W-space "
+                    "sum; this method privatizes in another space of its own: use input "
+                    "canaries"
+                )
+        dp = privatizer.dp
+        cc = gc.begin(
+            privatizer.noise, params, names, q, steps, dp.clip, dp.noise_multiplier, space=space
+        )
+        privatizer.canaries = cc
+        return cc
+
+    def _plant_fault(self, privatizer, params, names):
+        """PLANTED FAULT (``--inject-fault``, tests only: auditing the auditor): hand this
+        local training's fault to its DP-SGD privatizer (:class:`fl.privacy.dpsgd.
+        StepFault`, or a noise factor for a method's own space). Returns what was planted
+        (the fault's name for ``fixed_batches``, which :meth:`run` applies to the batches),
+        or None when the fault is not a local-step fault or the training has no DP-SGD."""
+        from fl.privacy.dpsgd import StepFault
+        from fl.run.config import FAULT_SERVER, parse_fault
+        from fl.run.local_step import SpaceDpSgd
+
+        name, value = parse_fault(self.cfg.inject_fault, self.cfg.dp_level, self.cfg.method)
+        if name == FAULT_SERVER or not getattr(privatizer, "per_sample", False):
+            return None
+        if name == "fixed_batches":
+            return name
+        scale = {"noise_scale": value, "fedask_stage1_unnoised": 0.0}.get(name)
+        scale = None if scale is None else float(scale)
+        if isinstance(privatizer, SpaceDpSgd):
+            if scale is None:
+                raise UsageError(
+                    f"inject_fault {name} is planted in the flat DP-SGD step; this method "
+                    "privatizes in its own space (FedASK: use --opt clip_space=b)"
+                )
+            privatizer.fault_noise_scale = scale
+            return privatizer
+        fault = StepFault(noise_scale=1.0 if scale is None else scale)
+        fault.no_clip = name == "no_clip"
+        fault.reuse = name == "noise_reuse"
+        if name in ("head_unnoised", "factor_unnoised"):
+            fault.unnoised = torch.cat(
+                [
+                    torch.full(
+                        (p.numel(),),
+                        nm.startswith("head/")
+                        if name == "head_unnoised"
+                        else nm.startswith("factors/") and nm.endswith("/" + value),
+                        dtype=torch.bool,
+                    )
+                    for p, nm in zip(params, names)
+                ]
+            )
+        privatizer.fault = fault
+        return fault
+
+    #: the fixed cost of one forward/backward pass on the CPU, in padded tokens: the
+    #: length buckets' trade-off (:func:`fl.data.tokenized.length_chunks`). Measured on
+    #: minilm's top layer, batch 128 of tweets at 48 tokens, one thread: 256 gave 3
+    #: sub-batches and 0.70× the single pass's step time; 0 (35 sub-batches) 0.85×.
+    BUCKET_OVERHEAD_TOKENS = 256.0
+
+    def _chunks(self, data: TokenizedData, idx: torch.Tensor) -> list[torch.Tensor]:
+        """The sub-batches of one training batch (``length_buckets``, CPU only): an
+        example's gradient does not depend on the other examples of its pass nor on
+        padding beyond its own length, so only the float rounding changes."""
+        if (
+            not self.cfg.length_buckets
+            or self.device.type != "cpu"
+            or len(idx) < 2
+            or data.cache_kind == "features"  # pooled features: nothing is padded
+        ):
+            return [idx]
+        parts = length_chunks(data.lengths[idx].numpy(), self.BUCKET_OVERHEAD_TOKENS)
+        return [idx[torch.as_tensor(p, dtype=torch.long)] for p in parts]
+
+    def _groups(self, params: list[torch.nn.Parameter]) -> list[dict]:
+        """The optimizer's parameter groups: the LoRA factors at ``lr``, the head at
+        ``head_lr`` (``lr`` when 0); empty groups left out."""
+        cfg = self.cfg
+        head_ids = {id(p) for p in self.head.values()}
+        groups = [
+            {"params": [p for p in params if id(p) not in head_ids], "lr": cfg.lr},
+            {"params": [p for p in params if id(p) in head_ids], "lr": cfg.head_lr or cfg.lr},
+        ]
+        return [g for g in groups if g["params"]]
+
+    def _group_lrs(self, params: list[torch.nn.Parameter]) -> list[float]:
+        return [g["lr"] for g in self._groups(params)]
+
+    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """SGD or AdamW over :meth:`_groups` (their lrs before ``lr_scale``)."""
+        cfg = self.cfg
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(self._groups(params), lr=cfg.lr)
+        return torch.optim.AdamW(self._groups(params), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def lr_of(self, flat_name: str) -> float:
+        """The learning rate a flat state key (``head/...`` or ``factors/...``) had in
+        the last local training: its group's lr times that round's ``lr_scale``."""
+        cfg = self.cfg
+        base = (cfg.head_lr or cfg.lr) if flat_name.startswith("head/") else cfg.lr
+        return base * self.lr_scale
+
+    def _flat_names(self, params: list[torch.nn.Parameter]) -> list[str]:
+        ident = {id(p): None for p in params}
+        for k, ab in self.lora.items():
+            for which, p in ab.items():
+                if id(p) in ident:
+                    ident[id(p)] = f"factors/{k}/{which}"
+        for k, p in self.head.items():
+            if id(p) in ident:
+                ident[id(p)] = f"head/{k}"
+        return [ident[id(p)] for p in params]
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Σ over the batch of each example's loss: cross-entropy of the class, or the
+        mean next-token NLL of its target tokens (:func:`fl.models.causal_lm.sequence_loss_sum`)."""
+        if self.causal:
+            return causal_lm.sequence_loss_sum(logits, labels)
+        return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+
+    @torch.no_grad()
+    def evaluate(self, state: dict, data: TokenizedData, batch_size: int) -> dict:
+        F.set_state(self.model, state, self._maps())
+        self.prefix.check(data)
+        self._in_train_mode = False
+        if self.causal:
+            return causal_lm.evaluate(self.model, data, batch_size, self.device, self.cfg.precision)
+        self.model.eval()
+        correct, loss_sum = 0, 0.0
+        n = len(data)
+        preds = []
+        # Batches of similar length (shortest first) pad less; the metrics do not depend
+        # on the order, and the predictions are put back in data order below.
+        order = torch.argsort(data.lengths, stable=True)
+        for s in range(0, n, batch_size):
+            idx = order[s : s + batch_size]
+            batch = data.batch(idx, self.device)
+            labels = batch.pop("labels")
+            logits = self.model(**batch).logits.float()
+            loss_sum += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+            correct += int((logits.argmax(-1) == labels).sum())
+            preds.append(logits.argmax(-1).cpu())
+        self.model.train()
+        pred = torch.zeros(n, dtype=torch.long)
+        if preds:
+            pred[order] = torch.cat(preds)
+        # Balanced accuracy (mean per-class recall): tweets is ~70% negative, so plain
+        # accuracy alone would flatter a majority-class model.
+        recalls = [
+            float((pred[data.labels == c] == c).float().mean())
+            for c in torch.unique(data.labels).tolist()
+        ]
+        return {
+            "accuracy": correct / max(n, 1),
+            "balanced_accuracy": sum(recalls) / max(len(recalls), 1),
+            "loss": loss_sum / max(n, 1),
+        }
