@@ -1,6 +1,6 @@
 """One-run empirical lower bounds in the f-DP framework (Mahloujifar, Melis & Chaudhuri 2024).
 
-Setting (the same as :func:`audit.bounds.hypothesis.epsilon_one_run`): m canaries, each included in the
+Setting (the same as :func:`audit.bounds.one_run.epsilon_one_run`): m canaries, each included in the
 single training run independently with probability 1/2. The auditor ranks the canaries by score
 (higher = more likely included), guesses "in" for the k+ highest and "out" for the k- lowest and
 abstains on the rest: k = k+ + k- guesses, c of them correct.
@@ -43,7 +43,7 @@ stop short of the true boundary.
 
 Choice of guesses: a fixed (k+, k-) is tested at level alpha; a search over a grid of splits
 chosen before seeing the data tests each at alpha / (grid size) (union bound), as in
-:func:`audit.bounds.hypothesis.epsilon_one_run`, so the best split's bound still holds at 1 - alpha.
+:func:`audit.bounds.one_run.epsilon_one_run`, so the best split's bound still holds at 1 - alpha.
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ def _largest_rejected(
 
 def default_k_grid(m: int) -> list[tuple[int, int]]:
     """Guess splits searched by default: symmetric k+ = k- = round(f m / 2), f in
-    {0.02, 0.05, 0.1, 0.2, 0.5, 1} (the grid of :func:`audit.bounds.hypothesis.epsilon_one_run`)."""
+    {0.02, 0.05, 0.1, 0.2, 0.5, 1} (the grid of :func:`audit.bounds.one_run.epsilon_one_run`)."""
     grid: list[tuple[int, int]] = []
     for frac in (0.02, 0.05, 0.1, 0.2, 0.5, 1.0):
         kk = int(round(frac * m / 2))

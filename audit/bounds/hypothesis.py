@@ -2,16 +2,14 @@
 
 Convention: a *higher* score means "more likely a member" (the canary was IN the training set).
 All score arrays are 1-D floats; epsilon is in nats (natural log); delta and alpha are
-probabilities in (0, 1) (the one-run audit also takes delta = 0, pure DP). Every bound returned holds with probability >= 1 - alpha over the
+probabilities in (0, 1). Every bound returned holds with probability >= 1 - alpha over the
 randomness of the audit (the sampling of scores / canary inclusion), under the stated model.
 
-Two audits:
-
-* :func:`epsilon_lower_bound` - many-run (or many-canary) hypothesis-testing audit from samples of
-  IN and OUT scores: Clopper-Pearson bounds on FPR/FNR of threshold tests at the vertices of the
-  empirical ROC's concave hull, turned into an (eps, delta) bound directly or via the tightest
-  Gaussian-DP curve (Nasr et al. 2023).
-* :func:`epsilon_one_run` - the one-training-run audit of Steinke, Nasr & Jagielski (2023).
+:func:`epsilon_lower_bound` is the many-run (or many-canary) hypothesis-testing audit from
+samples of IN and OUT scores: Clopper-Pearson bounds on FPR/FNR of threshold tests at the
+vertices of the empirical ROC's concave hull, turned into an (eps, delta) bound directly or via
+the tightest Gaussian-DP curve (Nasr et al. 2023). The one-training-run audit of Steinke, Nasr &
+Jagielski (2023) is :func:`audit.bounds.one_run.epsilon_one_run`.
 """
 
 from __future__ import annotations
@@ -26,30 +24,24 @@ __all__ = [
     "gdp_delta",
     "gdp_epsilon",
     "epsilon_lower_bound",
-    "one_run_p_value",
-    "epsilon_one_run",
+    "check_prob",
+    "check_scores",
 ]
 
 
 # --------------------------------------------------------------------------- validation helpers
 
 
-def _check_prob(name: str, value: float) -> float:
+def check_prob(name: str, value: float) -> float:
+    """``value`` as a float in the open interval (0, 1), else ValueError naming ``name``."""
     v = float(value)
     if not (0.0 < v < 1.0) or math.isnan(v):
         raise ValueError(f"{name} must be in the open interval (0, 1), got {value}")
     return v
 
 
-def _check_delta_one_run(value: float) -> float:
-    """delta of the one-run audit: [0, 1); 0 is the theorem's pure-DP case."""
-    v = float(value)
-    if not (0.0 <= v < 1.0) or math.isnan(v):
-        raise ValueError(f"delta must be in [0, 1), got {value}")
-    return v
-
-
-def _check_scores(name: str, x) -> np.ndarray:
+def check_scores(name: str, x) -> np.ndarray:
+    """``x`` as a finite, non-empty 1-D float64 array, else ValueError naming ``name``."""
     a = np.asarray(x, dtype=np.float64)
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
@@ -121,7 +113,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     Returns:
         eps in nats (0.0 if delta(0) <= delta already).
     """
-    delta = _check_prob("delta", delta)
+    delta = check_prob("delta", delta)
     mu = float(mu)
     if mu < 0 or math.isnan(mu):
         raise ValueError(f"mu must be >= 0, got {mu}")
@@ -276,7 +268,8 @@ def epsilon_lower_bound(
     heuristic, while ``clopper_pearson`` assumes nothing about the mechanism. Both assume
     that the scores are independent trials: each from its own run of the mechanism on one
     fixed neighbouring pair (the in/out runs of a multi-run audit). One model's scores of
-    its members and non-members are not; for one run use :func:`epsilon_one_run`.
+    its members and non-members are not; for one run use
+    :func:`audit.bounds.one_run.epsilon_one_run`.
 
     Candidate thresholds (``candidates``): ``"hull"`` (default) takes the vertices of the
     empirical ROC's upper concave hull (without its two ends), which contain the maximiser of
@@ -320,10 +313,10 @@ def epsilon_lower_bound(
             (0, 1), unknown method/threshold_selection/candidates, split with fewer than 2
             scores per class.
     """
-    x_in = _check_scores("in_scores", in_scores)
-    x_out = _check_scores("out_scores", out_scores)
-    delta = _check_prob("delta", delta)
-    alpha = _check_prob("alpha", alpha)
+    x_in = check_scores("in_scores", in_scores)
+    x_out = check_scores("out_scores", out_scores)
+    delta = check_prob("delta", delta)
+    alpha = check_prob("alpha", alpha)
     if method not in ("clopper_pearson", "gdp"):
         raise ValueError(f"method must be 'clopper_pearson' or 'gdp', got {method!r}")
     if threshold_selection not in ("split", "bonferroni"):
@@ -383,149 +376,3 @@ def epsilon_lower_bound(
     else:
         out["epsilon_lb"] = float(eps[j])
     return out
-
-
-# --------------------------------------------------------------------------- one-run audit
-
-
-def one_run_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
-    """p-value of >= v correct guesses out of r under (eps, delta)-DP, m canaries.
-
-    Steinke, Nasr & Jagielski (2023), "Privacy Auditing with One (1) Training Run", Thm 3.1 /
-    their reference code: with q = e^eps / (1 + e^eps) and B ~ Binomial(r, q),
-
-        p = P[B >= v] + 2 m delta * max_{i = 1..v} P[v - i <= B < v] / i,
-
-    capped at 1. For delta = 0 this is exactly the Binomial(r, q) upper tail (the guesses are
-    stochastically dominated by randomized response); the second term is the paper's delta
-    correction, which charges 2*m*delta spread over the cheapest way of "buying" i extra
-    correct guesses.
-
-    Args:
-        m: number of canaries (each included independently with probability 1/2).
-        r: number of guesses made (abstentions excluded), 0 <= r <= m.
-        v: number of correct guesses, 0 <= v <= r.
-        eps: epsilon (nats, >= 0) of the null hypothesis.
-        delta: delta in [0, 1] of the null hypothesis.
-
-    Returns:
-        p-value in [0, 1].
-    """
-    if not (0 <= v <= r <= m):
-        raise ValueError(f"need 0 <= v <= r <= m, got m={m}, r={r}, v={v}")
-    q = special.expit(eps)  # accuracy of eps-DP randomized response
-    tail = float(stats.binom.sf(v - 1, r, q))  # P[B >= v]
-    corr = 0.0
-    if delta > 0 and v > 0:
-        # cumsum over i of pmf(v - i) is P[v - i <= B < v]; divide by i, take the max.
-        pm = stats.binom.pmf(np.arange(v - 1, -1, -1), r, q)
-        corr = float(np.max(np.cumsum(pm) / np.arange(1, v + 1)))
-    return min(tail + 2.0 * m * delta * corr, 1.0)
-
-
-def _eps_one_run_single(m: int, r: int, v: int, delta: float, alpha: float) -> float:
-    """Largest eps with p-value < alpha, i.e. sup{eps : P_eps[>= v correct] < alpha} (>= 0).
-
-    The p-value is continuous and non-decreasing in eps, so bracket then root-find.
-    """
-    if r == 0 or one_run_p_value(m, r, v, 0.0, delta) >= alpha:
-        return 0.0
-    hi = 1.0
-    while one_run_p_value(m, r, v, hi, delta) < alpha:
-        hi *= 2.0
-        if hi > 1e4:  # p never reaches alpha (cannot happen for v <= r); guard anyway
-            return float("inf")
-    return float(
-        optimize.brentq(lambda e: one_run_p_value(m, r, v, e, delta) - alpha, 0.0, hi, xtol=1e-10)
-    )
-
-
-def _default_k_grid(m: int) -> list[tuple[int, int]]:
-    """Symmetric (k_pos = k_neg) guess counts covering 2%..100% of the canaries."""
-    grid = []
-    for frac in (0.02, 0.05, 0.1, 0.2, 0.5, 1.0):
-        k = int(round(frac * m / 2))
-        if k >= 1 and (k, k) not in grid and 2 * k <= m:
-            grid.append((k, k))
-    return grid or [(1, 0)]
-
-
-def epsilon_one_run(
-    scores,
-    is_member,
-    delta: float,
-    alpha: float = 0.05,
-    k_pos: int | None = None,
-    k_neg: int | None = None,
-) -> dict:
-    """One-run epsilon lower bound (Steinke, Nasr & Jagielski 2023, Algorithm 1 + Thm 3.1).
-
-    Setting: m canaries, each inserted independently with probability 1/2 before the single
-    training run. The auditor guesses "in" for the k_pos highest scores and "out" for the k_neg
-    lowest (abstaining on the rest); r = k_pos + k_neg guesses, v of them correct. The bound is
-    the largest eps such that P[>= v correct | (eps, delta)-DP] (see :func:`one_run_p_value`,
-    the paper's bound including its 2*m*delta correction term) is still < alpha.
-
-    k selection: if k_pos and/or k_neg are given (a missing one defaults to 0), that single
-    choice is used at level alpha. If both are None, a small grid of symmetric choices
-    k_pos = k_neg = round(f*m/2), f in {0.02, 0.05, 0.1, 0.2, 0.5, 1} is searched and each is
-    evaluated at alpha / (grid size) (union bound), so the max stays a valid 1 - alpha bound.
-    Ties in scores are broken by input order, which is independent of membership.
-
-    Args:
-        scores: shape (m,), finite scores; higher = more likely member.
-        is_member: shape (m,), bool ground truth inclusion of each canary.
-        delta: delta in [0, 1) of the hypothesis being tested; 0 tests pure eps-DP (the
-            p-value is then the plain Binomial tail).
-        alpha: failure probability in (0, 1).
-        k_pos, k_neg: numbers of positive / negative guesses, k_pos + k_neg <= m.
-
-    Returns:
-        dict with ``epsilon_lb`` (nats), ``r``, ``v``, ``k_pos``, ``k_neg``, ``m``, ``alpha``,
-        ``delta``, ``alpha_per_k`` and ``n_k_tried``.
-
-    Raises:
-        ValueError: naming the problem, for bad scores/labels, delta outside [0, 1), alpha
-            outside (0, 1), negative k or k_pos + k_neg > m.
-    """
-    s = _check_scores("scores", scores)
-    y = np.asarray(is_member)
-    if y.ndim != 1 or y.shape[0] != s.shape[0]:
-        raise ValueError(
-            f"is_member must be 1-D with the same length as scores, got {y.shape} vs {s.shape}"
-        )
-    if y.dtype != bool:
-        if not np.all(np.isin(np.unique(y), [0, 1])):
-            raise ValueError("is_member must be boolean or 0/1")
-        y = y.astype(bool)
-    delta = _check_delta_one_run(delta)
-    alpha = _check_prob("alpha", alpha)
-    m = int(s.size)
-
-    if k_pos is None and k_neg is None:
-        grid = _default_k_grid(m)
-    else:
-        kp, kn = int(k_pos or 0), int(k_neg or 0)
-        if kp < 0 or kn < 0:
-            raise ValueError(f"k_pos and k_neg must be >= 0, got {kp}, {kn}")
-        if kp + kn > m:
-            raise ValueError(f"k_pos + k_neg must be <= m={m}, got {kp} + {kn}")
-        grid = [(kp, kn)]
-    a_k = alpha / len(grid)
-
-    order = np.argsort(-s, kind="mergesort")  # descending, ties by input order
-    y_sorted = y[order]
-    correct_top = np.concatenate(([0], np.cumsum(y_sorted)))  # members among top k
-    correct_bot = np.concatenate(([0], np.cumsum(~y_sorted[::-1])))  # non-members among bottom k
-
-    best = None
-    for kp, kn in grid:
-        r = kp + kn
-        v = int(correct_top[kp] + correct_bot[kn])
-        eps = _eps_one_run_single(m, r, v, delta, a_k)
-        if best is None or eps > best["epsilon_lb"]:
-            best = {"epsilon_lb": eps, "r": r, "v": v, "k_pos": kp, "k_neg": kn}
-    best.update(
-        {"m": m, "alpha": alpha, "delta": delta, "alpha_per_k": a_k, "n_k_tried": len(grid)}
-    )
-    return best

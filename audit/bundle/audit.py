@@ -20,7 +20,7 @@ ledger with fewer events than the rounds and participants imply).
 
 With ``one_run=True`` the run's canaries (``splits.json`` ``"canaries"``, inserted by
 ``fedlora train --canaries M``) are scored with the released adapter (score = −loss) and
-:func:`audit.bounds.hypothesis.epsilon_one_run` gives an empirical lower bound on ε.
+:func:`audit.bounds.one_run.epsilon_one_run` gives an empirical lower bound on ε.
 
 Release bundles (``RUN/release/``, ``fedlora export``; public manifest, no ``splits.json``,
 ``ledger.json`` or ``config.json``) are audited too: ε is recomputed from the public
@@ -523,7 +523,7 @@ def _joint_bound(scores, included, delta, alpha) -> tuple[float, str]:
     and the f-DP bound (family (ε, δ), valid for any mechanism), each at α/2, so the pair
     holds jointly at 1 − α (union bound). Returns (ε_lb, which bound gave it)."""
     from audit.bounds.fdp import fdp_one_run_bound
-    from audit.bounds.hypothesis import epsilon_one_run
+    from audit.bounds.one_run import epsilon_one_run
 
     if not delta < 1:
         return 0.0, "none (δ >= 1)"
@@ -590,7 +590,7 @@ def _fdp_summary(scores, included, delta, alpha) -> dict:
 def _one_run(
     run: Path, m: dict, splits: dict | None, alpha: float, out: dict, findings: Findings
 ) -> dict:
-    from audit.bounds.hypothesis import epsilon_one_run
+    from audit.bounds.one_run import epsilon_one_run
     from audit.canaries import clients as CCA
 
     canaries = (splits or {}).get("canaries")

@@ -21,7 +21,7 @@ Two figures from each, labelled as what they are:
   variances. Its interval is a percentile bootstrap over canaries (in and out resampled
   separately), mapped through ε(μ) (monotone); the analytic standard error of μ̂,
   sqrt(1/n_in + 1/n_out + μ̂²/(2n)), is given beside it.
-- **certified** (:func:`audit.bounds.hypothesis.epsilon_one_run`, Steinke, Nasr & Jagielski 2023):
+- **certified** (:func:`audit.bounds.one_run.epsilon_one_run`, Steinke, Nasr & Jagielski 2023):
   a lower bound on ε that holds with probability >= 1 − α whatever the score distribution,
   for each statistic at α/2 (so the larger of the two holds at 1 − α). Each canary is one
   client under add/remove, the ledger's relation, so it is compared with the ledger's ε
@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.bounds.hypothesis import epsilon_one_run, gdp_epsilon
+from audit.bounds.hypothesis import gdp_epsilon
+from audit.bounds.one_run import epsilon_one_run
 from fl.privacy import canary_clients as CC
 
 STATISTICS = {

@@ -128,7 +128,7 @@ def _relation(kind: str, level: str, eps: float, delta: float) -> tuple[float, f
 def _bounds(scores, included, delta: float, alpha: float) -> dict:
     """Steinke et al.'s and the f-DP one-run bounds, each at α/2 (jointly 1 − α)."""
     from audit.bounds.fdp import fdp_one_run_bound
-    from audit.bounds.hypothesis import epsilon_one_run
+    from audit.bounds.one_run import epsilon_one_run
 
     if not delta < 1:
         return {"epsilon_lb": 0.0, "bound": "none (δ >= 1)", "steinke": None, "fdp": None}

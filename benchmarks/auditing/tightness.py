@@ -443,7 +443,7 @@ def ideal(n: int, cases=IDEAL_CASES, seed: int = 0) -> dict:
     import numpy as np
 
     from audit.bounds.fdp import fdp_one_run_bound
-    from audit.bounds.hypothesis import epsilon_one_run
+    from audit.bounds.one_run import epsilon_one_run
 
     out = {}
     for eps, m in cases:

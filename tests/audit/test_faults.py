@@ -262,7 +262,7 @@ def test_correct_noise_keeps_the_claimed_sigma_scores_bit_for_bit():
 
 @pytest.mark.parametrize("q, reuse", [(1.0, False), (0.5, False), (0.5, True)])
 def test_a_group_without_its_noise_is_scored_at_the_noise_observed(q, reuse):
-    from audit.bounds.hypothesis import epsilon_one_run
+    from audit.bounds.one_run import epsilon_one_run
     from audit.canaries import gradient as GC
 
     recs = _records(2000)

@@ -19,7 +19,8 @@ from audit.bounds.fdp import (
     mechanism_tradeoff,
     min_total_mass,
 )
-from audit.bounds.hypothesis import epsilon_one_run, gdp_delta, gdp_epsilon
+from audit.bounds.hypothesis import gdp_delta, gdp_epsilon
+from audit.bounds.one_run import epsilon_one_run
 
 DELTA = 1e-5
 
@@ -293,7 +294,7 @@ def test_issue_figure_b_expected_counts():
     # expectation, default grid with union bound alpha/6 for both bounds. Issue's figures:
     # Steinke 1.44 / 2.76 / 3.37, f-DP 2.35 / 3.89 / 4.72; this setting gives
     # 1.27 / 2.53 / 3.21 and 2.21 / 3.72 / 4.41 (see docs/audit.md: not reproduced exactly).
-    from audit.bounds.hypothesis import _eps_one_run_single
+    from audit.bounds.one_run import _eps_one_run_single
 
     mu = optimize.brentq(lambda u: gdp_delta(u, 8.0) - DELTA, 0.1, 10)
     assert gdp_epsilon(mu, DELTA) == pytest.approx(8.0, abs=1e-9)

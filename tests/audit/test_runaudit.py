@@ -185,7 +185,7 @@ def test_one_run_cli(run, capsys):
     assert one["epsilon_lb"] <= doc["epsilon_pld"]
     # the same figures from splits.json's canaries scored here: the scores and the
     # included flags are aligned canary by canary (a mix-up would change r, v or k)
-    from audit.bounds.hypothesis import epsilon_one_run
+    from audit.bounds.one_run import epsilon_one_run
 
     canaries = json.loads((run / "splits.json").read_text())["canaries"]
     s = canary_scores(run, [c["text"] for c in canaries], [int(c["label"]) for c in canaries])
@@ -235,7 +235,7 @@ def test_one_run_claim_check_at_client_level_allows_replace_one_client():
     ε that is (2ε, (1 + e^ε)δ) by group privacy, so a bound between ε and 2ε is no leak;
     at sample level the same bound exceeds the claim."""
     from audit.bounds.fdp import fdp_one_run_bound
-    from audit.bounds.hypothesis import epsilon_one_run
+    from audit.bounds.one_run import epsilon_one_run
     from audit.bundle.audit import _claim_check
 
     rng = np.random.default_rng(0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from audit.bounds.hypothesis import epsilon_one_run
+from audit.bounds.one_run import epsilon_one_run
 from audit.canaries import gradient as GC
 from fl.errors import UsageError
 from fl.privacy import accounting

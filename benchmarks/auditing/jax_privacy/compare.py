@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 
-from audit.bounds.hypothesis import epsilon_lower_bound, epsilon_one_run, gdp_epsilon
+from audit.bounds.hypothesis import epsilon_lower_bound, gdp_epsilon
+from audit.bounds.one_run import epsilon_one_run
 from benchmarks.auditing.jax_privacy.arrays import (
     ALPHA,
     DELTA,

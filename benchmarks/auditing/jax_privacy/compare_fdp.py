@@ -8,7 +8,7 @@ non-members N(0, 1): exactly mu-GDP, so the true eps(delta) is known). Columns:
 * ``fdp_gdp_one_sided``: the same on a one-sided grid (k+ = round(f m), k- = 0), the shape of
   guesses jax_privacy makes;
 * ``fdp_dp``: the (eps, delta)-DP family (no Gaussian assumption), default grid;
-* ``steinke``: ``audit.bounds.hypothesis.epsilon_one_run`` (from results.json), for scale;
+* ``steinke``: ``audit.bounds.one_run.epsilon_one_run`` (from results.json), for scale;
 * ``jax_fdp``: jax_privacy 2.0.0's ``epsilon_one_run_fdp`` (from ``jax_privacy_fdp.json``, made by
   ``run_jax_fdp.py`` in a separate venv): the same recursion and GDP family, one-sided, over the
   vertices of its ROC hull at alpha / (number of vertices), a data-chosen set, so (as for its
