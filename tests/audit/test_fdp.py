@@ -1,4 +1,5 @@
-"""Tests of audit.bounds.fdp: the f-DP one-run bound (Mahloujifar, Melis & Chaudhuri 2024)."""
+"""Tests of audit.bounds.fdp and its trade-off curves (audit.bounds.tradeoff): the f-DP one-run
+bound (Mahloujifar, Melis & Chaudhuri 2024)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,22 @@ import pytest
 from scipy import optimize, stats
 
 from audit.bounds.fdp import (
-    MechanismFamily,
-    ProfileCurve,
     default_k_grid,
-    dp_inverse_blowup,
     fdp_one_run_bound,
     fdp_one_run_ideal,
     fdp_rejects,
-    gdp_inverse_blowup,
-    gdp_tradeoff,
-    mechanism_tradeoff,
     min_total_mass,
 )
 from audit.bounds.hypothesis import gdp_delta, gdp_epsilon
 from audit.bounds.one_run import epsilon_one_run
+from audit.bounds.tradeoff import (
+    MechanismFamily,
+    ProfileCurve,
+    dp_inverse_blowup,
+    gdp_inverse_blowup,
+    gdp_tradeoff,
+    mechanism_tradeoff,
+)
 
 DELTA = 1e-5
 
