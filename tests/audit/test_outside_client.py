@@ -1,4 +1,4 @@
-"""Canary clients at an outside server (audit.canaries.hooks.ClientCanaryHook): the numpy core
+"""Canary clients at an outside server (audit.canaries.client_hook.ClientCanaryHook): the numpy core
 against direct computations, the Flower wrapper in process (no network), and the audit of
 a correct and a faulted server loop."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from audit.canaries import canary_set as CS
 from audit.canaries import outside as O
-from audit.canaries.hooks import ClientCanaryHook
+from audit.canaries.client_hook import ClientCanaryHook
 from audit.claims.check import check_claim
 
 
