@@ -75,6 +75,9 @@ class Code(StrEnum):
     #: the one-run lower bound exceeds what the recomputed ε allows for one canary (ε;
     #: at client level 2ε at δ' = (1 + e^ε)δ, replace-one-client)
     EMPIRICAL_EXCEEDS_CLAIM = "empirical_exceeds_claim"
+    #: a conformance test rejects the claimed mechanism: the noise at some group is below
+    #: the claimed N(0, σ²C²), not fresh, or a canary added more than C
+    MECHANISM_MISMATCH = "mechanism_mismatch"
     # --- tampering: the run's files contradict each other or the replay
     #: σ = 0: no privacy
     NOISE_NOT_APPLIED = "noise_not_applied"

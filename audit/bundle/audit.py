@@ -640,10 +640,15 @@ def _one_run(
     res = epsilon_one_run(scores, included, delta, alpha=alpha)
     res = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in res.items()}
     if gradient:
+        from audit.bundle.conformance import run_conformance
+
         res["kind"] = GC.KIND
         res["statistic"] = GC.DEFAULT_STATISTIC
         res["score"] = GC.STATISTICS[GC.DEFAULT_STATISTIC]
         res["observations"] = seen
+        # the mechanism itself, tested from the same observations (audit.bounds.conformance)
+        res["conformance"] = run_conformance(run, m, canaries, alpha, delta, findings)
+        res["implied_epsilon"] = res["conformance"]["implied_epsilon"]
     else:
         res["score"] = "-loss (nats) under the released adapter"
     res["n_included"] = int(included.sum())

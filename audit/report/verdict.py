@@ -7,6 +7,8 @@ model's balanced accuracy — checked in order of severity, the first that appli
 1. the audit could not run → ``not audited: …``;
 2. a tampering finding → ``tampered: adapter hash mismatch``;
 3. no DP claimed → ``no DP claimed`` (with the empirical bound when there is one);
+3b. a conformance test rejects the mechanism (finding ``mechanism_mismatch``) → ``does not
+   implement its claim: head noise 0.11× claimed; implied ε ≥ 34 vs claimed 1``;
 4. the stated ε is below the recomputation → ``ε understated (recomputed 9.1 > claimed 8)``;
 5. the empirical lower bound exceeds what the recomputed ε allows → ``leaks more than
    claimed: …`` (the recomputed ε itself, or at client level the replace-one-client
@@ -50,6 +52,12 @@ class Evidence:
     # and whether the bound (recomputed at that relation's δ) exceeds it
     empirical_limit: float | None = None
     empirical_exceeds: bool | None = None
+    # the conformance tests (audit.bounds.conformance): what failed, in words (None: passed or
+    # not run), and the noise-implied ε (the ledger's ε at the observed noise's upper bound;
+    # conditional on Gaussian noise at that scale, not certified) with whether it is "at least"
+    mismatch: str | None = None
+    implied_epsilon: float | None = None
+    implied_at_least: bool = False
 
 
 def _eps(x: float | None) -> str:
@@ -76,6 +84,12 @@ def _privacy(e: Evidence) -> str:
         return f"tampered: {_names(tampered)}"
     if not e.dp_claimed:
         return "no DP claimed" + (f"; {lb}" if lb else "")
+    if e.mismatch:
+        out = f"does not implement its claim: {e.mismatch}"
+        if e.implied_epsilon is not None:
+            ge = "≥ " if e.implied_at_least else ""
+            out += f"; noise-implied ε {ge}{_eps(e.implied_epsilon)} vs claimed {_eps(e.epsilon_claimed)}"
+        return out
     if e.understated:
         return (
             f"ε understated (recomputed {_eps(e.epsilon_recomputed)} > claimed "

@@ -412,7 +412,42 @@ def read_observations(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def observation_coins(stream, records: list[dict], ob: dict) -> np.ndarray:
+    """(steps, canaries) bool: the Poisson coins of one observation file's canaries (its
+    ``ids``), drawn again from the run's coin stream exactly as :meth:`GradientCanaries.begin`
+    drew them. ``stream(*parts)`` gives the run's stream of that name (the key's, or the
+    seeded one of an insecure run); the auditor draws the coins itself rather than trust a
+    record of them."""
+    cid = str(ob["client"])
+    mine = [j for j, c in enumerate(records) if str(c["client"]) == cid]
+    pos = {j: k for k, j in enumerate(mine)}
+    ids = np.asarray(ob["ids"], dtype=np.int64)
+    try:
+        idx = np.asarray([pos[int(j)] for j in ids], dtype=np.int64)
+    except KeyError as exc:
+        raise ValueError(
+            f"{ob.get('file')}: canary {exc} is not a canary of client {cid}"
+        ) from None
+    attempt = int(ob.get("attempt", 0))
+    src = stream(
+        COIN_STREAM,
+        int(ob["round"]),
+        cid,
+        str(ob["stage"]),
+        *(("attempt", attempt) if attempt else ()),
+    )
+    steps = np.asarray(ob["obs"]).reshape(-1, len(ids)).shape[0]
+    return (
+        np.stack(
+            [R.bernoulli_mask(src, len(mine), float(ob["q"])).numpy()[idx] for _ in range(steps)]
+        )
+        .reshape(steps, len(ids))
+        .astype(bool)
+    )
+
+
 __all__ = [
+    "observation_coins",
     "GradientCanaries",
     "ClientCanaries",
     "Coordinate",

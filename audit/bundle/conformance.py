@@ -1,0 +1,187 @@
+"""A run's conformance audit: its gradient canaries' privatized step sums tested against the
+claimed mechanism (:mod:`audit.bounds.conformance`), and the noise-implied ε.
+
+What is tested is the *claim*, not the run's own record of itself: σ comes from the ledger's
+event of each client and round (the mechanism the ε was computed from), C from the
+manifest's clipping norm, the coins are drawn again from the run's key (the auditor's own
+draw), and the inclusion bits from ``splits.json``. The σ, C and q written in the
+observation files are the trainer's word and are used only to find the coin stream (its
+rate) and to report a disagreement.
+
+The noise-implied ε is the ledger's ε with every DP-SGD event's σ multiplied by the worst
+group's upper confidence bound on the observed noise factor (capped at 1): the ε the run
+has *if* its noise is Gaussian at the observed scale. It is labelled as conditional on that;
+it is not a certified lower bound (that is the one-run bound beside it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from audit.bounds.conformance import TESTS, Block, conformance, implied_noise_factor
+from audit.findings import Code, Findings
+from fl.privacy import gradient_canaries as G
+from fl.privacy import rng as R
+from fl.privacy.accounting import Event, epsilon_of_events
+
+__all__ = ["coin_stream", "gradient_blocks", "implied_epsilon", "run_conformance"]
+
+
+def coin_stream(run: Path, manifest: dict):
+    """The run's stream factory ``stream(*parts)`` for re-drawing the canaries' coins: the
+    key's (``private/noise.key``) for a keyed run, the public seed's for a seeded one; None
+    when neither is available (the clipping test is then skipped)."""
+    noise = (manifest.get("privacy") or {}).get("noise") or {}
+    cfg = manifest.get("config") or {}
+    if noise.get("source") == "seeded" or cfg.get("insecure_deterministic_noise"):
+        seed = int(cfg.get("seed", 0))
+        return lambda *parts: R.SeededSource(seed, parts)
+    key_file = run / R.PRIVATE_DIR / R.KEY_FILE
+    if key_file.is_file():
+        key = R.NoiseKey.read(key_file)
+        return key.stream
+    return None
+
+
+def _ledger_sigma(manifest: dict) -> dict[tuple[str, int, str], float]:
+    """(client, round, stage) → σ of the ledger's DP-SGD event."""
+    out = {}
+    for e in ((manifest.get("privacy") or {}).get("ledger") or {}).get("events") or []:
+        unit = str(e.get("unit", ""))
+        if unit.startswith("client:"):
+            out[(unit.split(":", 1)[1], int(e.get("round", -1)), str(e.get("stage", "")))] = float(
+                e["noise_multiplier"]
+            )
+    return out
+
+
+def gradient_blocks(
+    records: list[dict], observations: list[dict], manifest: dict, stream
+) -> tuple[list[Block], list[str]]:
+    """One :class:`Block` per observation file, and notes (disagreements between the file's
+    σ, C, q and the claim's)."""
+    priv = manifest.get("privacy") or {}
+    clip = float(priv.get("clipping_norm") or 0) or None
+    rates = {str(k): float(v) for k, v in (priv.get("sample_rates") or {}).items()}
+    sigmas = _ledger_sigma(manifest)
+    notes: list[str] = []
+    blocks = []
+    for ob in observations:
+        ids = np.asarray(ob["ids"], dtype=np.int64)
+        if ids.size == 0:
+            continue
+        obs = np.asarray(ob["obs"], dtype=np.float64).reshape(-1, len(ids))
+        if ids.min() < 0 or ids.max() >= len(records):
+            raise ValueError(f"{ob.get('file')}: canary ids outside the canary set")
+        cid, rnd, stage = str(ob["client"]), int(ob["round"]), str(ob["stage"])
+        sigma = sigmas.get((cid, rnd, stage))
+        if sigma is None:
+            sigma = float(ob["sigma"])
+            notes.append(
+                f"{ob.get('file')}: no ledger event for client {cid}, round {rnd}; σ from the file"
+            )
+        elif not math.isclose(sigma, float(ob["sigma"]), rel_tol=1e-6):
+            notes.append(
+                f"{ob.get('file')}: the file states σ = {float(ob['sigma']):.6g}, the ledger "
+                f"{sigma:.6g}; tested against the ledger's"
+            )
+        c = clip or float(ob["clip"])
+        if clip is not None and not math.isclose(clip, float(ob["clip"]), rel_tol=1e-9):
+            notes.append(
+                f"{ob.get('file')}: the file states C = {ob['clip']:g}, the manifest {clip:g}"
+            )
+        q = rates.get(cid, float(ob["q"]))
+        coins = G.observation_coins(stream, records, ob) if stream is not None else None
+        space = str(ob.get("space", "flat"))
+        groups = np.array(
+            [
+                (g + " (W-space)") if space == "w" and g == "B" else g
+                for g in (G.group_of(records[j]["param"]) for j in ids)
+            ]
+        )
+        blocks.append(
+            Block(
+                u=obs / c,
+                tracks=ids,
+                groups=groups,
+                sigma=sigma,
+                included=np.array([bool(records[j]["included"]) for j in ids]),
+                coins=coins,
+                q=q,
+                order=(rnd, int(ob.get("attempt", 0)), stage, cid),
+            )
+        )
+    return blocks, notes
+
+
+#: below this effective σ the PLD grid grows past memory; the implied ε is then computed at
+#: this σ, which gives a lower bound on it (ε falls as σ grows), reported as "at least"
+SIGMA_FLOOR = 0.25
+
+
+def implied_epsilon(manifest: dict, factor: float, delta: float) -> tuple[float, bool]:
+    """(ε, at_least): the ledger's ε (max over accounting units, PLD) with every event's σ
+    multiplied by ``factor`` (the noise-implied ε; ``factor`` 0 → ∞). An effective σ below
+    :data:`SIGMA_FLOOR` is raised to it, and ``at_least`` says the figure is then a lower
+    bound on the implied ε."""
+    events = [
+        Event.from_dict(e)
+        for e in ((manifest.get("privacy") or {}).get("ledger") or {}).get("events") or []
+    ]
+    if factor <= 0:
+        return math.inf, False
+    by_unit: dict[str, list[Event]] = {}
+    floored = False
+    for e in events:
+        s = e.noise_multiplier * factor
+        if 0 < s < SIGMA_FLOOR:
+            s, floored = SIGMA_FLOOR, True
+        by_unit.setdefault(e.unit, []).append(replace(e, noise_multiplier=s))
+    eps = max((epsilon_of_events(v, delta) for v in by_unit.values()), default=0.0)
+    return eps, floored
+
+
+def run_conformance(
+    run: Path, manifest: dict, records: list[dict], alpha: float, delta: float, findings: Findings
+) -> dict:
+    """The conformance tests of a run's gradient canaries, its noise-implied ε, and a
+    ``mechanism_mismatch`` finding per rejected test."""
+    obs = G.read_observations(run)
+    stream = coin_stream(Path(run), manifest)
+    blocks, notes = gradient_blocks(records, obs, manifest, stream)
+    res = conformance(blocks, alpha=alpha)
+    factor, group = implied_noise_factor(res)
+    eps_implied, at_least = implied_epsilon(manifest, factor, delta)
+    for t in res.rejected:
+        ratio = (
+            f"observed/claimed noise {t.ratio:.3g} [{t.ratio_ci[0]:.3g}, {t.ratio_ci[1]:.3g}]"
+            if t.ratio is not None
+            else "the canaries' coins pull the innovations up (statistic "
+            f"{t.statistic:.4g} over {t.terms} terms)"
+        )
+        findings.add(
+            Code.MECHANISM_MISMATCH,
+            f"Group {t.group}, {t.test} test ({TESTS[t.test]}): rejected at family-wise "
+            f"α = {alpha:g} (Holm), p = {t.p_value:.3g}; {ratio}. The run does not implement "
+            "the mechanism its ε was computed for.",
+        )
+    out = res.to_dict()
+    out.update(
+        {
+            "implied_factor": factor,
+            "implied_factor_group": group,
+            "implied_epsilon": eps_implied,
+            "implied_epsilon_at_least": at_least,
+            "implied_note": "the ledger's ε with σ times the worst group's upper confidence "
+            "bound on the observed noise factor (capped at 1): conditional on the noise being "
+            "Gaussian at the observed scale; not a certified bound",
+            "coins": "re-drawn from the run's key" if stream is not None else "unknown",
+            "notes": notes,
+            "blocks": len(blocks),
+        }
+    )
+    return out
