@@ -26,6 +26,7 @@ import numpy as np
 
 from audit.canaries import canary_set as CS
 from audit.canaries import outside as O
+from audit.canaries.draw import client_canaries
 from fl.errors import UsageError
 
 __all__ = ["ClientCanaryHook"]
@@ -50,7 +51,7 @@ class ClientCanaryHook:
         self.included = cset.included
         self._cc = None
         if self.poisson:
-            cc, bits, _ = CS.client_canaries(
+            cc, bits, _ = client_canaries(
                 cset.key, self.m, self.clip, self.dim, "poisson", float(sp["rate"])
             )
             if not np.array_equal(bits, self.included):

@@ -56,6 +56,7 @@ import numpy as np
 from audit.canaries import canary_set as CS
 from audit.canaries import outside as O
 from audit.canaries.client_hook import ClientCanaryHook
+from audit.canaries.draw import clean_name, group_of_name
 from fl.errors import UsageError
 
 __all__ = [
@@ -77,7 +78,7 @@ def describe(model) -> dict:
     (Opacus's ``_module.`` prefix removed; group ``lora_A`` / ``lora_B`` / ``other``)."""
     return {
         "params": [
-            {"name": CS.clean_name(n), "shape": list(p.shape), "group": CS.group_of_name(n)}
+            {"name": clean_name(n), "shape": list(p.shape), "group": group_of_name(n)}
             for n, p in model.named_parameters()
             if p.requires_grad
         ]
@@ -157,7 +158,7 @@ class GradientCanaryHook:
         be there with its shape (more parameters are fine: their canary rows are 0)."""
         import torch
 
-        named = [(CS.clean_name(n), p) for n, p in named_params]
+        named = [(clean_name(n), p) for n, p in named_params]
         index = {n: i for i, (n, _) in enumerate(named)}
         for sp in self.cset.spec["params"]:
             if sp["name"] not in index:

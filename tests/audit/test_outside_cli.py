@@ -9,6 +9,7 @@ import pytest
 
 from audit.canaries import canary_set as CS
 from audit.canaries import outside as O
+from audit.canaries.draw import group_of_name
 from pipeline.cli import main
 
 HEAVY = ("torch", "matplotlib", "transformers", "peft", "opacus", "scipy", "flwr", "ray")
@@ -53,7 +54,7 @@ def test_gradient_set_files(params, tmp_path, capsys):
     co = doc["gradient"]["coordinates"]
     assert len({(c["param"], c["index"]) for c in co}) == 60
     # stratified: every group has canaries (at least min(M/G, size) each)
-    groups = {p["name"]: CS.group_of_name(p["name"]) for p in PARAMS["params"]}
+    groups = {p["name"]: group_of_name(p["name"]) for p in PARAMS["params"]}
     per = {g: sum(groups[c["param"]] == g for c in co) for g in ("lora_A", "lora_B", "other")}
     assert per == {"lora_A": 20, "lora_B": 20, "other": 20}
     priv = out / "private"
