@@ -17,13 +17,18 @@ a certified one-run lower bound on ε (Steinke et al. and f-DP) beside the ledge
 A stage that cannot run (a method or package that does not exist) is reported as
 missing in the report; a stage that fails is reported with its error, and the job
 exits non-zero.
+
+What the job prints goes to ``OUT/job.log`` too (each line after its time), as it
+happens: its stages and, while the runs train, a line per finished round of each run
+with its time left and the trainings' (:mod:`pipeline.progress`, which reads the rows
+the runs append to their ``metrics.jsonl``); ``--no-progress`` keeps the round lines
+out of the terminal, not out of the log.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -32,6 +37,7 @@ from pathlib import Path
 from benchmarks.paths import RESULTS
 from fl.errors import UsageError
 from fl.run.config import TrainConfig
+from pipeline.progress import JobLog, Progress
 
 
 @dataclass(frozen=True)
@@ -95,10 +101,8 @@ RUNS = (
 CLAIMS_GRIDS = RESULTS / "claims"
 
 ANALYSES = ("amplification", "exactness", "hetero", "refactorization", "claims")
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+#: the job's log in its output directory: every line it prints, as it prints it
+JOB_LOG = "job.log"
 
 
 def train_run(task: tuple) -> dict:
@@ -125,6 +129,7 @@ def run_job(
         raise UsageError(f"output directory {outp} is not empty; choose a new --out")
     outp.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    _log = JobLog(outp / JOB_LOG)
     from fl.distributed import run_tasks
     from fl.methods import registry
 
@@ -136,6 +141,7 @@ def run_job(
         if method not in registry.names():
             status["runs"][name] = "missing: method not available"
     parallel = spec.train_workers > 1 and len(todo) > 1
+    slots = min(spec.train_workers, len(todo)) if parallel else 1
     tasks = []
     for i, (name, method, over) in enumerate(todo, 1):
         base = dict(spec.base)
@@ -155,22 +161,31 @@ def run_job(
         )
         _log(
             f"[{i}/{len(todo)}] training {name} ({method}, {cfg.dp_level} DP, {cfg.model}/{cfg.dataset})"
-            + (" (queued)" if parallel else "")
+            + (" (queued)" if i > slots else "")
         )
-        tasks.append((cfg.to_dict(), str(outp / "runs" / name), not cfg.progress))
+        # quiet: the job reports each run's rounds itself (pipeline.progress)
+        tasks.append((cfg.to_dict(), str(outp / "runs" / name), True))
     outcomes = {}
-    for oc in run_tasks(
-        train_run,
-        tasks,
-        workers=spec.train_workers if parallel else 1,
-        threads=1 if parallel else None,
-        retries=0,  # a half-written run directory is not retried into
-        report=_log,
-    ):
-        name = todo[oc.index][0]
-        outcomes[oc.index] = oc
-        if parallel:
-            _log(f"trained {name}" if oc.ok else f"training {name} failed: {oc.error}")
+    progress_log = Progress(
+        [(name, t[1], t[0]["rounds"]) for (name, _, _), t in zip(todo, tasks)],
+        slots,
+        emit=lambda line: _log(line, echo=progress),
+    )
+    progress_log.start()
+    with progress_log.watch(interval=1.0):
+        # run_tasks starts the runs in order as slots free up, as Progress expects
+        for oc in run_tasks(
+            train_run,
+            tasks,
+            workers=slots,
+            threads=1 if parallel else None,
+            retries=0,  # a half-written run directory is not retried into
+            report=_log,
+        ):
+            outcomes[oc.index] = oc
+            progress_log.finished(
+                todo[oc.index][0], oc.ok, value=oc.value, error=oc.error or oc.skipped
+            )
     for i, (name, _, _) in enumerate(todo):
         oc = outcomes[i]
         if not oc.ok:  # reported, job exits non-zero

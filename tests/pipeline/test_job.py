@@ -83,6 +83,18 @@ def test_quick_preset_end_to_end(tmp_path):
         assert c["statement"] in md
     assert all(v == "ok" for v in st["analyses"].values())
     assert math.isfinite(st["seconds"])
+    # the job's log (pipeline.progress): each run's rounds, each with its time, before
+    # the run's end; then the later stages
+    log = [x.split(" ", 1)[1] for x in (out / "job.log").read_text().splitlines()]
+    for r in runs:
+        rounds = [i for i, x in enumerate(log) if x.startswith(f"[{r.name}] round ")]
+        assert [log[i].split(" · ")[0] for i in rounds] == [
+            f"[{r.name}] round {k}/2" for k in (1, 2)
+        ]
+        assert re.search(r" · [0-9.]+ s/round · ~\d+ (s|min) left", log[rounds[0]]), log[rounds[0]]
+        done = next(i for i, x in enumerate(log) if x.startswith(f"[{r.name}] done in "))
+        assert rounds[-1] < done
+    assert log.index("writing the report") > done
 
 
 def test_presets_configurations():
