@@ -191,7 +191,7 @@ def _check_sigma_clip(sigma: float, clip: float, claim, spec: dict, where: str) 
 
 def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> tuple:
     from audit.canaries import gradient as GC
-    from audit.claims.check import opacus_sample_rate
+    from audit.claims.mistakes import opacus_sample_rate
 
     m = cs.count
     x = _array(obs, "obs", (None, m), where)
