@@ -12,8 +12,9 @@ client, stage). Both are functions of their names only, so a resumed run — or 
 run given the same config and key — replays exactly what the first one did.
 
 This module is the round loop: :class:`Engine` (set-up orchestration, the run loop)
-and :func:`train`. Its parts live beside it: :mod:`fl.run.inflight` (the journal of a round
-in flight and what resume charges for it),
+and :func:`train`. Its parts live beside it: :mod:`fl.run.files` (the run directory's files:
+start, splits, metrics, checkpoints, the in-flight journal, the finished run),
+:mod:`fl.run.inflight` (the journal of a round in flight and what resume charges for it),
 :mod:`fl.data.tokenized` (TokenizedData), :mod:`fl.run.trainer` (LocalTrainer, TrainResult,
 poisson_masks), :mod:`fl.run.contexts` (ClientContext, ServerContext, InProcessTransport),
 :mod:`fl.run.plan` (the privacy plan: rates, σ/δ, ledger events, cohorts),
@@ -24,8 +25,6 @@ poisson_masks), :mod:`fl.run.contexts` (ClientContext, ServerContext, InProcessT
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,6 @@ from fl.errors import StoppedAtRound, UsageError
 from fl.io import RunLock, atomic_write_json, read_json
 from fl.methods import registry
 from fl.methods.base import RoundInfo, parse_options
-from fl.models import factors as F
 from fl.models.base import load_tokenizer, resolve_device
 from fl.models.causal_lm import check_setup as check_task
 from fl.privacy import rng as R
@@ -56,7 +54,7 @@ from fl.run.checkpoint import (  # noqa: F401 (re-exported)
 )
 from fl.run.config import TrainConfig
 from fl.run.contexts import ClientContext, InProcessTransport, ServerContext
-from fl.run.integrity import file_hashes, seal
+from fl.run.files import RunFiles
 from fl.run.manifest import (  # noqa: F401 (re-exported)
     _mechanism_text,
     _version,
@@ -64,16 +62,7 @@ from fl.run.manifest import (  # noqa: F401 (re-exported)
     build_manifest,
 )
 from fl.run.plan import PrivacyPlan
-from fl.run.release import write_release
-from fl.run.rundir import (
-    MANIFEST,
-    SCHEMA_VERSION,
-    SPLITS,
-    StartUndo,
-    append_metrics,
-    jsonable,
-    truncate_metrics,
-)
+from fl.run.rundir import MANIFEST, SCHEMA_VERSION, SPLITS
 from fl.run.setup import (
     check_client_sizes,
     check_max_length,
@@ -86,21 +75,12 @@ from fl.run.transport import Dispatcher, transport_class
 
 #: touch RUN/STOP to stop a run after its current round (clean: nothing in flight)
 STOP_FILE = "STOP"
-#: the files the operator manifest vouches for (fl.run.integrity): what an audit reads
-_SEALED_FILES = (
-    "adapter/adapter_config.json",
-    "adapter/adapter_model.safetensors",
-    "config.json",
-    "splits.json",
-    "ledger.json",
-    "metrics.jsonl",
-)
 
 
 # ---------------------------------------------------------------------------------
 # The engine
 # ---------------------------------------------------------------------------------
-class Engine(PrivacyPlan):
+class Engine(RunFiles, PrivacyPlan):
     def __init__(
         self,
         cfg: TrainConfig,
@@ -242,54 +222,6 @@ class Engine(PrivacyPlan):
         )
 
     # ---- run -----------------------------------------------------------------------
-    def prepare_out(self) -> StartUndo | None:
-        """Check (and create) the output folder. A fresh start returns what it found there
-        (:class:`fl.run.rundir.StartUndo`), so that a start failing before its first round
-        leaves the folder as it was; a resume returns None (its files are never undone)."""
-        out = self.out
-        undo = None
-        if self.resume:
-            if not out.is_dir():
-                raise UsageError(f"--resume: {out} does not exist")
-        else:
-            # A directory holding only a lock / temp files was killed before it wrote
-            # anything: starting it again is safe.
-            if out.exists() and (
-                not out.is_dir()
-                or any(
-                    not p.name.startswith(".") and p.name != R.PRIVATE_DIR for p in out.iterdir()
-                )
-            ):
-                raise UsageError(
-                    f"output directory {out} is not empty (use --resume to continue a run)"
-                )
-            undo = StartUndo(out)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError, PermissionError) as exc:
-            if undo is not None:
-                undo.rollback()
-            raise UsageError(
-                f"cannot create output directory {out}: {exc.strerror or exc}"
-            ) from None
-        if not os.access(out, os.W_OK):
-            raise UsageError(f"output directory {out} is not writable")
-        return undo
-
-    def _start_files(self) -> None:
-        """Under the run lock, after ``setup`` checked and loaded everything: the noise key
-        and its binding (the configuration it was made for: ``--noise-key`` checks it),
-        then config.json. From config.json on, `--resume DIR` knows the configuration and
-        finds the key beside it; a start killed before config.json released nothing, so
-        its key may be replaced."""
-        self._setup_randomness()
-        if self.resume:
-            return
-        if self.rand.private:
-            self.rand.key.write(self.out, overwrite=True)
-            self.rand.key.write_binding(self.out, self.rand.binding_sha256, self.rand.reused_key)
-        atomic_write_json(self.out / "config.json", self.cfg.to_dict())
-
     def run(self) -> dict:
         undo = self.prepare_out()
         try:
@@ -449,17 +381,6 @@ class Engine(PrivacyPlan):
         kernels) or over Flower (node-side state outlives a server kill) it may not."""
         return self.device.type == "cpu" and self.cfg.transport == "inprocess"
 
-    def _write_inflight(self, r: int, planned: list[Event]) -> None:
-        """Journal a round before anything of it is sent (:mod:`fl.run.inflight`)."""
-        self._rounds_begun = True  # from here a failed start is not undone
-        attempt = self.rand.attempts.get(r, 0)
-        charged = self._inflight_charged.get(r, [])
-        inflight.write(self.out, r, attempt, self.device.type, self.cfg.transport, planned, charged)
-
-    def _clear_inflight(self, r: int) -> None:
-        inflight.clear(self.out)
-        self._inflight_charged.pop(r, None)  # the checkpoint just written holds them
-
     def _account_inflight(self) -> None:
         """On resume: a round that was started but not completed may have released. Replayed
         bit for bit it is charged nothing new; otherwise its planned events are charged and
@@ -500,87 +421,6 @@ class Engine(PrivacyPlan):
             parts.append(f"train_loss={row['train_loss']:.4f}")
         parts.append(f"{row['seconds']:.1f}s")
         return " | ".join(parts)
-
-    # ---- files ---------------------------------------------------------------------
-    def _splits_doc(self) -> dict:
-        ds, sp = self.dataset, self.split
-        doc = {
-            "members": [ds.ids[i] for i in sp.members],
-            "nonmembers": [ds.ids[i] for i in sp.nonmembers],
-            "test": [ds.ids[i] for i in sp.test],
-            "clients": {
-                c: [self.position_ids[i] for i in p] for c, p in self.client_positions.items()
-            },
-        }
-        if self.client_ranks:
-            doc["client_ranks"] = self.client_ranks
-        if self._canaries:
-            doc["canaries"] = [{k: v for k, v in c.items()} for c in self._canaries["canaries"]]
-        return doc
-
-    def _append_metrics(self, row: dict) -> None:
-        self.metrics_rows.append(row)
-        append_metrics(self.out, row)
-
-    def _truncate_metrics(self, completed: int) -> None:
-        self.metrics_rows = truncate_metrics(self.out, completed)
-
-    def _save_checkpoint(self, completed: int) -> None:
-        save_checkpoint(
-            self.out,
-            completed,
-            self.method,
-            self.client_states,
-            self.ledger,
-            self.sigma,
-            self.cfg,
-        )
-
-    def _load_checkpoint(self) -> None:
-        loaded = load_checkpoint(self.out, self.cfg, self.method, self.sigma)
-        if loaded is None:
-            self.start_round = 0
-            self.log("checkpoint/ has no completed round: starting from round 1")
-            return
-        self.start_round, self.client_states, self.ledger = loaded
-        self.log(
-            f"resumed from checkpoint after round {self.start_round}; ε so far "
-            f"{self.ledger.epsilon('pld') if self.cfg.dp_level != 'none' else 0:.4f}"
-        )
-
-    def _finish(self, wall: float) -> dict:
-        cfg = self.cfg
-        adapter = self.out / "adapter"
-        tmp = self.out / "adapter.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        F.set_state(self.trainer.model, self.method.released_state())
-        self.trainer.model.save_pretrained(str(tmp))
-        shutil.rmtree(adapter, ignore_errors=True)
-        os.replace(tmp, adapter)
-        atomic_write_json(self.out / "ledger.json", self.ledger.state_dict())
-        final = next((r for r in reversed(self.metrics_rows) if "accuracy" in r), {})
-        eps = (
-            {"pld": self.ledger.epsilon("pld"), "rdp": self.ledger.epsilon("rdp")}
-            if cfg.dp_level != "none"
-            else {"pld": None, "rdp": None}
-        )
-        manifest = jsonable(build_manifest(self, adapter, wall, final, eps))
-        # the manifest vouches for the run's files and is sealed with the run key (fl.run.integrity)
-        sealed = [n for n in _SEALED_FILES if (self.out / n).is_file()]
-        seal(manifest, self.rand.key, file_hashes(self.out, sealed))
-        atomic_write_json(self.out / MANIFEST, manifest)
-        if not cfg.inject_fault:  # a run with a planted fault (tests only) is never released
-            write_release(self.out, self.out / "release", key=self.rand.key)
-        self.log(
-            f"done: accuracy={final.get('accuracy', float('nan')):.4f} "
-            + (
-                f"ε={eps['pld']:.3f} (PLD), {eps['rdp']:.3f} (RDP) at δ={self.delta:g} "
-                if eps["pld"] is not None
-                else ""
-            )
-            + f"in {wall:.0f}s → {self.out}"
-        )
-        return manifest
 
 
 def train(
