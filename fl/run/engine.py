@@ -15,8 +15,8 @@ This module is the round loop: :class:`Engine` (set-up orchestration, the run lo
 and :func:`train`. Its parts live beside it: :mod:`fl.run.files` (the run directory's files:
 start, splits, metrics, checkpoints, the in-flight journal, the finished run),
 :mod:`fl.run.inflight` (the journal of a round in flight and what resume charges for it),
-:mod:`fl.data.tokenized` (TokenizedData), :mod:`fl.run.trainer` (LocalTrainer, TrainResult,
-poisson_masks), :mod:`fl.run.contexts` (ClientContext, ServerContext, InProcessTransport),
+:mod:`fl.data.tokenized` (TokenizedData), :mod:`fl.run.trainer` (LocalTrainer, TrainResult),
+:mod:`fl.run.batches` (poisson_masks), :mod:`fl.run.contexts` (ClientContext, ServerContext, InProcessTransport),
 :mod:`fl.run.plan` (the privacy plan: rates, σ/δ, ledger events, cohorts),
 :mod:`fl.run.setup` (client ranks, noise streams, canaries), :mod:`fl.run.checkpoint` and
 :mod:`fl.run.manifest`. The moved names are re-exported here, so ``from fl.run.engine import
@@ -45,6 +45,7 @@ from fl.privacy.accounting import Event, PrivacyError, epsilon
 from fl.privacy.gradient_canaries import GradientCanaries
 from fl.privacy.rng import derive_seed
 from fl.run import inflight
+from fl.run.batches import poisson_masks
 from fl.run.checkpoint import (  # noqa: F401 (re-exported)
     _decode_nested,
     _encode_nested,
@@ -70,7 +71,7 @@ from fl.run.setup import (
     make_canaries,
     run_randomness,
 )
-from fl.run.trainer import LocalTrainer, TrainResult, poisson_masks
+from fl.run.trainer import LocalTrainer, TrainResult
 from fl.run.transport import Dispatcher, transport_class
 
 #: touch RUN/STOP to stop a run after its current round (clean: nothing in flight)

@@ -14,8 +14,9 @@ from fl.errors import UsageError
 from fl.privacy import gradient_canaries as G
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams, StepFault, clip_and_noise, server_noise_fault
+from fl.run.batches import fixed_batches
 from fl.run.config import parse_fault
-from fl.run.trainer import LocalTrainer, fixed_batches
+from fl.run.trainer import LocalTrainer
 from fl.testing import tiny_config
 
 SHAPES = ((4, 5), (7,))  # "factors/l/A" (20 coordinates), "head/b" (7)

@@ -15,6 +15,7 @@ import torch
 from fl.models import factors as F
 from fl.privacy.dpsgd import DpSgdParams, clip_and_noise, gaussian_noise
 from fl.privacy.wspace import WSpaceClipper
+from fl.run.batches import poisson_masks
 from fl.run.local_step import (
     Correction,
     DpSgd,
@@ -24,7 +25,7 @@ from fl.run.local_step import (
     SpaceDpSgd,
     local_step,
 )
-from fl.run.trainer import TrainResult, poisson_masks
+from fl.run.trainer import TrainResult
 
 # ---- unit tests of each hook against element-by-element references ----------------
 

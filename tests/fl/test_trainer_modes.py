@@ -74,7 +74,7 @@ def test_training_after_eval_or_external_eval_equals_a_fresh_trainer():
 
 
 def test_cpu_local_training_hands_freed_memory_back(monkeypatch):
-    """Each CPU local training ends with one malloc_trim (fl.run.trainer.release_freed_memory),
+    """Each CPU local training ends with one malloc_trim (fl.run.batches.release_freed_memory),
     which changes no result: the same training with the trim disabled is bit-identical."""
     import platform
 
