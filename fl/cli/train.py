@@ -15,9 +15,31 @@ from fl.run.config import (
     field_choices,
     field_type,
     load_toml,
-    number,
-    parse_opt_value,
 )
+
+
+def number(text: str) -> int | float:
+    """A count or a fraction from the command line: ``"3"`` → 3, ``"0.5"`` → 0.5."""
+    t = str(text).strip()
+    if t.lstrip("-").isdigit():
+        return int(t)
+    try:
+        return float(t)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+
+
+def parse_opt_value(v: str):
+    """--opt key=value: ints, floats, booleans, else string."""
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:

@@ -1,3 +1,5 @@
+# Over 500 lines on purpose: one concept, the TrainConfig dataclass whose every field carries its
+# help, choices and checks (like PEFT's LoraConfig); the CLI-only parsing is in fl/cli/train.py.
 """Training configuration: one dataclass, validated, each field with its help text.
 
 The CLI (``fedlora train``) is generated from these fields; TOML config files use the
@@ -586,17 +588,6 @@ def config_sha256(cfg: TrainConfig | dict) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def number(text: str) -> int | float:
-    """A count or a fraction from the command line: ``"3"`` → 3, ``"0.5"`` → 0.5."""
-    t = str(text).strip()
-    if t.lstrip("-").isdigit():
-        return int(t)
-    try:
-        return float(t)
-    except ValueError:
-        raise ValueError(f"not a number: {text!r}") from None
-
-
 def field_type(f) -> type:
     """The type a config field's values are coerced to: its annotation where that is a
     plain ``int``, ``float``, ``bool`` or ``str`` (``clients_per_round: float`` has the
@@ -664,16 +655,3 @@ def load_toml(path: str) -> dict:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path}: invalid TOML ({exc})") from None
     return data.get("train", data)
-
-
-def parse_opt_value(v: str):
-    """--opt key=value: ints, floats, booleans, else string."""
-    low = v.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return v
