@@ -14,7 +14,16 @@ import math
 
 import torch
 
-from analysis import amplification, exactness, figures, hetero, refactorization, utility_claims
+from analysis import (
+    amplification,
+    exactness,
+    figures,
+    hetero,
+    refactorization,
+    stats,
+    utility_claims,
+    utility_figures,
+)
 from analysis import runs as runs_mod
 from analysis.schemas import validate
 from fl import linalg
@@ -368,7 +377,7 @@ def _run(seed: int = 0, out=None, runs=None, figure: bool = True, grids=None) ->
         if figure:
             plot(doc, out)
             if utility is not None:
-                utility_claims.plot(doc["utility"], out)
+                utility_figures.plot(doc["utility"], out)
     return doc
 
 
@@ -414,7 +423,7 @@ def plot(doc, out):
         ax.text(
             0.02,
             i,
-            f"{c['id']}: {utility_claims.verdict_word(c['holds'])}",
+            f"{c['id']}: {stats.verdict_word(c['holds'])}",
             va="center",
             fontsize=7,
             color="white",
@@ -433,7 +442,7 @@ def table(doc):
         {
             "id": c["id"],
             "paper": c["paper"].split(" ")[0],
-            "verdict": utility_claims.verdict_word(c["holds"]),
+            "verdict": stats.verdict_word(c["holds"]),
             "measured": _short(c["measured"]),
         }
         for c in doc["claims"]

@@ -5,8 +5,8 @@ training run: ``grid``, ``group`` = ``method/condition``, ``seed``, ``accuracy``
 ``balanced_accuracy``, ``attacks``...). Rows with an ``error`` or ``skipped`` field are
 ignored; a job run twice (same ``key``) counts once (the last row).
 
-Statistics. A *cell* is one (grid, group); its seeds give mean, sample std and a 95 %
-Student-t interval of the mean. A claim "A beats B" is decided on the **paired**
+Statistics (:mod:`analysis.stats`). A *cell* is one (grid, group); its seeds give mean,
+sample std and a 95 % Student-t interval of the mean. A claim "A beats B" is decided on the **paired**
 differences A − B over the seeds both ran (the same seed means the same member split,
 partition and initialization, so pairing removes that variance), with a 95 % t interval
 (at least 3 pairs are required, else the verdict is *inconclusive*):
@@ -22,6 +22,8 @@ small (its size is in the claim's ``measured``).
 The primary metric is balanced accuracy: tweets is 70 % positive, so plain accuracy
 rewards predicting the majority class. Plain accuracy is given beside it.
 
+The figure and the Markdown table of a decision are in :mod:`analysis.utility_figures`.
+
 Membership inference "near chance" (private runs only): an attack's AUC interval
 (bootstrap, from the attack itself) lies below ``0.5 + MIA_MARGIN`` on every attacked
 run, with at least 3 distinct seeds attacked: holds; its lower end above that on any run:
@@ -36,36 +38,22 @@ import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from analysis.stats import (
+    MARGIN,
+    mean_ci,
+    paired,
+    verdict_better,
+    verdict_reaches,
+    verdict_word,
+)
 from fl.errors import UsageError
 
-MARGIN = 0.01
 MIA_MARGIN = 0.05
 METRIC = "balanced_accuracy"
 
 FEDASK = "FedASK (arXiv 2507.09990)"
 PLORA = "Fed-PLoRA (arXiv 2602.16936)"
 FEDPOWER = "FedPower (arXiv 2605.08443)"
-
-
-def t_quantile(df: int, p: float = 0.975) -> float:
-    """Student-t quantile (scipy's, kept behind one function)."""
-    from scipy import stats
-
-    return float(stats.t.ppf(p, df))
-
-
-def mean_ci(values: Sequence[float], level: float = 0.95) -> dict:
-    """Mean, sample std and the Student-t interval of the mean (``None`` bounds for n < 2)."""
-    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    n = len(vals)
-    if n == 0:
-        return {"n": 0, "mean": None, "std": None, "ci": [None, None]}
-    m = statistics.fmean(vals)
-    if n < 2:
-        return {"n": 1, "mean": m, "std": None, "ci": [None, None]}
-    sd = statistics.stdev(vals)
-    half = t_quantile(n - 1, 0.5 + level / 2) * sd / math.sqrt(n)
-    return {"n": n, "mean": m, "std": sd, "ci": [m - half, m + half]}
 
 
 def load_rows(dirs: Iterable[str | Path]) -> list[dict]:
@@ -144,47 +132,6 @@ def cells(rows: Sequence[dict], metric: str = METRIC) -> dict[tuple[str, str], d
         seen[cell] = r.get("key")
         by.setdefault((r["grid"], r["group"]), {})[seed] = float(v)
     return {k: {"seeds": s, **mean_ci(list(s.values()))} for k, s in by.items()}
-
-
-def paired(cell_a: dict | None, cell_b: dict | None) -> dict:
-    """A − B over the seeds both cells ran: mean, std, 95 % interval, the seeds."""
-    if not cell_a or not cell_b:
-        return {**mean_ci([]), "pairs": []}
-    common = sorted(set(cell_a["seeds"]) & set(cell_b["seeds"]))
-    diffs = {s: cell_a["seeds"][s] - cell_b["seeds"][s] for s in common}
-    pairs = [s for s, d in diffs.items() if math.isfinite(d)]
-    return {**mean_ci([diffs[s] for s in pairs]), "pairs": pairs}
-
-
-def verdict_better(diff: dict, margin: float = MARGIN) -> bool | None:
-    """True (holds), False (does not hold) or None (inconclusive) for "A beats B"."""
-    lo, hi = diff["ci"]
-    if diff["n"] < 3 or lo is None:
-        return None
-    if lo > 0:
-        return True
-    if hi < margin:
-        return False
-    return None
-
-
-def verdict_reaches(diff: dict, margin: float = MARGIN) -> bool | None:
-    """ "A reaches B" (non-inferiority): True when the paired interval of A − B lies
-    above −``margin`` (A is at most one point behind, at 95 %), False when it lies
-    below −``margin`` (A is more than a point behind), None otherwise or with fewer
-    than 3 pairs. An interval inside (−margin, 0) refutes neither."""
-    lo, hi = diff["ci"]
-    if diff["n"] < 3 or lo is None:
-        return None
-    if lo > -margin:
-        return True
-    if hi < -margin:
-        return False
-    return None
-
-
-def verdict_word(holds: bool | None) -> str:
-    return {True: "holds", False: "does not hold", None: "inconclusive"}[holds]
 
 
 def _claim(cid, paper, statement, holds, measured, setting) -> dict:
@@ -494,131 +441,3 @@ def decide(dirs: Sequence[str | Path]) -> dict:
             }
         )
     return {"claims": claims, "cells": cell_rows, "sources": [str(d) for d in dirs]}
-
-
-def plot(doc: dict, out) -> dict[str, str] | None:
-    """Balanced accuracy vs ε per method (95 % intervals), one panel per grid, and per
-    partition for the heterogeneous-rank grids (IID, Dirichlet(0.5), Dirichlet(0.1)).
-    Methods with no cell of two or more seeds are left out (the table has them)."""
-    from analysis import figures
-
-    series: dict[str, dict[str, list[tuple[float, dict]]]] = {}
-    for c in doc["cells"]:
-        method, _, cond = c["group"].partition("/")
-        if c["balanced_mean"] is None:
-            continue
-        panel = c["grid"]
-        if cond.startswith("eps"):
-            x = float(cond[3:])
-        elif cond == "nodp":
-            x = math.inf
-        else:  # hetero: one panel per partition
-            part, _, tag = cond.rpartition("/")
-            if not tag.startswith("eps") and tag != "nodp":
-                continue
-            x = float(tag[3:]) if tag.startswith("eps") else math.inf
-            panel = f"{c['grid']} · {part}"
-        series.setdefault(panel, {}).setdefault(method, []).append((x, c))
-    # a method measured on one seed only (a dplearn candidate tried once) has no interval
-    # anywhere: it stays in the table, not in the figure
-    series = {
-        panel: kept
-        for panel, methods in series.items()
-        if (kept := {m: pts for m, pts in methods.items() if any(c["n"] >= 2 for _, c in pts)})
-    }
-    if not series:
-        return None
-    ncols = min(2, len(series))  # each panel 5 × 3.6 inches, two per row
-    nrows = math.ceil(len(series) / ncols)
-    fig, axes = figures.subplots(ncols=ncols, nrows=nrows, width=5.0, height=3.6)
-    for ax in axes[len(series) :]:
-        ax.set_visible(False)
-    part_order = {"iid": 0, "dirichlet0.5": 1, "dirichlet0.1": 2}
-
-    def panel_key(name: str):
-        grid, _, part = name.partition(" · ")
-        return grid, part_order.get(part, 9), part
-
-    for ax, (grid, methods) in zip(axes, sorted(series.items(), key=lambda kv: panel_key(kv[0]))):
-        finite = sorted({x for pts in methods.values() for x, _ in pts if math.isfinite(x)})
-        x_nodp = (max(finite) * 1.6) if finite else 1.0
-        for i, (method, pts) in enumerate(sorted(methods.items())):
-            pts = sorted(pts, key=lambda p: p[0])
-            xs = [x if math.isfinite(x) else x_nodp for x, _ in pts]
-            ys = [c["balanced_mean"] for _, c in pts]
-            lo = [
-                c["balanced_mean"] - (c["balanced_ci95"][0] or c["balanced_mean"]) for _, c in pts
-            ]
-            hi = [
-                (c["balanced_ci95"][1] or c["balanced_mean"]) - c["balanced_mean"] for _, c in pts
-            ]
-            jitter = 1 + 0.02 * (i - len(methods) / 2)
-            ax.errorbar(
-                [x * jitter for x in xs], ys, yerr=[lo, hi], marker="o", ms=3, capsize=2,
-                label=method, lw=1,
-            )  # fmt: skip
-        ax.set_xscale("log")
-        nodp = any(not math.isfinite(x) for pts in methods.values() for x, _ in pts)
-        ticks = finite + ([x_nodp] if nodp else [])
-        ax.set_xticks(ticks, [f"{t:g}" for t in finite] + (["no DP"] if nodp else []))
-        ax.set_xlim(min(ticks) / 1.5, max(ticks) * 1.5)  # a lone ε is not zoomed onto
-        ax.minorticks_off()
-        ax.set_xlabel("ε (sample level)" if "fedpower" not in grid else "ε (client level)")
-        ax.set_ylabel("balanced accuracy (mean, 95% CI)")
-        ax.set_title(grid, fontsize=9)
-        ax.axhline(0.5, color="0.6", lw=0.8, ls=":")
-        ax.legend(fontsize=6, loc="lower right")
-    return figures.save_figure(fig, out, "claims_utility")
-
-
-def table_md(doc: dict) -> str:
-    """The cells as a Markdown table (mean ± std [95 % CI], n, seconds per run)."""
-
-    def f(m, s, ci):
-        if m is None:
-            return "–"
-        txt = f"{m:.3f}" if s is None else f"{m:.3f} ± {s:.3f}"
-        if ci and ci[0] is not None:
-            txt += f" [{ci[0]:.3f}, {ci[1]:.3f}]"
-        return txt
-
-    lines = [
-        "| grid | group | n | balanced accuracy | accuracy | s/run |",
-        "|---|---|---|---|---|---|",
-    ]
-    for c in doc["cells"]:
-        secs = "–" if c["seconds_mean"] is None else f"{c['seconds_mean']:.0f}"
-        lines.append(
-            f"| {c['grid']} | {c['group']} | {c['n']} | "
-            f"{f(c['balanced_mean'], c['balanced_std'], c['balanced_ci95'])} | "
-            f"{f(c['accuracy_mean'], c['accuracy_std'], c['accuracy_ci95'])} | {secs} |"
-        )
-    lines += ["", "| claim | verdict | A − B (mean [95% CI]) | pairs |", "|---|---|---|---|"]
-    mia = []
-    for c in doc["claims"]:
-        m = c["measured"]
-        if "diff_mean" not in m:
-            mia.append(c)
-            continue
-        d = "–" if m["diff_mean"] is None else f"{m['diff_mean']:+.3f}"
-        if m["diff_ci95"][0] is not None:
-            d += f" [{m['diff_ci95'][0]:+.3f}, {m['diff_ci95'][1]:+.3f}]"
-        lines.append(f"| {c['id']} | {c['verdict']} | {d} | {m['pairs']} |")
-    if mia:
-
-        def g(x):
-            return "–" if x is None else f"{x:.3f}"
-
-        lines += [
-            "",
-            "| claim | verdict | runs' AUC intervals: lowest lower end – highest upper end "
-            "| AUC, mean over seeds | seeds |",
-            "|---|---|---|---|---|",
-        ]
-        for c in mia:
-            m = c["measured"]
-            lines.append(
-                f"| {c['id']} | {c['verdict']} | {g(m['smallest_run_auc_lower'])} – "
-                f"{g(m['largest_run_auc_upper'])} | {g(m['auc']['mean'])} | {m['seeds']} |"
-            )
-    return "\n".join(lines) + "\n"

@@ -8,7 +8,9 @@ from statistics import fmean
 
 import pytest
 
+from analysis import stats as S
 from analysis import utility_claims as U
+from analysis import utility_figures as UF
 from fl.errors import UsageError
 
 # Student-t 0.975 quantiles (tables): df = 1, 2, 4
@@ -17,12 +19,12 @@ T975 = {1: 12.7062047, 2: 4.30265273, 4: 2.77644511}
 
 @pytest.mark.parametrize("df", sorted(T975))
 def test_t_quantile_matches_tables(df):
-    assert U.t_quantile(df) == pytest.approx(T975[df], abs=1e-6)
+    assert S.t_quantile(df) == pytest.approx(T975[df], abs=1e-6)
 
 
 def test_mean_ci_closed_form():
     vals = [0.80, 0.82, 0.84]
-    out = U.mean_ci(vals)
+    out = S.mean_ci(vals)
     m = sum(vals) / 3
     sd = math.sqrt(sum((v - m) ** 2 for v in vals) / 2)
     half = T975[2] * sd / math.sqrt(3)
@@ -30,9 +32,9 @@ def test_mean_ci_closed_form():
     assert out["mean"] == pytest.approx(0.82)
     assert out["std"] == pytest.approx(0.02)
     assert out["ci"] == pytest.approx([m - half, m + half])
-    assert U.mean_ci([0.5])["ci"] == [None, None]
-    assert U.mean_ci([])["mean"] is None
-    assert U.mean_ci([float("nan"), 0.7])["n"] == 1
+    assert S.mean_ci([0.5])["ci"] == [None, None]
+    assert S.mean_ci([])["mean"] is None
+    assert S.mean_ci([float("nan"), 0.7])["n"] == 1
 
 
 def _row(grid, group, seed, bal, acc=None, **kw):
@@ -55,7 +57,7 @@ def test_paired_uses_common_seeds_only():
     rows = [_row("g", "a/eps8", s, 0.8 + 0.01 * s) for s in (0, 1, 2, 3)]
     rows += [_row("g", "b/eps8", s, 0.7 + 0.02 * s) for s in (1, 2, 3)]
     t = U.cells(rows)
-    d = U.paired(t[("g", "a/eps8")], t[("g", "b/eps8")])
+    d = S.paired(t[("g", "a/eps8")], t[("g", "b/eps8")])
     assert d["pairs"] == [1, 2, 3]
     diffs = [(0.8 + 0.01 * s) - (0.7 + 0.02 * s) for s in (1, 2, 3)]
     assert d["mean"] == pytest.approx(sum(diffs) / 3)
@@ -69,9 +71,9 @@ def test_pairing_removes_seed_variance():
         rows += [_row("g", "a/eps3", s, base + 0.02), _row("g", "b/eps3", s, base)]
     t = U.cells(rows)
     assert t[("g", "a/eps3")]["ci"][0] < t[("g", "b/eps3")]["ci"][1]
-    d = U.paired(t[("g", "a/eps3")], t[("g", "b/eps3")])
+    d = S.paired(t[("g", "a/eps3")], t[("g", "b/eps3")])
     assert d["ci"][0] == pytest.approx(0.02) and d["ci"][1] == pytest.approx(0.02)
-    assert U.verdict_better(d) is True
+    assert S.verdict_better(d) is True
 
 
 @pytest.mark.parametrize(
@@ -85,17 +87,17 @@ def test_pairing_removes_seed_variance():
     ],
 )
 def test_verdicts(diffs, expected):
-    d = U.mean_ci(diffs)
-    assert U.verdict_better(d) is expected, (diffs, d["ci"])
+    d = S.mean_ci(diffs)
+    assert S.verdict_better(d) is expected, (diffs, d["ci"])
 
 
 def test_verdict_margin():
     # tight around +0.002: lower end below 0, upper below the margin -> does not hold
     d = {"n": 3, "mean": 0.002, "ci": [-0.001, 0.005]}
-    assert U.verdict_better(d) is False
+    assert S.verdict_better(d) is False
     d = {"n": 3, "mean": 0.01, "ci": [-0.001, 0.021]}
-    assert U.verdict_better(d) is None
-    assert U.verdict_word(None) == "inconclusive"
+    assert S.verdict_better(d) is None
+    assert S.verdict_word(None) == "inconclusive"
 
 
 def _fedask_rows():
@@ -127,9 +129,9 @@ def test_fedask_claims_verdicts(tmp_path):
     assert by["ffa_beats_probe:eps1"]["holds"] is False
     cell = next(c for c in doc["cells"] if c["group"] == "ffa/eps1")
     assert cell["n"] == 3  # the error row is ignored
-    md = U.table_md(doc)
+    md = UF.table_md(doc)
     assert "fedask_beats_ffa:w:eps1 | holds" in md
-    figs = U.plot(doc, tmp_path / "fig")
+    figs = UF.plot(doc, tmp_path / "fig")
     assert figs and (tmp_path / "fig" / "claims_utility.png").stat().st_size > 1000
 
 
@@ -272,7 +274,7 @@ def test_mia_claims_name_their_grid_and_show_the_runs_intervals(tmp_path):
     assert home["measured"]["largest_run_auc_upper"] == pytest.approx(0.54)
     assert home["measured"]["smallest_run_auc_lower"] == pytest.approx(0.47)
     assert home["measured"]["seeds"] == 3 and "claims-bbc" in bbc["statement"]
-    md = U.table_md(doc)
+    md = UF.table_md(doc)
     assert "| mia_near_chance:loss:bbc:ffa/eps8 | inconclusive | 0.460 – 0.580 | 0.520 | 3 |" in md
 
 
@@ -298,7 +300,7 @@ def test_pairs_count_only_finite_differences():
     rows = [_row("g", "a/eps8", s, 0.8 + 0.01 * s) for s in range(4)]
     rows += [_row("g", "b/eps8", s, math.nan if s == 0 else 0.7) for s in range(4)]
     t = U.cells(rows)
-    d = U.paired(t[("g", "a/eps8")], t[("g", "b/eps8")])
+    d = S.paired(t[("g", "a/eps8")], t[("g", "b/eps8")])
     assert d["pairs"] == [1, 2, 3] and d["n"] == 3
 
 
@@ -349,8 +351,8 @@ def test_bbc_grid_holds_both_comparisons_and_fedpower_claims(tmp_path):
     ],
 )
 def test_verdict_reaches(diffs, expected):
-    d = U.mean_ci(diffs)
-    assert U.verdict_reaches(d) is expected, (diffs, d["ci"])
+    d = S.mean_ci(diffs)
+    assert S.verdict_reaches(d) is expected, (diffs, d["ci"])
 
 
 def test_recipe_claims_pair_each_candidate_with_the_probe(tmp_path):
@@ -428,8 +430,8 @@ def test_plot_leaves_out_methods_measured_on_one_seed(tmp_path, monkeypatch):
     assert {c["id"] for c in doc["claims"] if c["id"].startswith("recipe_")} == {
         f"recipe_{v}_probe:lora1-once:eps8" for v in ("beats", "reaches")
     }
-    assert U.plot(doc, tmp_path / "fig")
+    assert UF.plot(doc, tmp_path / "fig")
     assert drawn == [U.DPLEARN_PROBE, 2]  # the probe's ε = 8 and no-DP points
     only_once = [_row("dplearn", "lora1-once/eps8", 0, 0.81)]
     (d / "results.jsonl").write_text(json.dumps(only_once[0]) + "\n")
-    assert U.plot(U.decide([d]), tmp_path / "fig2") is None
+    assert UF.plot(U.decide([d]), tmp_path / "fig2") is None
