@@ -14,7 +14,7 @@ base model, max_length and seed from the bundle's public manifest; shadows (refe
 attacks) are trained with the bundle's configuration.
 
 The attack settings' flags are generated from :class:`attacks.config.AttackConfig`, the
-foreign adapter's from :class:`attacks.target.TargetSpec` (one source of defaults and help).
+foreign adapter's from :class:`attacks.target_spec.TargetSpec` (one source of defaults and help).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 import sys
 
 from attacks.config import AttackConfig, add_flags, from_args
-from attacks.target import TargetSpec
+from attacks.target_spec import TargetSpec
 
 #: ``fedlora attack --help``'s closing text: what the candidate files hold
 FILE_FORMATS = """\

@@ -12,7 +12,8 @@ import pytest
 from attacks.cli import register
 from attacks.config import FAMILIES, AttackConfig, from_args
 from attacks.registry import REGISTRY, select
-from attacks.target import Target, TargetSpec
+from attacks.target import Target
+from attacks.target_spec import TargetSpec
 from fl.errors import UsageError
 
 
