@@ -242,10 +242,17 @@ class _Acc:
         self.n_clip = 0
 
 
-def conformance(blocks: list[Block], alpha: float = 0.05, shrink: bool = True) -> ConformanceResult:
+def conformance(
+    blocks: list[Block],
+    alpha: float = 0.05,
+    shrink: bool = True,
+    extra: tuple[GroupTest, ...] = (),
+) -> ConformanceResult:
     """Run the scale, freshness and clipping tests per group over ``blocks`` (module doc).
 
     ``shrink=False`` predicts with the plain mean of the past (λ = 1; used by tests).
+    ``extra``: other valid tests of the same run (e.g. the sampler canaries' permutation
+    test, :mod:`audit.bounds.sampling`) to correct together with these.
     Returns a :class:`ConformanceResult`; ``alpha`` is the family-wise level."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
@@ -362,6 +369,7 @@ def conformance(blocks: list[Block], alpha: float = 0.05, shrink: bool = True) -
                     note="normal-mixture martingale bound (Ville), variance proxy e²/4",
                 )
             )
+    raw += list(extra)
     rej = holm([t.log10_p for t in raw], alpha)
     tests = tuple(GroupTest(**{**t.__dict__, "rejected": bool(x)}) for t, x in zip(raw, rej))
     return ConformanceResult(alpha=alpha, tests=tests, skipped=tuple(sorted(skipped)))

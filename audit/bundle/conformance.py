@@ -22,13 +22,28 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.bounds.conformance import TESTS, Block, conformance, implied_noise_factor
+from audit.bounds.conformance import TESTS, Block, GroupTest, conformance, implied_noise_factor
+from audit.bounds.sampling import sampling_test
 from audit.findings import Code, Findings
 from fl.privacy import gradient_canaries as G
 from fl.privacy import rng as R
+from fl.privacy import sampler_canaries as SC
 from fl.privacy.accounting import Event, epsilon_of_events
 
-__all__ = ["coin_stream", "gradient_blocks", "implied_epsilon", "run_conformance"]
+__all__ = [
+    "coin_stream",
+    "gradient_blocks",
+    "implied_epsilon",
+    "run_conformance",
+    "sampler_test",
+]
+
+
+#: the sampler canaries' test, beside the conformance tests of audit.bounds.conformance
+SAMPLING_TEST = (
+    "the batches are Poisson-sampled: each sampler canary's appearances are exchangeable over "
+    "the steps (a permutation test)"
+)
 
 
 def coin_stream(run: Path, manifest: dict):
@@ -145,27 +160,72 @@ def implied_epsilon(manifest: dict, factor: float, delta: float) -> tuple[float,
     return eps, floored
 
 
+def sampler_test(run: Path, manifest: dict) -> tuple[GroupTest | None, dict | None]:
+    """The permutation test of the run's sampler canaries (:mod:`audit.bounds.sampling`) as
+    one more test of the family, with σ from the ledger and q from the manifest (the claim);
+    (None, None) when the run has none."""
+    obs = SC.read_observations(run)
+    if not obs:
+        return None, None
+    priv = manifest.get("privacy") or {}
+    rates = {str(k): float(v) for k, v in (priv.get("sample_rates") or {}).items()}
+    sigmas = _ledger_sigma(manifest)
+    clip = float(priv.get("clipping_norm") or 0) or None
+    blocks = []
+    for ob in obs:
+        c = clip or ob["clip"]
+        sigma = sigmas.get((ob["client"], ob["round"], ob["stage"]), ob["sigma"])
+        blocks.append((ob["obs"] / c, sigma, rates.get(ob["client"], ob["q"])))
+    res = sampling_test(blocks, permutations=999)
+    t = GroupTest(
+        group="sampler",
+        test="sampling",
+        terms=res.canaries,
+        statistic=res.z_phase,
+        log10_p=math.log10(res.p_value),
+        note=f"window z {res.z_window:.3g}, phase z {res.z_phase:.3g}",
+    )
+    return t, res.to_dict()
+
+
 def run_conformance(
-    run: Path, manifest: dict, records: list[dict], alpha: float, delta: float, findings: Findings
+    run: Path,
+    manifest: dict,
+    records: list[dict] | None,
+    alpha: float,
+    delta: float,
+    findings: Findings,
 ) -> dict:
-    """The conformance tests of a run's gradient canaries, its noise-implied ε, and a
+    """The conformance tests of a run's gradient canaries (``records``; None when it has
+    none) and sampler canaries, Holm-corrected together; its noise-implied ε; and a
     ``mechanism_mismatch`` finding per rejected test."""
-    obs = G.read_observations(run)
-    stream = coin_stream(Path(run), manifest)
-    blocks, notes = gradient_blocks(records, obs, manifest, stream)
-    res = conformance(blocks, alpha=alpha)
+    blocks, notes, stream = [], [], None
+    if records:
+        obs = G.read_observations(run)
+        stream = coin_stream(Path(run), manifest)
+        blocks, notes = gradient_blocks(records, obs, manifest, stream)
+    samp, samp_res = sampler_test(Path(run), manifest)
+    res = conformance(blocks, alpha=alpha, extra=(samp,) if samp is not None else ())
     factor, group = implied_noise_factor(res)
     eps_implied, at_least = implied_epsilon(manifest, factor, delta)
     for t in res.rejected:
-        ratio = (
-            f"observed/claimed noise {t.ratio:.3g} [{t.ratio_ci[0]:.3g}, {t.ratio_ci[1]:.3g}]"
-            if t.ratio is not None
-            else "the canaries' coins pull the innovations up (statistic "
-            f"{t.statistic:.4g} over {t.terms} terms)"
-        )
+        if t.test == "sampling":
+            ratio = f"{t.note}; count dispersion {samp_res['count_dispersion']:.3g} (Poisson: 1)"
+            what = SAMPLING_TEST
+        elif t.ratio is not None:
+            ratio = (
+                f"observed/claimed noise {t.ratio:.3g} [{t.ratio_ci[0]:.3g}, {t.ratio_ci[1]:.3g}]"
+            )
+            what = TESTS[t.test]
+        else:
+            ratio = (
+                "the canaries' coins pull the innovations up (statistic "
+                f"{t.statistic:.4g} over {t.terms} terms)"
+            )
+            what = TESTS[t.test]
         findings.add(
             Code.MECHANISM_MISMATCH,
-            f"Group {t.group}, {t.test} test ({TESTS[t.test]}): rejected at family-wise "
+            f"Group {t.group}, {t.test} test ({what}): rejected at family-wise "
             f"α = {alpha:g} (Holm), p = {t.p_value:.3g}; {ratio}. The run does not implement "
             "the mechanism its ε was computed for.",
         )
@@ -182,6 +242,7 @@ def run_conformance(
             "coins": "re-drawn from the run's key" if stream is not None else "unknown",
             "notes": notes,
             "blocks": len(blocks),
+            "sampling": samp_res,
         }
     )
     return out

@@ -289,6 +289,14 @@ class TrainConfig:
         "the secret key, in the space the server clips) to the clipped sum before the "
         "server's noise in every round it takes part in (docs/audit.md); 0 = none",
     )
+    sampler_canaries: int = _f(
+        0,
+        "sample-level DP audit of the batch sampling: M records per client that the "
+        "trainer's own sampler draws into batches, each with a gradient of norm C on a "
+        "coordinate of its own; the audit tests that their appearances are what Poisson "
+        "sampling gives (docs/audit.md, Sampler canaries); changes the real examples' "
+        "batches (the masks cover M more rows) but not the ledger; 0 = none",
+    )
     inject_fault: str = _f(
         "",
         "TESTS ONLY, for auditing the auditor: plant one privacy fault NAME[=VALUE] in the "
@@ -472,6 +480,21 @@ class TrainConfig:
                 self.transport == "inprocess",
                 "--canary-kind gradient records the privatized step sums in the operator's "
                 "run directory: it needs --transport inprocess",
+            )
+        need(
+            self.sampler_canaries >= 0,
+            f"sampler_canaries must be >= 0, got {self.sampler_canaries}",
+        )
+        if self.sampler_canaries > 0:
+            need(
+                self.dp_level == "sample",
+                "--sampler-canaries audits the batch sampling of sample-level DP-SGD: it needs "
+                f"--dp-level sample (got {self.dp_level})",
+            )
+            need(
+                self.transport == "inprocess",
+                "--sampler-canaries records the privatized step sums in the operator's run "
+                "directory: it needs --transport inprocess",
             )
         if self.inject_fault:
             parse_fault(self.inject_fault, self.dp_level, self.method)

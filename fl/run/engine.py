@@ -201,6 +201,8 @@ class Engine(RunFiles, PrivacyPlan):
         self.trainer.prefix.notify = self.log
         if gradient:  # white-box Dirac canaries in DP-SGD's sums (fl.privacy.gradient_canaries)
             self._canaries = GradientCanaries.for_engine(self).splits_doc()
+        if cfg.sampler_canaries > 0 and self.out is not None:  # fl.privacy.sampler_canaries
+            self.trainer.sampler_out = Path(self.out)
         self.server = ServerContext(self)
         self.method = self.method_cls(self.server, self.options)
         self._setup_privacy()

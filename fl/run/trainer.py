@@ -26,6 +26,7 @@ from fl.models import factors as F
 from fl.models.base import LoraSpec, load_base_model, wrap_lora
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams, DpStats
+from fl.privacy.sampler_canaries import SamplerCanaries
 from fl.run.batches import fixed_batches, poisson_masks, release_freed_memory
 from fl.run.config import TrainConfig
 from fl.run.local_step import DpSgd, Hook, local_step
@@ -99,6 +100,9 @@ class LocalTrainer:
         #: the run's gradient canaries (``--canary-kind gradient``, set by the engine's
         #: set-up: :class:`fl.privacy.gradient_canaries.GradientCanaries`); None otherwise
         self.gradient_canaries = None
+        #: where sampler canaries' observations go (``--sampler-canaries``: the run
+        #: directory, set by the engine); None otherwise
+        self.sampler_out = None
 
     def _ensure_hooks(self, trainable: set[str]) -> None:
         """Opacus hooks only the modules that were trainable when hooks were added; a
@@ -220,6 +224,8 @@ class LocalTrainer:
         if isinstance(privatizer, DpSgd):
             privatizer.start(params, flat_names)
         canaries = self._begin_canaries(privatizer, params, flat_names, q, steps)
+        sampler = self._begin_sampler(privatizer, q)
+        rows = n + (sampler.m if sampler is not None else 0)  # canary rows after the examples
         fault = self._plant_fault(privatizer, params, flat_names) if cfg.inject_fault else None
         pos_t = torch.as_tensor(positions, dtype=torch.long)
         per_sample = privatizer.per_sample
@@ -230,14 +236,16 @@ class LocalTrainer:
         losses, examples, dp_stats = [], 0, DpStats()
         try:
             if fault == "fixed_batches":  # planted fault (tests only): no Poisson sampling
-                masks = fixed_batches(batch_source, n, q, steps)
+                masks = fixed_batches(batch_source, rows, q, steps)
                 if canaries is not None:  # a canary is one more record of the shuffle
                     nb = -(-n // max(1, int(round(q * n))))
                     slot = R.integers(batch_source, nb, len(canaries.included))
                     canaries.coins = [slot == t % nb for t in range(steps)]
             else:
-                masks = poisson_masks(batch_source, n, q, steps)
+                masks = poisson_masks(batch_source, rows, q, steps)
             for mask in masks:
+                if sampler is not None:  # the sampler canaries' rows, drawn with the rest
+                    mask, tail = mask[:n], mask[n:]
                 idx = pos_t[mask]
                 b = len(idx)
                 examples += b
@@ -262,6 +270,8 @@ class LocalTrainer:
                 for h in hooks:
                     h.pre(params)
                 st = privatizer(params, b)
+                if sampler is not None:  # their isolated coordinates, from the same stream
+                    sampler.step(tail, privatizer.noise, privatizer.fault)
                 if st is not None:
                     dp_stats.add(st, b > 0)
                 for h in hooks:
@@ -282,6 +292,8 @@ class LocalTrainer:
                 release_freed_memory()
         if canaries is not None:
             self.gradient_canaries.finish(canaries)
+        if sampler is not None:
+            sampler.finish(self.sampler_out)
         state = F.get_state(self.model, self._maps())
         losses = [float(loss) / b for loss, b in losses]
         result = TrainResult(
@@ -292,6 +304,35 @@ class LocalTrainer:
             dp_stats.summary(),
         )
         return result, opt.state_dict()
+
+    def _begin_sampler(self, privatizer, q: float):
+        """The sampler canaries of this local training (:mod:`fl.privacy.sampler_canaries`),
+        or None (the default path, and every training without the flat DP-SGD step)."""
+        m = int(getattr(self.cfg, "sampler_canaries", 0) or 0)
+        if m <= 0 or self.sampler_out is None or not getattr(privatizer, "per_sample", False):
+            return None
+        if not isinstance(privatizer, DpSgd):
+            raise UsageError(
+                "sampler canaries live beside DP-SGD's flat clipped sum; this method "
+                "privatizes in a space of its own (FedASK: use --opt clip_space=b)"
+            )
+        parts = getattr(privatizer.noise, "parts", None) or ()
+        if len(parts) < 4 or parts[0] != "dpsgd-noise":
+            raise RuntimeError("sampler canaries need the run's DP-SGD noise stream")
+        return SamplerCanaries(
+            m=m,
+            clip=float(privatizer.dp.clip),
+            sigma=float(privatizer.dp.noise_multiplier),
+            meta={
+                "round": int(parts[1]),
+                "client": str(parts[2]),
+                "stage": str(parts[3]),
+                "attempt": int(parts[5]) if len(parts) >= 6 and parts[4] == "attempt" else 0,
+                "sigma": float(privatizer.dp.noise_multiplier),
+                "clip": float(privatizer.dp.clip),
+                "q": float(q),
+            },
+        )
 
     def _begin_canaries(self, privatizer, params, names, q: float, steps: int):
         """The gradient canaries of this local training, handed to the DP-SGD privatizer

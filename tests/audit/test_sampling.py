@@ -1,0 +1,119 @@
+"""Sampler canaries: the permutation test (audit.bounds.sampling) is exact under i.i.d.
+steps whatever σ and q, catches a cycled or shuffled schedule, and, on engine runs, the
+canary rows go through the trainer's own sampler: a correct run passes and the planted
+fault fixed_batches is a mechanism_mismatch of the group "sampler"."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from audit.bounds.sampling import sampling_test
+from fl.privacy import rng as R
+from fl.privacy import sampler_canaries as SC
+from fl.testing import tiny_config
+
+
+def _series(rng, T, M, q, sigma, kind):
+    if kind == "poisson":
+        s = rng.random((T, M)) < q
+    elif kind == "cycled":  # the same phase every epoch
+        L = int(round(1 / q))
+        s = (np.arange(T)[:, None] % L) == rng.integers(0, L, M)[None, :]
+    else:  # reshuffled every epoch: once per epoch, at a fresh phase
+        L = int(round(1 / q))
+        s = np.zeros((T, M), bool)
+        for e in range(0, T, L):
+            ph = rng.integers(0, min(L, T - e), M)
+            s[e + ph, np.arange(M)] = True
+    return s + sigma * rng.normal(size=(T, M))
+
+
+def test_p_values_are_uniform_under_iid_steps():
+    """200 null runs (Poisson coins, Gaussian noise, σ and q varied): the p-values are
+    uniform (Kolmogorov–Smirnov) and the rejection rate at 0.1 is at most 0.1 + 3 SE."""
+    rng = np.random.default_rng(0)
+    ps = []
+    for i in range(200):
+        q, sigma = (0.25, 1.0) if i % 2 else (0.1, 2.5)
+        u = _series(rng, 20, 40, q, sigma, "poisson")
+        ps.append(sampling_test([(u, sigma, q)], permutations=99, seed=i).p_window)
+    assert stats.kstest(ps, "uniform").pvalue > 0.01
+    assert np.mean(np.array(ps) <= 0.1) <= 0.1 + 3 * np.sqrt(0.09 / 200)
+
+
+@pytest.mark.parametrize("kind, which", [("cycled", "p_phase"), ("reshuffled", "p_window")])
+def test_non_poisson_schedules_are_rejected(kind, which):
+    rng = np.random.default_rng(1)
+    res = sampling_test([(_series(rng, 80, 1500, 0.25, 1.0, kind), 1.0, 0.25)], 199, seed=1)
+    assert getattr(res, which) <= 0.01 and res.p_value <= 0.02
+    assert res.count_dispersion < 0.5  # Binomial's dispersion is 1
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="steps, canaries"):
+        sampling_test([(np.zeros(5), 1.0, 0.5)])
+    with pytest.raises(ValueError, match="NaN"):
+        sampling_test([(np.full((3, 2), np.nan), 1.0, 0.5)])
+    with pytest.raises(ValueError, match="q"):
+        sampling_test([(np.zeros((3, 2)), 1.0, 0.0)])
+    with pytest.raises(ValueError, match="at least two steps"):
+        sampling_test([(np.zeros((1, 2)), 1.0, 0.5)])
+    with pytest.raises(ValueError, match="permutations"):
+        sampling_test([(np.zeros((3, 2)), 1.0, 0.5)], permutations=5)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from audit.bundle.audit import audit_run
+    from fl.run.engine import train
+
+    base = dict(
+        epsilon=3.0,
+        batch_size=20,
+        local_steps=12,
+        sampler_canaries=400,
+        canaries=500,
+        canary_kind="gradient",
+    )
+    out = {}
+    for name, fault in (("correct", ""), ("fixed", "fixed_batches")):
+        d = tmp_path_factory.mktemp(name) / "run"
+        m = train(
+            tiny_config(**base, inject_fault=fault), d, quiet=True, noise_key=R.NoiseKey.generate()
+        )
+        out[name] = (d, m, audit_run(d, one_run=True))
+    return out
+
+
+def test_canary_rows_are_drawn_by_the_trainers_sampler(runs):
+    d, m, _ = runs["correct"]
+    obs = SC.read_observations(d)
+    assert len(obs) == 6  # 3 clients × 2 rounds
+    for ob in obs:
+        assert ob["obs"].shape == (12, 400)
+        assert ob["q"] == pytest.approx(0.25) and ob["clip"] == 1.0
+        # C·s + N(0, σ²C²): about q of the entries carry the canary's C
+        u = ob["obs"] / ob["clip"]
+        assert u.mean() == pytest.approx(0.25, abs=0.12)
+        assert u.std() == pytest.approx(np.sqrt(ob["sigma"] ** 2 + 0.1875), rel=0.1)
+    # the ledger is the run's without them
+    assert m["privacy"]["epsilon"]["pld"] == pytest.approx(3.0, rel=0.01)
+
+
+def test_correct_sampling_passes_and_fixed_batches_is_a_mismatch(runs):
+    ok = runs["correct"][2]["one_run"]["conformance"]
+    bad = runs["fixed"][2]
+    assert ok["sampling"]["p_value"] > 0.01 and "sampler:sampling" not in ok["rejected"]
+    c = bad["one_run"]["conformance"]
+    assert "sampler:sampling" in c["rejected"]
+    msg = [f["message"] for f in bad["findings"] if f["code"] == "mechanism_mismatch"]
+    assert any("Group sampler, sampling test" in x for x in msg)
+
+
+def test_sampler_canaries_are_refused_where_they_cannot_be_placed():
+    from fl.errors import UsageError
+
+    with pytest.raises(UsageError, match="dp-level sample"):
+        tiny_config(dp_level="client", epsilon=3.0, sampler_canaries=10).validate()
+    with pytest.raises(UsageError, match="sampler_canaries must be >= 0"):
+        tiny_config(epsilon=3.0, sampler_canaries=-1).validate()
