@@ -6,7 +6,7 @@ Design (a run directory; the client shards are in its ``splits.json``):
 - Participating clients: the run's client shards (every client of the federation is IN,
   whether or not it was sampled in a round — client-level DP protects exactly the
   presence of a client's data set, sampled or not). Ids that are not candidates (audit
-  canaries, see :func:`attacks.signals.load_run`) are dropped from a shard.
+  canaries, see :func:`attacks.rundata.load_run`) are dropped from a shard.
 - Non-participating clients: *twins*, drawn without replacement from the run's non-member
   pool — for each participating client (in a seeded random order) one twin with the same
   number of examples of each label, as long as the pool can supply it. Twins thus have the

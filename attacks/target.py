@@ -179,10 +179,11 @@ class Target:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_run(cls, run_dir) -> Target:
-        """A finished run directory (see :func:`attacks.signals.load_run`)."""
+        """A finished run directory (see :func:`attacks.rundata.load_run`)."""
+        from attacks.rundata import load_run
         from fl.run.config import TrainConfig
 
-        run = _signals().load_run(run_dir)
+        run = load_run(run_dir)
         cfg = TrainConfig.from_dict(run.config)
         raw = run.config
         return cls(
@@ -324,7 +325,9 @@ class Target:
         from its public manifest, whose configuration (updated with ``shadow_config``)
         also trains the shadows. ``candidates``: ``text_column``, ``label_column``,
         ``batch_size`` of :meth:`from_adapter`."""
-        b = _signals().load_bundle(bundle_dir)
+        from attacks.rundata import load_bundle
+
+        b = load_bundle(bundle_dir)
         cfg = b.config
         shadow = {k: v for k, v in cfg.items() if k not in ("device", "progress")}
         shadow.update(shadow_config or {})

@@ -29,7 +29,8 @@ import torch
 def gradient_norms(run_dir: str, examples: int = 64) -> dict:
     """Per-example ℓ2 norms of the head's and the LoRA factors' loss gradients at the
     run's final adapter: {"head": [...], "lora": [...], "summary": {...}}."""
-    from attacks.signals import load_adapter_model, load_run
+    from attacks.rundata import load_run
+    from attacks.signals import load_adapter_model
     from fl.errors import UsageError
     from fl.models.base import load_tokenizer
 

@@ -36,7 +36,7 @@ def test_cli_writes_results_and_json(run_dir, tmp_path, capsys):
 
 
 def test_cli_foreign_adapter_matches_run_mode(run_dir, tmp_path, capsys):
-    from attacks.signals import load_run
+    from attacks.rundata import load_run
 
     run = load_run(run_dir)
     files = {}

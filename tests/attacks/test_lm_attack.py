@@ -24,7 +24,7 @@ def test_lm_signals_end_to_end(lm_run, tmp_path, capsys):
 
     from attacks import lm_signals as lm
     from attacks.lm_target import lm_adapter_signals
-    from attacks.signals import load_run
+    from attacks.rundata import load_run
     from fl.data.lm import LmTokenizedData
     from fl.models.causal_lm import token_logprobs
     from fl.run.lm_run import load_run_lm
@@ -96,7 +96,7 @@ def test_lm_shadow_attacks_read_sequence_losses(lm_run, tmp_path):
 
 
 def test_foreign_causal_adapter_matches_run_mode(lm_run, tmp_path):
-    from attacks.signals import load_run
+    from attacks.rundata import load_run
 
     run_dir, _ = lm_run
     run = load_run(run_dir)

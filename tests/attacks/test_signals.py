@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.signals import (
-    adapter_signals,
-    load_run,
-    run_signals,
-    signals_from_logits,
-)
+from attacks.rundata import load_run, run_signals
+from attacks.signals import adapter_signals, signals_from_logits
 from fl.errors import UsageError
 
 

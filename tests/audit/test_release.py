@@ -390,7 +390,7 @@ def test_export_errors(tmp_path, tiny_cfg, capsys):
 
 
 def test_attack_and_report_on_a_bundle(tmp_path, tiny_cfg, capsys):
-    from attacks.signals import load_run
+    from attacks.rundata import load_run
     from audit.report.build import build_report
     from fl.errors import UsageError
     from fl.run.engine import train

@@ -12,7 +12,8 @@ from fl.testing import tiny_config
 
 
 def test_head_norms_match_the_closed_form_and_lora_share_is_a_fraction(tmp_path, capsys):
-    from attacks.signals import load_adapter_model, load_run
+    from attacks.rundata import load_run
+    from attacks.signals import load_adapter_model
     from fl.models.base import load_tokenizer
 
     cfg = tiny_config(pooling="mean", lora_layers=1, rounds=1, lr=0.05)
