@@ -54,6 +54,9 @@ class Preset:
     #: one-run audit's evidence in the verdict table; every trained method must hold this
     #: many coordinates (FFA-LoRA and FedASK train B and the head only)
     canaries: int = 500
+    #: sampler canaries per client in the same runs (``--sampler-canaries``): drawn into
+    #: batches by the trainer's own sampler, they let the audit test the sampling (#42)
+    sampler_canaries: int = 400
     #: training runs at once: > 1 runs them (and the attack runs' shadow models) as Ray
     #: tasks of one torch thread each (on 2 cores two one-thread runs finish sooner than
     #: two two-thread runs in turn)
@@ -150,6 +153,7 @@ def run_job(
         over = dict(over)
         if over.pop("canaries", 0) == -1:  # white-box gradient canaries (issue 35)
             over |= dict(canaries=spec.canaries, canary_kind="gradient")
+            over |= dict(sampler_canaries=spec.sampler_canaries)
         cfg = TrainConfig(
             **{
                 **base,

@@ -1,6 +1,6 @@
 """Sampler canaries: records that the trainer's own sampler draws into batches, with
 gradients on coordinates of their own (``fedlora train --sampler-canaries M``; sample-level
-DP-SGD with the flat step only).
+DP-SGD flat or a method's own space).
 
 Gradient canaries (:mod:`fl.privacy.gradient_canaries`) get Poisson coins that the auditor
 draws; they cannot see a sampler that is not what the ledger says (shuffled or fixed batches
@@ -56,18 +56,18 @@ class SamplerCanaries:
     meta: dict
     observed: list = field(default_factory=list)
 
-    def step(self, mask: torch.Tensor, noise_source, fault=None) -> None:
+    def step(self, mask: torch.Tensor, noise_source, noise_factor: float = 1.0) -> None:
         """Privatize this step's canary coordinates: each sampled canary's K·C clipped to C,
         plus the step's N(0, σ²C²) from ``noise_source`` (the DP-SGD stream, after the
-        parameters' draw); ``fault`` (tests only) scales that noise as it scales the
-        parameters'."""
+        parameters' draw); ``noise_factor`` (a planted fault, tests only; 1 otherwise)
+        scales that noise as it scales the parameters'."""
         g = torch.full((self.m,), PRE_CLIP * self.clip, dtype=torch.float64)
         g = torch.where(g.abs() > self.clip, self.clip * (g / g.abs()), g)  # the clip: C
         summed = torch.where(mask.cpu(), g, torch.zeros_like(g))
         block = torch.zeros(self.m, dtype=torch.float32)
         noise = flat_noise([block], self.sigma * self.clip, noise_source, torch.device("cpu"))
-        if fault is not None and getattr(fault, "noise_scale", 1.0) != 1.0:
-            noise = noise * fault.noise_scale
+        if noise_factor != 1.0:
+            noise = noise * noise_factor
         self.observed.append((summed + noise.double()).numpy())
 
     def finish(self, out: Path | None) -> Path | None:

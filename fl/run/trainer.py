@@ -56,6 +56,15 @@ class TrainResult:
     dp_stats: dict = field(default_factory=dict)
 
 
+def _noise_factor(privatizer) -> float:
+    """The planted noise factor of a privatizer (``--inject-fault noise_scale``, tests
+    only; 1 on every real run), applied to the sampler canaries' noise as to the rest."""
+    fault = getattr(privatizer, "fault", None)
+    if fault is not None:
+        return float(getattr(fault, "noise_scale", 1.0))
+    return float(getattr(privatizer, "fault_noise_scale", None) or 1.0)
+
+
 class LocalTrainer:
     """One peft model (and its Opacus per-sample-gradient wrapper), reused by every
     client: load state → train → read state."""
@@ -271,7 +280,7 @@ class LocalTrainer:
                     h.pre(params)
                 st = privatizer(params, b)
                 if sampler is not None:  # their isolated coordinates, from the same stream
-                    sampler.step(tail, privatizer.noise, privatizer.fault)
+                    sampler.step(tail, privatizer.noise, _noise_factor(privatizer))
                 if st is not None:
                     dp_stats.add(st, b > 0)
                 for h in hooks:
@@ -307,15 +316,12 @@ class LocalTrainer:
 
     def _begin_sampler(self, privatizer, q: float):
         """The sampler canaries of this local training (:mod:`fl.privacy.sampler_canaries`),
-        or None (the default path, and every training without the flat DP-SGD step)."""
+        or None (the default path, and every training without DP-SGD). Their coordinates
+        sit beside the privatizer's own (flat or a method's space): they take its σ, C and
+        noise stream."""
         m = int(getattr(self.cfg, "sampler_canaries", 0) or 0)
         if m <= 0 or self.sampler_out is None or not getattr(privatizer, "per_sample", False):
             return None
-        if not isinstance(privatizer, DpSgd):
-            raise UsageError(
-                "sampler canaries live beside DP-SGD's flat clipped sum; this method "
-                "privatizes in a space of its own (FedASK: use --opt clip_space=b)"
-            )
         parts = getattr(privatizer.noise, "parts", None) or ()
         if len(parts) < 4 or parts[0] != "dpsgd-noise":
             raise RuntimeError("sampler canaries need the run's DP-SGD noise stream")
