@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 from audit.findings import Code, Finding
 from fl.errors import UsageError
-from fl.privacy.accounting import Ledger, PrivacyError
+from fl.privacy.accounting import PrivacyError
+from fl.privacy.ledger import Ledger
 
 __all__ = [
     "ACCOUNTANTS",

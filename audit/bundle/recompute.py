@@ -24,7 +24,8 @@ from audit.bundle.participation import (
 )
 from audit.claims.check import UNDERSTATE_TOLERANCE
 from audit.findings import Code, Finding
-from fl.privacy.accounting import Event, Ledger, client_level_event, epsilon_of_events
+from fl.privacy.accounting import Event, client_level_event, epsilon_of_events
+from fl.privacy.ledger import Ledger
 
 __all__ = ["audit_privacy", "PrivacyAudit", "ConfigEpsilon"]
 

@@ -1,6 +1,7 @@
-"""Privacy accounting: a persistent ledger of DP events, ε by PLD (headline) and RDP.
+"""Privacy accounting: DP events, ε by PLD (headline) and RDP, noise calibration.
 
-Every noisy release made by the engine is recorded as one :class:`Event`. An event
+Every noisy release made by the engine is recorded as one :class:`Event` in the run's
+persistent ledger (:class:`fl.privacy.ledger.Ledger`). An event
 belongs to an *accounting unit*: for sample-level DP the unit is the client whose
 examples were used (an example lives on exactly one client, so the guarantee for an
 example is the composition of the events of its client); for client-level DP the
@@ -28,7 +29,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import dp_accounting
 from dp_accounting import pld, rdp
@@ -41,9 +42,6 @@ logging.getLogger("absl").setLevel(logging.ERROR)
 
 ACCOUNTANTS = ("pld", "rdp")
 EVENT_KINDS = ("poisson_gaussian", "gaussian")
-#: ledger documents carry ``version: 1``; the optional ``neighbouring`` field was added
-#: without a bump (a reader that ignores it computes the same ε from the same events)
-LEDGER_VERSION = 1
 
 #: The neighbouring relation every ε of a ledger of that level is stated under.
 NEIGHBOURING = {"sample": "add/remove one example", "client": "add/remove one client"}
@@ -63,7 +61,8 @@ class PrivacyError(UsageError):
     """Invalid privacy parameters or a request that would break the budget."""
 
 
-def _check_delta(delta: float) -> None:
+def check_delta(delta: float) -> None:
+    """PrivacyError unless δ is a number in (0, 1)."""
     if not (isinstance(delta, int | float) and math.isfinite(delta) and 0.0 < delta < 1.0):
         raise PrivacyError(f"delta must be in (0, 1), got {delta!r}")
 
@@ -164,7 +163,7 @@ def _make_accountant(accountant: str, discretization: float = _PLD_DISCRETIZATIO
     raise PrivacyError(f"unknown accountant {accountant!r}; expected one of {ACCOUNTANTS}")
 
 
-def _compact(events: Iterable[Event]) -> list[tuple[Event, int]]:
+def compact(events: Iterable[Event]) -> list[tuple[Event, int]]:
     """Merge identical mechanisms (kind, σ, q) by summing counts: composition is
     commutative, so this is exact and keeps PLD fast for long runs."""
     counts: Counter = Counter()
@@ -184,8 +183,8 @@ def epsilon_of_events(
     discretization: float = _PLD_DISCRETIZATION,
 ) -> float:
     """ε(δ) of the composition of ``events`` (one accounting unit). inf if any is non-private."""
-    _check_delta(delta)
-    merged = _compact(events)
+    check_delta(delta)
+    merged = compact(events)
     if not merged:
         return 0.0
     if any(e.noise_multiplier == 0.0 for e, _ in merged):
@@ -257,7 +256,7 @@ def calibrate_noise(
         and target_epsilon > 0
     ):
         raise PrivacyError(f"target epsilon must be a finite number > 0, got {target_epsilon!r}")
-    _check_delta(delta)
+    check_delta(delta)
     _check_rate(sample_rate)
     if not isinstance(steps, int) or steps <= 0:
         raise PrivacyError(f"steps must be a positive int, got {steps!r}")
@@ -424,112 +423,3 @@ def calibrate_client_level(
     mech, q = _client_scheme(scheme, clients_per_round, total_clients)
     s = calibrate_noise(target_epsilon, q, releases, delta, accountant, tol)
     return 2.0 * s if mech == "fixed" else s
-
-
-@dataclass
-class Ledger:
-    """Persistent, append-only record of every DP release of a run.
-
-    ``level`` is ``sample`` or ``client``; ``delta`` the target δ. The ledger is the
-    source of truth: ε is recomputed from the events (:meth:`epsilon`).
-    """
-
-    level: str
-    delta: float
-    events: list[Event] = field(default_factory=list)
-    budget: float | None = None  # target ε; None = no budget enforced
-
-    def __post_init__(self) -> None:
-        if self.level not in ("sample", "client", "none"):
-            raise PrivacyError(f"ledger level must be sample|client|none, got {self.level!r}")
-        _check_delta(self.delta)
-        self._cache: dict = {}
-
-    @property
-    def neighbouring(self) -> str | None:
-        """The neighbouring relation of this ledger's ε (None for level ``none``)."""
-        return NEIGHBOURING.get(self.level)
-
-    def record(self, event: Event) -> None:
-        self.events.append(event)
-        self._cache.clear()
-
-    def units(self) -> list[str]:
-        return sorted({e.unit for e in self.events})
-
-    def epsilon_by_unit(self, accountant: str = "pld", events=None) -> dict[str, float]:
-        evs = self.events if events is None else events
-        by_unit: dict[str, list[Event]] = {}
-        for e in evs:
-            by_unit.setdefault(e.unit, []).append(e)
-        memo: dict[tuple, float] = {}
-        out: dict[str, float] = {}
-        for u in sorted(by_unit):
-            # Units with identical mechanisms (after merging) have identical ε: compute once.
-            sig = tuple(
-                (e.kind, e.noise_multiplier, e.sample_rate, c) for e, c in _compact(by_unit[u])
-            )
-            if sig not in memo:
-                memo[sig] = epsilon_of_events(by_unit[u], self.delta, accountant)
-            out[u] = memo[sig]
-        return out
-
-    def epsilon(self, accountant: str = "pld") -> float:
-        """max over accounting units of the composed ε (0.0 for an empty ledger)."""
-        key = (accountant, len(self.events))
-        if key not in self._cache:
-            by_unit = self.epsilon_by_unit(accountant)
-            self._cache[key] = max(by_unit.values(), default=0.0)
-        return self._cache[key]
-
-    def would_exceed(self, new_events: list[Event], accountant: str = "pld") -> bool:
-        """True if adding ``new_events`` would push ε past the budget (non-mutating)."""
-        if self.budget is None:
-            return False
-        units = {e.unit for e in new_events}
-        for u in units:
-            evs = [e for e in self.events if e.unit == u] + [e for e in new_events if e.unit == u]
-            if epsilon_of_events(evs, self.delta, accountant) > self.budget * (1 + 1e-9):
-                return True
-        return False
-
-    def state_dict(self) -> dict:
-        return {
-            "version": LEDGER_VERSION,
-            "level": self.level,
-            "neighbouring": self.neighbouring,
-            "delta": self.delta,
-            "budget": self.budget,
-            "events": [e.to_dict() for e in self.events],
-        }
-
-    @classmethod
-    def from_state_dict(cls, d: dict) -> Ledger:
-        if not isinstance(d, dict):
-            raise PrivacyError("ledger must be a JSON object")
-        if d.get("version") != LEDGER_VERSION:
-            raise PrivacyError(f"unsupported ledger version {d.get('version')!r}")
-        for k in ("level", "delta", "events"):
-            if k not in d:
-                raise PrivacyError(f"ledger is missing field {k!r}")
-        if not isinstance(d["events"], list):
-            raise PrivacyError("ledger field 'events' must be a list")
-        # ``neighbouring`` is optional (ledgers written before it existed lack it); when
-        # present it must be the relation this code accounts that level under.
-        level = d["level"]
-        if "neighbouring" in d and isinstance(level, str):
-            want = NEIGHBOURING.get(level)
-            if d["neighbouring"] != want:
-                raise PrivacyError(
-                    f"ledger states the neighbouring relation {d['neighbouring']!r}, but a "
-                    f"{level!r}-level ledger is accounted under {want!r}"
-                )
-        budget = d.get("budget")
-        if budget is not None and not (isinstance(budget, int | float) and budget > 0):
-            raise PrivacyError(f"ledger field 'budget' must be > 0 or null, got {budget!r}")
-        return cls(
-            level=d["level"],
-            delta=d["delta"],
-            events=[Event.from_dict(e) for e in d["events"]],
-            budget=budget,
-        )

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from fl.errors import UsageError
 from fl.io import atomic_write_json, file_sha256, read_json
-from fl.privacy.accounting import Ledger
+from fl.privacy.ledger import Ledger
 from fl.run.config import result_fields
 
 

@@ -18,12 +18,12 @@ from fl.methods.rounds import RoundInfo
 from fl.privacy import rng as R
 from fl.privacy.accounting import (
     Event,
-    Ledger,
     calibrate_client_level,
     calibrate_noise,
     client_level_event,
 )
 from fl.privacy.dpsgd import DpSgdParams
+from fl.privacy.ledger import Ledger
 
 
 class PrivacyPlan:

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from audit.bundle.audit import CUDA_RTOL, TAMPER_CODES, audit_run, compare_adapters
 from audit.bundle.replay import _trained_device
-from fl.privacy.accounting import Ledger
+from fl.privacy.ledger import Ledger
 from pipeline.cli import main
 
 TRUSTED_WITHOUT_KEY = {

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from audit.bundle.audit import audit_run
 from fl.errors import UsageError
 from fl.io import file_sha256
-from fl.privacy.accounting import Ledger
+from fl.privacy.ledger import Ledger
 from fl.privacy.rng import NoiseKey
 from fl.run.integrity import check_files, verify_mac
 from pipeline.cli import main

@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 
 from fl.privacy.accounting import (
     Event,
-    Ledger,
     PrivacyError,
     calibrate_noise,
     epsilon,
     epsilon_of_events,
 )
+from fl.privacy.ledger import Ledger
 
 
 def direct(sigma, q, steps, delta, acc):

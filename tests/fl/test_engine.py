@@ -7,7 +7,8 @@ from safetensors.torch import load_file
 
 from fl.models import factors as F
 from fl.models.base import LoraSpec, load_base_model, wrap_lora
-from fl.privacy.accounting import Ledger, epsilon
+from fl.privacy.accounting import epsilon
+from fl.privacy.ledger import Ledger
 from fl.run.engine import Engine, derive_seed, poisson_masks, train
 from pipeline.cli import main as cli_main
 

@@ -11,7 +11,7 @@ from fl.cli.train import config_from_args
 from fl.data.datasets import load_local
 from fl.errors import UsageError
 from fl.io import read_json
-from fl.privacy.accounting import Ledger
+from fl.privacy.ledger import Ledger
 from fl.run.config import TrainConfig, load_toml
 from pipeline.cli import build_parser, main
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from fl.privacy.accounting import Ledger, calibrate_noise, epsilon_of_events
+from fl.privacy.accounting import calibrate_noise, epsilon_of_events
+from fl.privacy.ledger import Ledger
 from fl.run.engine import train
 from fl.testing import tiny_config
 

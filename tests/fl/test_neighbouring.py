@@ -18,13 +18,13 @@ from fl.privacy.accounting import (
     FIXED_COUNT_NOTE,
     NEIGHBOURING,
     Event,
-    Ledger,
     PrivacyError,
     calibrate_client_level,
     calibrate_noise,
     client_level_event,
     epsilon_of_events,
 )
+from fl.privacy.ledger import Ledger
 
 DELTA = 1e-5
 
