@@ -601,6 +601,11 @@ def _one_run(
             cc_res = CCA.audit(run, cc_delta, alpha, out.get("epsilon_pld"))
         except FileNotFoundError as exc:
             raise UsageError(str(exc)) from None
+        from audit.bundle.client_conformance import run_client_conformance
+
+        # the mechanism itself: the privatized sums on the canaries' directions
+        cc_res["conformance"] = run_client_conformance(run, m, alpha, cc_delta, findings)
+        cc_res["implied_epsilon"] = cc_res["conformance"]["implied_epsilon"]
         check = cc_res.get("claim_check")
         if check and check["exceeds"]:
             findings.add(
@@ -667,4 +672,6 @@ def _one_run(
             )
     if cc_res is not None:
         res["canary_clients"] = cc_res
+        if cc_res["implied_epsilon"] is not None:
+            res.setdefault("implied_epsilon", cc_res["implied_epsilon"])
     return res

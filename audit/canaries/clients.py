@@ -26,6 +26,21 @@ Two figures from each, labelled as what they are:
   for each statistic at α/2 (so the larger of the two holds at 1 − α). Each canary is one
   client under add/remove, the ledger's relation, so it is compared with the ledger's ε
   itself (not 2ε as for input canaries, which change one client's data).
+
+The **conformance tests** (:mod:`audit.bounds.conformance`, dense space): the operator
+file's ``proj_rounds`` is, per round and canary, the server's privatized clipped sum
+projected on the canary's unit direction in units of C, x_t/C = D_t + v_t + Z_t/C with
+Z_t ~ N(0, σ²C²) fresh and v_t = b_j·coin_t the canary's part.
+:func:`conformance_blocks` turns them into blocks (:class:`audit.bounds.conformance.Block`)
+tested against the *claim*: σ and the sampling rate q from the ledger's client-level
+event of each round (unit ``federation``), C from the manifest, the coins drawn again from
+the run's key (stream ``("canary-client-coins", round[, "attempt", a])``, the attempt from
+the ledger's charges of interrupted rounds) or all ones when every client takes part in
+every round (q = 1). One block spans consecutive rounds of one σ and q, so that the
+freshness test compares consecutive rounds (a noise draw reused by the next round cancels
+in their difference). FedPower (factored space) is not tested: its release is a noisy
+power iteration, not a Gaussian on the clipped sum
+(``fl.privacy.canary_clients.CONFORMANCE_NOTES``).
 """
 
 from __future__ import annotations
@@ -35,9 +50,13 @@ from pathlib import Path
 
 import numpy as np
 
+from audit.bounds.conformance import Block
 from audit.bounds.hypothesis import gdp_epsilon
 from audit.bounds.one_run import epsilon_one_run
+from fl.errors import UsageError
 from fl.privacy import canary_clients as CC
+from fl.privacy import rng as R
+from fl.run import inflight
 
 STATISTICS = {
     "all_iterates": "sum over rounds of the cosine between the canary's direction and the "
@@ -220,4 +239,164 @@ def audit(run: str | Path, delta: float, alpha: float = 0.05, eps_ledger=None) -
     return res
 
 
-__all__ = ["STATISTICS", "audit", "gaussian_fit", "has_canary_clients", "scores"]
+#: the conformance tests' group of the canary clients
+GROUP = "clients"
+
+
+def ledger_rounds(manifest: dict) -> tuple[dict[int, dict], list[str]]:
+    """Round → ``{"sigma", "q"}`` of the ledger's client-level release of that round (unit
+    ``federation``, stage ``aggregate``: the server's Gaussian on the clipped sum), and
+    notes. Two events for one round (never written by the dense methods) are tested
+    against the smaller σ, with a note."""
+    out: dict[int, dict] = {}
+    notes: list[str] = []
+    for e in ((manifest.get("privacy") or {}).get("ledger") or {}).get("events") or []:
+        if str(e.get("unit", "")) != "federation" or str(e.get("stage", "")) != "aggregate":
+            continue
+        r = int(e.get("round", -1))
+        sigma = float(e["noise_multiplier"])
+        q = float(e.get("sample_rate", 1.0)) if e.get("kind") == "poisson_gaussian" else 1.0
+        if r in out:
+            notes.append(f"round {r}: more than one client-level event; tested at the smaller σ")
+            sigma = min(sigma, out[r]["sigma"])
+        out[r] = {"sigma": sigma, "q": q}
+    return out, notes
+
+
+def ledger_attempts(manifest: dict) -> dict[int, int]:
+    """Round → the attempt it was completed as (:func:`fl.run.inflight.final_attempt` of
+    the ledger's ``interrupted`` charges); rounds never interrupted are attempt 0."""
+    events = ((manifest.get("privacy") or {}).get("ledger") or {}).get("events") or []
+    return {
+        r: inflight.final_attempt(evs) for r, evs in inflight.attempts_from_ledger(events).items()
+    }
+
+
+def round_coins(stream, m: int, r: int, q: float, attempt: int = 0) -> np.ndarray:
+    """(m,) bool: the canaries' participation coins of round ``r`` drawn again exactly as
+    :meth:`fl.privacy.canary_clients.CanaryClients.taking_part` drew them (Bernoulli(q)
+    from the stream ``(COIN_STREAM, r[, "attempt", a])``; all ones at q = 1).
+    ``stream(*parts)``: the run's stream factory (the key's, or the seeded one)."""
+    if q >= 1:
+        return np.ones(m, dtype=bool)
+    src = stream(CC.COIN_STREAM, int(r), *(("attempt", attempt) if attempt else ()))
+    return R.bernoulli_mask(src, m, q).numpy().astype(bool)
+
+
+def conformance_blocks(run: str | Path, manifest: dict, stream) -> tuple[list[Block], dict]:
+    """The conformance blocks of a run's canary clients (module doc) and what was tested:
+    ``{"tested", "note" (why not, when not), "notes" (disagreements between the file and
+    the claim), "rounds" (the rounds tested), "coins"}``. ``stream``: the run's stream
+    factory (:func:`audit.bundle.conformance.coin_stream`), or None (the coins are then
+    unknown at q < 1 and the clipping test is skipped)."""
+    z = CC.read(run)
+    if z is None:
+        raise FileNotFoundError(f"{run}: no {CC.FILE} under private/ (operator files needed)")
+    meta = z["meta"]
+    why = CC.CONFORMANCE_NOTES.get(str(meta.get("space")), "unknown canary space")
+    info: dict = {"tested": False, "note": why, "notes": [], "rounds": [], "coins": None}
+    if why:
+        return [], info
+    if "proj_rounds" not in z:
+        info["note"] = (
+            "the observation file has no projections of the privatized sum (proj_rounds): "
+            "the run was trained before they were recorded"
+        )
+        return [], info
+    proj = np.asarray(z["proj_rounds"], dtype=np.float64)
+    m = int(z["m"])
+    included = np.asarray(z["included"], dtype=bool)
+    seen = np.asarray(z["observed"], dtype=bool) & np.isfinite(proj).all(axis=1)
+    priv = manifest.get("privacy") or {}
+    clip_file = float(meta["clip"])
+    clip = float(priv.get("clipping_norm") or 0) or clip_file
+    notes = info["notes"]
+    if not math.isclose(clip, clip_file, rel_tol=1e-9):
+        notes.append(
+            f"the file states C = {clip_file:g}, the manifest {clip:g}; the projections are "
+            "tested in units of the manifest's"
+        )
+    rounds, more = ledger_rounds(manifest)
+    notes += more
+    try:
+        attempts = ledger_attempts(manifest)
+    except UsageError as exc:
+        attempts = {}
+        notes.append(f"the ledger's interrupted rounds cannot be read ({exc}); attempt 0 assumed")
+    file_attempts = np.asarray(z.get("coin_attempts", np.full(proj.shape[0], -1)))
+    rows: list[tuple[int, float, float, np.ndarray | None]] = []
+    for r in np.flatnonzero(seen).tolist():
+        ev = rounds.get(r)
+        if ev is None:
+            ev = {"sigma": float(meta["noise_multiplier"]), "q": float(meta["rate"])}
+            notes.append(f"round {r}: no client-level ledger event; σ and q from the file")
+        elif not math.isclose(ev["sigma"], float(meta["noise_multiplier"]), rel_tol=1e-6):
+            notes.append(
+                f"round {r}: the file states σ = {float(meta['noise_multiplier']):.6g}, the "
+                f"ledger {ev['sigma']:.6g}; tested against the ledger's"
+            )
+        if not ev["sigma"] > 0:
+            notes.append(f"round {r}: the claim has no noise (σ = {ev['sigma']:g}); not tested")
+            continue
+        a = attempts.get(r, 0)
+        if 0 <= int(file_attempts[r]) != a:
+            notes.append(
+                f"round {r}: the file drew its coins as attempt {int(file_attempts[r])}, the "
+                f"ledger's charges make it attempt {a}; the ledger's are used"
+            )
+        if ev["q"] < 1 and stream is None:
+            coins = None
+        else:
+            coins = round_coins(stream, m, r, ev["q"], a)
+        rows.append((r, ev["sigma"], ev["q"], coins))
+    blocks: list[Block] = []
+    i = 0
+    while i < len(rows):
+        j = i + 1
+        r0, sigma, q, c0 = rows[i]
+        while (
+            j < len(rows)
+            and rows[j][0] == rows[j - 1][0] + 1
+            and rows[j][1:3] == (sigma, q)
+            and (rows[j][3] is None) == (c0 is None)
+        ):
+            j += 1
+        rs = [row[0] for row in rows[i:j]]
+        blocks.append(
+            Block(
+                u=proj[rs] * (clip_file / clip),
+                tracks=np.arange(m),
+                groups=np.full(m, GROUP),
+                sigma=sigma,
+                included=included,
+                coins=None if c0 is None else np.stack([row[3] for row in rows[i:j]]),
+                q=q,
+                order=(r0,),
+            )
+        )
+        i = j
+    info["rounds"] = [row[0] for row in rows]
+    info["tested"] = bool(blocks)
+    info["note"] = "" if blocks else "no round's projections were recorded"
+    qs = {row[2] for row in rows}
+    if qs and min(qs) >= 1:
+        info["coins"] = "every client every round (q = 1): all ones"
+    elif any(row[3] is None for row in rows):
+        info["coins"] = "unknown (no key): the clipping test is skipped"
+    else:
+        info["coins"] = "re-drawn from the run's key"
+    return blocks, info
+
+
+__all__ = [
+    "GROUP",
+    "STATISTICS",
+    "audit",
+    "conformance_blocks",
+    "gaussian_fit",
+    "has_canary_clients",
+    "ledger_attempts",
+    "ledger_rounds",
+    "round_coins",
+    "scores",
+]

@@ -242,12 +242,20 @@ class Method:
         gen = srv.noise_generator(rnd, "client-level")
         m = srv.expected_clients_per_round
         out = F.flatten_state(F.clone_state(self.global_state))
+        privatized = []  # the noisy sums, kept only for the canary clients' observation
         for k in names:
             noise = srv.noise(tuple(total[k].shape), sigma * srv.clip, gen)
-            out[k] = (base[k].float() + (total[k] + noise) / m).to(base[k].dtype)
+            noisy = total[k] + noise
+            out[k] = (base[k].float() + noisy / m).to(base[k].dtype)
+            if canaries is not None:
+                privatized.append(noisy)
         srv.record_client_level_release(rnd, stage="aggregate", count=1)
         if canaries is not None:
             canaries.observe_dense(
-                rnd.index, names, [base[k] for k in names], [out[k] for k in names]
+                rnd.index,
+                names,
+                [base[k] for k in names],
+                [out[k] for k in names],
+                privatized=privatized,
             )
         return F.unflatten_state(out), clipping.stats(norms, srv.clip)

@@ -43,6 +43,16 @@
   minus the previous one; FedPower: the released product s·B A of every layer, which is
   the refactorized noisy average, and the head's released change) and with the final model
   delta (final minus initial global), plus the seeds, inclusion bits and participation.
+  Dense space, for the conformance tests (:mod:`audit.bounds.conformance`): also
+  ``proj_rounds`` (rounds × M), the projection of the server's *privatized* clipped sum
+  (clipped client updates + taking-part canaries + the server's Gaussian noise, before the
+  division by m) on each canary's unit direction, in units of C: the noise's part is
+  exactly N(0, σ²) and a taking-part canary adds 1; ``coin_attempts`` (rounds), the
+  attempt of each round's coin stream. FedPower (factored) records no projection
+  (:data:`CONFORMANCE_NOTES`): its release is a noisy power iteration
+  (:mod:`fl.privacy.powerdp`), 2·iters + 1 Gaussian projections on bases that depend on
+  the earlier noise, at σ_round·√k each, then an SVD, so no direction of what it releases
+  carries "a canary's 1 plus N(0, σ²)".
 """
 
 from __future__ import annotations
@@ -64,6 +74,16 @@ SET_STREAM = ("canary-clients",)
 COIN_STREAM = "canary-client-coins"
 #: method -> the space its canary lives in
 SPACES = {"fedavg": "dense", "ffa": "dense", "fedprox": "dense", "fedpower": "factored"}
+#: space -> why the conformance tests do not apply there ("" where they do)
+CONFORMANCE_NOTES = {
+    "dense": "",
+    "factored": "FedPower's mechanism is not tested by conformance: its release is a noisy "
+    "power iteration (PowerDP), 2·iters + 1 Gaussian projections W̄X + G of the clipped "
+    "average on bases X that depend on the earlier noise, at σ_round·√k each, refactorized "
+    "by an SVD; along no direction do the released factors carry a canary's C plus "
+    "N(0, σ²C²). A test would have to read each projection inside PowerDP (where a canary "
+    "adds ‖ΔW_j X‖ <= C, not C), and those are not recorded",
+}
 SPACE_NOTES = {
     "dense": "the flattened update of the clipped, released parameters (the averaged LoRA "
     "factors and the head), one joint clip to C",
@@ -135,6 +155,13 @@ class CanaryClients:
         self.cos_rounds = np.full((self.rounds, self.m), np.nan)
         self.cos_final = np.full(self.m, np.nan)
         self.observed = np.zeros(self.rounds, dtype=bool)
+        # dense space: each round's privatized clipped sum projected on every canary's unit
+        # direction, in units of C (the conformance tests); None where they do not apply
+        self.proj_rounds = (
+            np.full((self.rounds, self.m), np.nan) if not CONFORMANCE_NOTES[self.space] else None
+        )
+        # the attempt of each round's coin stream (-1: not drawn)
+        self.coin_attempts = np.full(self.rounds, -1, dtype=np.int64)
         self._coins: dict[int, np.ndarray] = {}
         self._dense_set: dict | None = None  # dense directions (:meth:`dense`)
         self._fac: dict | None = None  # factored: per-layer stacked B, A and head
@@ -156,6 +183,7 @@ class CanaryClients:
             self._coins[r] = coins.astype(bool)
             if r < self.rounds:
                 self.participated[r] = self._coins[r] & self.included
+                self.coin_attempts[r] = int(self.rand.attempts.get(r, 0))
         return np.flatnonzero(self._coins[r] & self.included)
 
     # ------------------------------------------------------------------ dense space
@@ -228,15 +256,35 @@ class CanaryClients:
             return (v[ds["perm"]] * ds["signs"]).sum(1) / nv
         return (ds["dirs"].double() @ v) / nv
 
-    def observe_dense(self, r: int, names, base: list[torch.Tensor], new: list[torch.Tensor]):
+    def _dense_inner(self, ds: dict, v: torch.Tensor) -> torch.Tensor:
+        """(M,) inner products of the canaries' unit directions with ``v`` (float64)."""
+        if ds["mode"] == "disjoint":
+            return (v[ds["perm"]] * ds["signs"]).sum(1)
+        return ds["dirs"].double() @ v
+
+    def observe_dense(
+        self,
+        r: int,
+        names,
+        base: list[torch.Tensor],
+        new: list[torch.Tensor],
+        privatized: list[torch.Tensor] | None = None,
+    ):
         """Record round ``r``: cosines with the released update ``new − base``, and with
-        the final-model delta ``new − initial``."""
+        the final-model delta ``new − initial``; with ``privatized`` (the server's noisy
+        clipped sum, shaped like ``names``, before the division by m), its projection on
+        each canary's unit direction in units of C (``proj_rounds``)."""
         ds = self.dense(list(names), [tuple(t.shape) for t in base])
         b = torch.cat([t.double().reshape(-1) for t in base])
         n = torch.cat([t.double().reshape(-1) for t in new])
         if "dense" not in self._initial:
             self._initial["dense"] = b.numpy().copy()
         init = torch.from_numpy(self._initial["dense"])
+        if privatized is not None and self.proj_rounds is not None and 0 <= int(r) < self.rounds:
+            s = torch.cat([t.detach().double().reshape(-1) for t in privatized])
+            if s.numel() != ds["d"]:
+                raise RuntimeError("canary clients: the privatized sum has the wrong size")
+            self.proj_rounds[int(r)] = (self._dense_inner(ds, s) / self.clip).numpy()
         self._record(r, self._dense_cosines(ds, n - b), self._dense_cosines(ds, n - init))
 
     # ------------------------------------------------------------------ factored space
@@ -388,6 +436,11 @@ class CanaryClients:
             "delta": self.delta,
             "canary_norm": self.clip * (self._fac["norm"] if self._fac else 1.0),
             "directions": self._directions_note(),
+            "projection": "proj_rounds: the privatized clipped sum (before the division by "
+            "m) projected on each canary's unit direction, in units of C"
+            if self.proj_rounds is not None
+            else "",
+            "conformance_note": CONFORMANCE_NOTES[self.space],
         }
 
     def _directions_note(self) -> str:
@@ -425,6 +478,8 @@ class CanaryClients:
             observed=self.observed,
             cos_rounds=self.cos_rounds,
             cos_final=self.cos_final,
+            coin_attempts=self.coin_attempts,
+            **({} if self.proj_rounds is None else {"proj_rounds": self.proj_rounds}),
             **{f"initial/{k}": v for k, v in self._initial.items()},
             **self._support_arrays(),
         )
@@ -451,12 +506,18 @@ class CanaryClients:
         self.observed[:n] = z["observed"][:n]
         self.cos_final = z["cos_final"]
         self._initial = dict(z["initial"])
+        if self.proj_rounds is not None and "proj_rounds" in z:
+            self.proj_rounds[:n] = z["proj_rounds"][:n]
+        if "coin_attempts" in z:
+            self.coin_attempts[:n] = z["coin_attempts"][:n]
 
 
 def read(run_dir: str | Path) -> dict | None:
     """The operator file of a run's canary clients (None when absent): ``meta`` (dict) and
     the arrays ``seeds``, ``included``, ``participated`` (rounds × M), ``observed``
-    (rounds), ``cos_rounds`` (rounds × M), ``cos_final`` (M), ``initial`` (dict)."""
+    (rounds), ``cos_rounds`` (rounds × M), ``cos_final`` (M), ``initial`` (dict), and in
+    files that have them ``coin_attempts`` (rounds) and, dense space, ``proj_rounds``
+    (rounds × M)."""
     p = Path(run_dir) / R.PRIVATE_DIR / FILE
     if not p.exists():
         return None
@@ -467,4 +528,12 @@ def read(run_dir: str | Path) -> dict | None:
     return {**d, "meta": meta, "m": int(meta["m"]), "initial": init}
 
 
-__all__ = ["CanaryClients", "check_supported", "read", "FILE", "SPACES", "SPACE_NOTES"]
+__all__ = [
+    "CONFORMANCE_NOTES",
+    "CanaryClients",
+    "check_supported",
+    "read",
+    "FILE",
+    "SPACES",
+    "SPACE_NOTES",
+]
