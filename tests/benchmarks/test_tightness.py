@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks.auditing.tightness import ideal, main, utility_summary
+from benchmarks.auditing.tightness import main
+from benchmarks.auditing.tightness_tables import ideal, utility_summary
 
 
 def test_tightness_tiny(tmp_path, capsys):
