@@ -1,3 +1,5 @@
+# Over 500 lines on purpose: every test edits copies of the three runs that the module-scoped
+# `runs` fixture trains once; split into files, each file would train them again.
 """The tamper suite: what an attacker with write access to a bundle can edit, and what the
 audit says about it, with and without the run key.
 

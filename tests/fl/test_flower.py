@@ -1,3 +1,6 @@
+# Over 500 lines on purpose: the simulation and the loopback-deployment tests check Flower
+# against in-process runs through the same helpers (_run, _compare, _events, _rows), and the
+# simulation tests share the module-scoped Flower session (Ray) and in-process references.
 """The Flower transport: equivalence with the in-process engine on Flower's simulation
 runtime, faults, and a real loopback deployment (SuperLink + SuperNodes started as
 processes). Record conversion: test_flower_records.py."""
