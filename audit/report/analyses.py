@@ -7,7 +7,6 @@ figure). Nothing here prints a raw dict (:func:`readable`).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from audit.report.document import (
@@ -15,8 +14,11 @@ from audit.report.document import (
     Paragraph,
     Section,
     Table,
+    copy_figure,
+    save_figure,
 )
 from audit.report.document import format_cell as _fmt
+from audit.report.figures import claims_figure
 from fl.errors import UsageError
 from fl.io import read_json
 
@@ -47,8 +49,7 @@ def _analyses_section(analyses_dir: str | None, figdir: Path) -> Section:
         sub = Section(name)
         sec.add(sub)
         for png in sorted(js.parent.glob("*.png")):
-            dst = figdir / f"{name}-{png.name}"
-            shutil.copyfile(png, dst)
+            dst = copy_figure(png, figdir / f"{name}-{png.name}")
             sub.add(_figure(dst, name))
         rows_a = [ra for ra in doc.get("rows") or [] if isinstance(ra, dict)]
         summarize = _SUMMARIES.get(name)
@@ -182,14 +183,15 @@ def readable(x, depth: int = 0, items: int = READABLE_ITEMS) -> str:
     return str(x)
 
 
-def _claim_figure(c: dict, analyses_dir: str | None, claims_png: bool) -> str:
-    """Where the figure behind a claim is: its analysis's figure, else the claims figure."""
+def _claim_figure(c: dict, analyses_dir: str | None) -> str:
+    """Where the figure behind a claim is: its analysis's figure, the utility grids'
+    figure, else none."""
     if "verdict" in c and "diff_mean" in (c.get("measured") or {}):
         return "accuracy vs ε (below)"
     name = next((a for k, a in CLAIM_FIGURES.items() if str(c.get("id", "")).startswith(k)), None)
     if name and analyses_dir and (Path(analyses_dir) / name).is_dir():
         return f"{name} (Noise analyses)"
-    return "claims figure (below)" if claims_png else "–"
+    return "–"
 
 
 def _claims_section(claims: dict | None, analyses_dir: str | None, figdir: Path) -> Section:
@@ -199,7 +201,6 @@ def _claims_section(claims: dict | None, analyses_dir: str | None, figdir: Path)
         return sec
     verdicts = {True: "holds", False: "does not hold", None: "inconclusive"}
     png = Path(analyses_dir) / "claims" / "claims.png" if analyses_dir else None
-    has_png = bool(png and png.is_file())
     t = [
         [
             f"{c.get('paper')}: {c.get('statement')}",
@@ -207,15 +208,19 @@ def _claims_section(claims: dict | None, analyses_dir: str | None, figdir: Path)
             # a comparison's measured: difference, interval, pairs and both cells
             readable(c.get("measured") or {}, items=5),
             verdicts.get(c.get("holds"), "inconclusive"),
-            _claim_figure(c, analyses_dir, has_png),
+            _claim_figure(c, analyses_dir),
         ]
         for c in claims["claims"]
     ]
     sec.add(Table.of(["claim", "setting", "measured", "verdict", "figure"], t))
-    if has_png:
-        dst = figdir / "claims-claims.png"
-        shutil.copyfile(png, dst)
-        sec.add(_figure(dst, "claims and their verdicts"))
+    # the verdicts counted per paper (the analysis's own figure, a bar per claim, repeats
+    # the table above in an image some ten thousand pixels tall: linked, not embedded)
+    fig = claims_figure(claims["claims"])
+    if fig is not None:
+        sec.add(_figure(save_figure(fig, figdir / "claims-verdicts")[0],
+                        "the claims by verdict, per paper"))  # fmt: skip
+    if png and png.is_file():
+        sec.add(Paragraph.of(f"The analysis's figure of every claim and its verdict: {png}."))
     _utility_blocks(sec, claims.get("utility"), png.parent if png else None, figdir)
     where = f" ({Path(analyses_dir) / 'claims' / 'claims.json'})" if analyses_dir else ""
     return sec.add(
@@ -273,8 +278,7 @@ def _utility_blocks(sec: Section, utility: dict | None, claims_dir, figdir: Path
     )
     png = Path(claims_dir) / "claims_utility.png" if claims_dir else None
     if png and png.is_file():
-        dst = figdir / "claims-utility.png"
-        shutil.copyfile(png, dst)
+        dst = copy_figure(png, figdir / "claims-utility.png")
         sec.add(_figure(dst, "balanced accuracy vs ε per method (mean, 95% CI over seeds)"))
 
 

@@ -6,12 +6,16 @@ paragraphs, tables, figures) and rendered twice, to HTML and to Markdown.
 The report gathers what exists and says plainly what does not: a section whose inputs
 were not produced is marked *missing*, never filled with placeholders.
 
-Sections: the verdict (one table, one row per run: utility, ε claimed and recomputed,
-the certified empirical ε lower bound (one-run canary audit), the strongest attack, the audit's findings and a
-one-line verdict from :func:`audit.report.verdict.verdict`), runs (method, level, σ, δ,
-findings, accuracy per round), noise analyses (each analysis's figure and a few key
-numbers; the full rows stay in its JSON), membership-inference attacks (ROC figures
-and tables), optionally the causal-LM runs' perplexities and the client-level attack
+Under the title, one line counts the verdicts. Sections: the verdict (one table, one
+row per run: utility, ε claimed and recomputed, the certified empirical ε lower bound
+(one-run canary audit), the strongest attack, the audit's findings and a one-line verdict
+from :func:`audit.report.verdict.verdict`; then the privacy figure: ε claimed,
+recomputed, certified and noise-implied per run beside its utility,
+:func:`audit.report.figures.privacy_figure`), runs (method, level, σ, δ, findings,
+accuracy per round where a run was evaluated more than once), noise analyses (each
+analysis's figure and a few key numbers; the full rows stay in its JSON),
+membership-inference attacks (tables, and the ROC curves on log–log axes), optionally
+the causal-LM runs' perplexities and the client-level attack
 (:mod:`audit.report.lm`, only when a run has them), empirical privacy (the attacks' ε
 estimates and the canaries' certified bound vs the claimed ε), the papers' claims check (claim,
 setting, measured value, verdict, the figure behind it), environment, and the exact
@@ -22,8 +26,9 @@ from __future__ import annotations
 
 import math
 import platform
+import re
 import shlex
-import shutil
+from collections import Counter
 from dataclasses import fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,12 +51,21 @@ from audit.report.document import (
     Section,
     Strong,
     Table,
+    copy_figure,
     render_html,
     render_markdown,
     save_figure,
 )
 from audit.report.document import format_cell as _fmt
 from audit.report.empirical import _empirical_section, best_bound, empirical_bounds
+from audit.report.figures import (
+    accuracy_figure,
+    accuracy_series,
+    implied_epsilon,
+    num,
+    privacy_figure,
+    roc_figure,
+)
 from audit.report.lm import client_section, lm_section
 from audit.report.verdict import CHANCE_BALANCED, Evidence, findings_summary, verdict
 from fl.errors import UsageError
@@ -206,10 +220,10 @@ def build_report(
 
     report = Report(title, datetime.now(UTC).isoformat(timespec="seconds"))
     summary: dict = {"runs": [], "sections": list(SECTIONS), "missing": []}
-    report.sections.append(_verdict_section(rows))
+    report.sections.append(_verdict_section(rows, figdir, summary))
     report.sections.append(_runs_section(rows, figdir, summary))
     report.sections.append(_analyses_section(analyses_dir, figdir))
-    report.sections.append(_attacks_section(rows, figdir))
+    report.sections.append(_attacks_section(rows, figdir, summary))
     # optional: only when a run is a causal LM / has a client-level attack
     report.sections += [s for s in (lm_section(rows, figdir), client_section(rows, figdir)) if s]
     report.sections.append(_empirical_section(rows, figdir, summary))
@@ -222,12 +236,35 @@ def build_report(
     assert [s.title for s in report.sections if s.title in SECTIONS] == list(SECTIONS)
     summary["sections"] = [s.title for s in report.sections]
     summary["missing"] = report.missing
+    report.summary = summary["headline"] = headline(rows)
 
     atomic_write_text(outp / "report.html", render_html(report, outp))
     atomic_write_text(outp / "report.md", render_markdown(report))
     summary["html"] = str(outp / "report.html")
     summary["markdown"] = str(outp / "report.md")
     return summary
+
+
+def _verdict_kind(v: str) -> str:
+    """A verdict's kind, its words before the first ``(``, ``;`` or ``:``."""
+    return re.split(r" \(|;|:", v, maxsplit=1)[0].strip()
+
+
+def headline(rows: list[dict]) -> str:
+    """The line under the report's title: the verdicts counted by kind, and the runs at
+    chance-level utility (``6 runs: 5 private as claimed, 1 no DP claimed; 2 at chance``)."""
+    kinds = Counter(_verdict_kind(r.get("verdict") or "no verdict") for r in rows)
+    chance = sum(
+        1
+        for r in rows
+        if isinstance(r.get("balanced_accuracy"), int | float)
+        and r["balanced_accuracy"] <= CHANCE_BALANCED
+    )
+    n = len(rows)
+    text = f"{n} run{'s' if n != 1 else ''}: " + ", ".join(f"{c} {k}" for k, c in kinds.items())
+    if chance:
+        text += f"; {chance} with utility at chance (balanced accuracy ≤ {CHANCE_BALANCED})"
+    return text + "."
 
 
 def strongest_attack(row: dict) -> tuple[str, dict] | None:
@@ -317,13 +354,52 @@ VERDICT_COLUMNS = {
 }
 
 
-def _verdict_section(rows: list[dict]) -> Section:
+def privacy_points(rows: list[dict]) -> list[dict]:
+    """What the privacy figure shows of each run: ``run``, ``dp`` (a DP claim),
+    ``claimed``, ``recomputed``, ``implied``, ``lb`` and ``alpha`` (the certified lower
+    bound the verdict uses, :func:`audit.report.empirical.best_bound`), ``limit`` (what the
+    claim lets the bound reach when that is not the recomputed ε: 2ε at client level),
+    ``balanced_accuracy``, ``accuracy``, ``perplexity``; None where unknown."""
+    out = []
+    for r in rows:
+        a = r.get("audit") if isinstance(r.get("audit"), dict) else {}
+        bound = best_bound(r) or {}
+        dp = r.get("level") not in (None, "none")
+        recomputed = num(a.get("epsilon_pld")) if dp else None
+        limit = num(bound.get("limit"))
+        out.append(
+            {
+                "run": r["run"],
+                "dp": dp,
+                "claimed": num(r.get("epsilon_claimed")) if dp else None,
+                "recomputed": recomputed,
+                "implied": implied_epsilon(a),
+                "lb": num(bound.get("epsilon_lb")),
+                "alpha": bound.get("alpha"),
+                # what one canary may reach when not the recomputed ε (client level: 2ε)
+                "limit": limit if limit is not None and limit != recomputed else None,
+                "balanced_accuracy": num(r.get("balanced_accuracy")),
+                "accuracy": num(r.get("accuracy")),
+                "perplexity": num(r.get("perplexity")),
+            }
+        )
+    return out
+
+
+def _verdict_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
+    """The verdict table, then the privacy figure, then what both show."""
     sec = Section("Verdict")
     cells = [run_verdict(r) for r in rows]
     for r, c in zip(rows, cells):
         r["verdict"] = c["verdict"]
     sec.add(Table.of(VERDICT_COLUMNS.values(), [[c[k] for k in VERDICT_COLUMNS] for c in cells]))
-    return sec.add(
+    points = summary["privacy"] = privacy_points(rows)
+    fig = privacy_figure(points)
+    if fig is not None:
+        path = save_figure(fig, figdir / "privacy")[0]
+        summary.setdefault("figures", {})["privacy"] = str(path)
+        sec.add(_figure(path, "privacy claimed, recomputed and measured, against utility"))
+    sec.add(
         Paragraph.of(
             "ε in nats at the run's δ; recomputed by the run audit from the composed DP "
             "events (fedlora audit RUN). The empirical lower bound is the one-run audit over "
@@ -340,6 +416,27 @@ def _verdict_section(rows: list[dict]) -> Section:
             "section lists them in full."
         )
     )
+    if fig is not None:
+        implied = any(p["implied"] is not None for p in points)
+        sec.add(
+            Paragraph.of(
+                "The figure has one row per run. Left: ε claimed (the run's manifest), "
+                "recomputed from the ledger by the audit, and the certified lower bound of "
+                "the one-run canary audit, drawn as its one-sided interval (the run's true ε "
+                "lies in it at the confidence shown)"
+                + (
+                    "; the noise-implied ε is the ledger's ε recomputed with the noise scale "
+                    "the conformance tests observed (conditional on Gaussian noise, not a "
+                    "certified bound)"
+                    if implied
+                    else ""
+                )
+                + ". A claim is contradicted when the bound's interval lies entirely above "
+                "what the recomputed ε allows (the verdict's test). Right: the released model's utility on the test set; "
+                "balanced accuracy 0.5 is chance."
+            )
+        )
+    return sec
 
 
 def _runs_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
@@ -419,13 +516,24 @@ def _runs_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
                     (Strong(str(f.code)), f" ({f.severity}): {f.message}") for f in findings
                 ),
             )
-    acc_fig = _plot_accuracy(rows, figdir / "accuracy")
-    if acc_fig:
-        sec.add(_figure(acc_fig[0], "accuracy per round"))
+    series, single = accuracy_series(rows)
+    fig = accuracy_figure(series)
+    if fig is not None:
+        path = save_figure(fig, figdir / "accuracy")[0]
+        summary.setdefault("figures", {})["accuracy"] = str(path)
+        sec.add(_figure(path, "accuracy per round"))
+    if single:
+        names = ", ".join(f"{run} (round {k})" for run, k in single)
+        sec.add(
+            Paragraph.of(
+                f"Evaluated at one round only, so no per-round curve: {names}; the accuracy "
+                "is in the table."
+            )
+        )
     return sec
 
 
-def _attacks_section(rows: list[dict], figdir: Path) -> Section:
+def _attacks_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
     sec = Section("Membership inference")
     for r in rows:
         att = r.get("attacks")
@@ -463,10 +571,15 @@ def _attacks_section(rows: list[dict], figdir: Path) -> Section:
                     "and its bootstrap interval is unreliable there."
                 )
             )
-        for fig in r["roc_figures"]:
-            dst = figdir / f"{r['run']}-{Path(fig).name}"
-            shutil.copyfile(fig, dst)
-            sub.add(_figure(dst, f"ROC {r['run']}"))
+        fig = roc_figure(f"Membership inference ROC: {r['run']}", att.get("attacks") or {})
+        if fig is not None:  # drawn here from attacks.json: log–log, one style for all runs
+            path = save_figure(fig, figdir / f"{r['run']}-roc")[0]
+            summary.setdefault("figures", {})[f"roc {r['run']}"] = str(path)
+            sub.add(_figure(path, f"ROC {r['run']} (log–log)"))
+        else:  # attack results without curves: the attack's own figures
+            for src in r["roc_figures"]:
+                dst = copy_figure(Path(src), figdir / f"{r['run']}-{Path(src).name}")
+                sub.add(_figure(dst, f"ROC {r['run']}"))
     if not sec.blocks:
         sec.missing = "no attack results in the runs (run `fedlora attack RUN_DIR`)."
     return sec
@@ -478,30 +591,3 @@ def _environment_section(rows: list[dict]) -> Section:
         [k, v] for k, v in versions.items() if k != "python"
     ]
     return Section("Environment", [Table.of(["component", "version"], env)])
-
-
-def _plot_accuracy(rows: list[dict], stem: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = [
-        (
-            r["run"],
-            [(m["round"], m["accuracy"]) for m in r["metrics"] if m.get("accuracy") is not None],
-        )
-        for r in rows
-    ]
-    series = [(n, s) for n, s in series if s]
-    if not series:
-        return []
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, s in series:
-        ax.plot([x for x, _ in s], [y for _, y in s], marker="o", label=name)
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (fraction)")
-    ax.set_title("Test accuracy of the released global adapter")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return save_figure(fig, stem)

@@ -6,13 +6,12 @@ its content (a causal-LM run; ``RUN/attacks/clients.json`` from ``fedlora attack
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from audit.report.analyses import _figure
-from audit.report.document import Paragraph, Section, Table, save_figure
+from audit.report.document import Paragraph, Section, Table, copy_figure, save_figure
 from audit.report.document import format_cell as _fmt
 
 LM_TITLE = "Language models"
@@ -163,7 +162,6 @@ def client_section(rows: list[dict], figdir: Path) -> Section | None:
         ):
             src = adir / f"{stem}.png"
             if src.is_file():
-                dst = figdir / f"{r['run']}-{src.name}"
-                shutil.copyfile(src, dst)
+                dst = copy_figure(src, figdir / f"{r['run']}-{src.name}")
                 sub.add(_figure(dst, f"{caption} {r['run']}"))
     return sec

@@ -1,7 +1,8 @@
-"""The report of a real (tiny) run, attacked and audited, opens with the verdict table,
-holds no raw dicts, and renders in a real browser: headless Chromium (the Debian
-``chromium`` package, installed here when missing) loads every figure and finds no empty
-section."""
+"""The report of a real (tiny) run, attacked and audited, opens with the verdict table
+and the privacy figure, holds no raw dicts, and renders in a real browser: headless
+Chromium (the Debian ``chromium`` package, installed here when missing) loads every
+figure, finds no empty section, and at a laptop's and a phone's width nothing makes the
+page scroll sideways (wide tables become cards on the phone)."""
 
 import html
 import json
@@ -130,6 +131,12 @@ def test_verdict_first_and_no_raw_dicts(report):
     assert "both exponent low 2.02, exponent high 3.99; by sigma 9 values, 0 to 0.8" in md
     assert "auc 0.51; auc ci [0.48, 0.54]; angles 0 to 8 (9 values) | inconclusive | – |" in md
     assert "amplification (Noise analyses)" in md and "a long note" not in md
+    # the verdict table, then the privacy figure; one round: no per-round figure
+    assert set(s["figures"]) == {"privacy", "roc dp-run"}
+    assert head.index("| dp-run |") < head.index("![privacy claimed, recomputed and measured")
+    assert "Evaluated at one round only, so no per-round curve: dp-run (round 1);" in md
+    # the ROC curves: drawn by the report, on log–log axes
+    assert "![ROC dp-run (log–log)](figures/dp-run-roc.png)" in md
 
 
 def test_renders_in_headless_chromium(report, chromium, tmp_path):
@@ -152,7 +159,7 @@ def test_renders_in_headless_chromium(report, chromium, tmp_path):
     m = re.search(r'<pre id="browser-check">(.*?)</pre>', p.stdout, re.S)
     assert m, f"no check in Chromium's DOM (rc {p.returncode}): {p.stderr[-500:]}"
     seen = json.loads(html.unescape(m.group(1)))
-    assert len(seen["imgs"]) == page.count("<img") >= 3  # accuracy, analysis, ROC, claims
+    assert len(seen["imgs"]) == page.count("<img") >= 4  # privacy, analysis, ROC, claims
     assert [i for i in seen["imgs"] if i["width"] <= 0] == []
     assert seen["empty"] == []
     assert seen["sections"] >= len(SECTIONS)
@@ -161,3 +168,70 @@ def test_renders_in_headless_chromium(report, chromium, tmp_path):
     p = _headless(chromium, tmp_path / "p2", "--window-size=1280,900", f"--screenshot={shot}",
                   f"file://{out / 'report.html'}")  # fmt: skip
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p.stderr[-500:]
+
+
+#: a laptop's and a phone's CSS width (an iPhone 12 to 15: 390 px)
+WIDTHS = {"laptop": (1366, 900), "phone": (390, 844)}
+#: what the page reports from inside the browser: its width against the viewport's, the
+#: elements that stick out of it (outside the tables' own scroll containers), the images'
+#: widths, and how the verdict table is laid out (cards on a phone)
+_LAYOUT_PROBE = """<script>window.addEventListener('load', () => {
+  const W = document.documentElement.clientWidth;
+  const out = [...document.body.querySelectorAll('*')]
+    .filter(e => e.getBoundingClientRect().right > W + 1 && !e.closest('.scroll, pre'))
+    .slice(0, 8).map(e => e.tagName + ' ' + e.textContent.slice(0, 50));
+  const imgs = [...document.images].map(i => [i.naturalWidth, i.getBoundingClientRect().width]);
+  const t = document.querySelector('table.stack');
+  const res = {W, scroll: document.documentElement.scrollWidth, out, imgs,
+               thead: t && getComputedStyle(t.tHead).display, row: t && t.rows[1].offsetWidth};
+  parent.postMessage(JSON.stringify(res), '*');
+});</script></body>"""
+
+
+def _layout(chromium, page: str, width: int, height: int, tmp_path, shot):
+    """The page at ``width`` CSS px: an iframe that wide (Chromium's headless window is
+    500 px at the least), the probe's findings posted to the frame page, which writes them
+    into its own DOM (what --dump-dom prints); and a screenshot to ``shot``."""
+    probe = tmp_path / f"probe-{width}.html"
+    probe.write_text(page.replace("</body>", _LAYOUT_PROBE))
+    frame = tmp_path / f"frame-{width}.html"
+    frame.write_text(
+        "<!DOCTYPE html><html><body style='margin:0'>"
+        f"<iframe src='{probe.name}' style='border:0;width:{width}px;height:{height}px'></iframe>"
+        "<script>addEventListener('message', e => { const p = document.createElement('pre');"
+        "p.id = 'layout'; p.textContent = e.data; document.body.appendChild(p); });</script>"
+        "</body></html>"
+    )
+    window = f"--window-size={max(width, 500)},{height}"
+    p = _headless(chromium, tmp_path / f"p-{width}", window, "--hide-scrollbars",
+                  "--virtual-time-budget=10000", "--dump-dom", f"file://{frame}")  # fmt: skip
+    m = re.search(r'<pre id="layout">(.*?)</pre>', p.stdout, re.S)
+    assert m, f"no layout from Chromium (rc {p.returncode}): {p.stderr[-500:]}"
+    _headless(chromium, tmp_path / f"s-{width}", window, "--hide-scrollbars",
+              "--virtual-time-budget=10000", f"--screenshot={shot}", f"file://{frame}")  # fmt: skip
+    return json.loads(html.unescape(m.group(1)))
+
+
+@pytest.mark.parametrize("device", list(WIDTHS))
+def test_no_sideways_scrolling_at_laptop_and_phone_width(report, chromium, tmp_path, device):
+    from PIL import Image
+
+    _, out = report
+    width, height = WIDTHS[device]
+    page = (out / "report.html").read_text()
+    shot = tmp_path / f"{device}.png"
+    seen = _layout(chromium, page, width, height, tmp_path, shot)
+    # the page is as wide as the viewport: nothing sticks out (wide tables scroll inside
+    # their own container on a laptop, become cards on a phone)
+    assert seen["W"] == width and seen["scroll"] <= seen["W"], seen
+    assert seen["out"] == [], seen["out"]
+    assert seen["imgs"] and all(0 < w <= seen["W"] for _, w in seen["imgs"]), seen["imgs"]
+    if device == "phone":  # the verdict table as cards: no header row, a row as wide as the page
+        assert seen["thead"] == "none" and seen["row"] <= seen["W"]
+    else:
+        assert seen["thead"] == "table-header-group"
+    # the screenshot: the page was drawn (text and figures, not a blank window)
+    im = Image.open(shot).convert("L").crop((0, 0, width, height))
+    assert im.size == (width, height)
+    dark = np.asarray(im) < 128
+    assert dark.mean() > 0.01, "blank screenshot"
