@@ -1,56 +1,74 @@
-"""Planted-fault suite: the power of the one-run audit (issue 35, item 4).
+"""Planted-fault suite: the power of the run audit at the sampling rates DP-SGD uses (issue 42,
+item 3; the q = 1 suite of issue 35, item 4, extended).
 
-``python -m benchmarks.auditing.faults [--seeds 10] [--correct 20] [--out DIR]``
+``python -m benchmarks.auditing.faults --grid full [--out DIR] [--budget-min 68]``
 
-Trains the real engine once per (fault, seed) with ``--inject-fault NAME[=VALUE]`` (a test-only
+Trains the real engine once per (cell, seed) with ``--inject-fault NAME[=VALUE]`` (a test-only
 switch that plants the fault at its code path and leaves the ledger unchanged: such a run is
-never released), at a claimed ε = 1 (σ calibrated by the engine from ``--epsilon 1``), and
-audits every run with the one-run audit of its white-box gradient canaries
-(``audit.bundle.audit.audit_run(run, one_run=True)``; the audit never reads the fault: it finds it
-from the privatized step sums, or at client level from the canary clients' cosines). Detection = the audit's ``empirical_exceeds_claim`` finding
-(the one-run ε lower bound, certified at 95 %, above the recomputed ε). Correct runs (no fault)
-at seeds drawn from the OS's secret randomness give the false-alarm rate.
+never released), σ calibrated by the engine from the claimed ε, and audits every run with
+``audit.bundle.audit.audit_run(run, one_run=True)``. The audit never reads the fault: it finds
+it from the privatized step sums of the white-box gradient canaries (or, at client level, from
+the canary clients). Two findings count, each recorded on its own:
 
-Per fault: detection rate over the seeds with a Clopper–Pearson 95 % interval, the ε_lb
-distribution (median, min, max), wall time; ``results.json`` and ``table.md`` in ``--out``
-(default ``benchmarks/results/faults``). Every run gets a fresh secret noise key.
+- ``mechanism_mismatch``: a conformance test (``audit/bounds/conformance.py``: the noise's
+  scale, its freshness, the canaries' clipping; per parameter group A / B / head / "B
+  (W-space)", Holm-corrected at α = 0.05) rejects the claimed mechanism;
+- ``empirical_exceeds_claim``: the one-run ε lower bound (certified at 95 %) is above the
+  recomputed ε.
 
-Settings (where the gradient canaries are strong; docs/privacy.md "Gradient canaries"):
-tiny-bert on synthetic text, rank 16 on every layer, 3 clients × 80 members, 2 rounds × 4
-local steps, M = 5 000 gradient canaries (4 000 for FedASK), δ = 1e-5. ``q1``: batch 80 (q = 1, the plain
-Gaussian); ``q025``: batch 20 (q = 0.25), for the two faults that change nothing at q = 1
-(``fixed_batches``: at q = 1 the fixed batch is the whole client, exactly Poisson's;
-``noise_reuse``: at q = 1 a canary is in every step, so one reused draw hides it as well as
-fresh ones). ``fedask``: FedASK with ``--opt clip_space=b`` (the flat DP-SGD step; FedASK's
-default W-space privatizer takes W-space gradient canaries too, tests/fl/test_wspace_canaries.py,
-but refuses the flat step's faults). ``client``: client-level FedAvg-LoRA audited by its canary clients
-(``--canary-clients 4000``, ``audit/canaries/clients.py``), for the server-noise faults.
+A run is *flagged* when either is raised. Correct runs (no fault; seeds from the OS's secret
+randomness) give the false-alarm rate. Every run gets a fresh secret noise key.
+
+Settings (:data:`SETTINGS`; q = batch / members per client):
+
+- tiny-bert on synthetic text (``fl.testing.TINY``: max_length 24, lr 0.02, LoRA rank 16 on
+  every layer, random head), 3 clients: ``q1`` 80 members, batch 80, 2 rounds × 4 steps;
+  ``q025`` 80 members, batch 20, 2 × 4; ``q005`` 160 members, batch 8, 2 × 50 (100 steps);
+  ``q001`` 300 members, batch 3, 2 × 50 (100 steps; the synthetic set has 1 200 examples,
+  so 3 × 300 members is as large as it goes). 2 000 gradient canaries (5 000 before issue
+  42: the conformance tests need far fewer), δ = 1e-5.
+- ``client``: client-level FedAvg-LoRA (tiny-bert), server noise, 3 clients of 20, every
+  client every round, 3 rounds of 1 local step, C = 0.5, rank 64, 4 000 canary clients.
+- ``minilm``: the default preset of ``fedlora run`` (``pipeline.job.PRESETS["default"]``:
+  all-MiniLM-L6-v2 on tweets, 5 clients × 400, batches of 128, q = 0.32, 3 rounds × 6
+  steps, LoRA rank 8 on the top layer, zero head) at sample level with 5 000 gradient
+  canaries and the preset's δ (1/(10·400)); ``minilm-q005``: the same with batches of 20
+  (q = 0.05) and 2 rounds × 50 steps.
+
+Grids (``--grid``; :data:`GRIDS`): ``full`` the committed table, ``quick`` one short run per
+new setting (the harness test), ``timing`` one run of each setting (prints train_s and
+audit_s). ``--budget-min`` stops launching cells once the wall time passes it (what was
+skipped is listed in results.json); the grid is ordered so that the stated targets come first.
+The tables (``faults_table.py``): per cell the flag rate with its Clopper–Pearson 95 %
+interval, each finding's count, ε_lb, the noise-implied ε, the per-group observed/claimed
+noise ratios and the audit's wall time; the false alarms over every correct run; the power
+curve (the largest noise factor f < 1 flagged in ≥ 9/10 seeds at each q).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import datetime
 import json
 import os
+import platform
 import secrets
 import shutil
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-#: the settings (TrainConfig overrides on top of fl.testing.TINY)
+#: tiny-bert settings (TrainConfig overrides on top of fl.testing.TINY); ``q`` is nominal
+TINY_COMMON = dict(rank=16, canaries=2000, canary_kind="gradient", delta=1e-5)
 SETTINGS: dict[str, dict] = {
-    "q1": dict(batch_size=80, rank=16),
-    "q025": dict(batch_size=20, rank=16),
-    # FedASK trains B (and the head) only: 4 096 + 130 coordinates at rank 16
-    "fedask": dict(
-        batch_size=80, rank=16, method="fedask", opts={"clip_space": "b"}, canaries=4000
-    ),  # client level: FedAvg-LoRA, server noise, M canary clients (docs/audit.md, "Canary
-    # clients"): 3 clients of 20, every client every round, 3 rounds of 1 local step,
-    # C = 0.5, rank 64 (32 898 clipped coordinates)
+    "q1": dict(TINY_COMMON, members=240, batch_size=80, rounds=2, local_steps=4),
+    "q025": dict(TINY_COMMON, members=240, batch_size=20, rounds=2, local_steps=4),
+    "q005": dict(TINY_COMMON, members=480, batch_size=8, rounds=2, local_steps=50),
+    "q001": dict(TINY_COMMON, members=900, batch_size=3, rounds=2, local_steps=50),
+    # client level: FedAvg-LoRA, server noise, M canary clients (docs/audit.md, "Canary
+    # clients"): every client every round, 3 rounds of 1 local step, C = 0.5, rank 64
     "client": dict(
         dp_level="client",
         members=60,
@@ -61,48 +79,128 @@ SETTINGS: dict[str, dict] = {
         canaries=0,
         canary_kind="mislabel",
         canary_clients=4000,
+        delta=1e-5,
+    ),
+    # the default preset (pipeline.job.PRESETS["default"].base is added in config())
+    "minilm": dict(dp_level="sample", canaries=5000, canary_kind="gradient"),
+    "minilm-q005": dict(
+        dp_level="sample",
+        canaries=5000,
+        canary_kind="gradient",
+        batch_size=20,
+        rounds=2,
+        local_steps=50,
     ),
 }
-COMMON = dict(epsilon=1.0, delta=1e-5, canaries=5000, canary_kind="gradient")
+#: the model each setting trains (minilm: the default preset's base)
+MINILM = ("minilm", "minilm-q005")
+#: nominal sampling rate of each setting (batch / members per client)
+Q = {
+    "q1": 1.0,
+    "q025": 0.25,
+    "q005": 0.05,
+    "q001": 0.01,
+    "client": 1.0,
+    "minilm": 0.32,
+    "minilm-q005": 0.05,
+}
+#: per-method overrides (FedASK keeps its default clip_space=w: W-space slots)
+METHOD_OPTS: dict[str, dict] = {
+    "plora": dict(client_ranks="8,16"),
+    "fedask-b": dict(method="fedask", opts={"clip_space": "b"}),
+}
+#: the faults whose targets issue 42 states (flagged in >= 9/10 seeds at every q)
+TARGET_FAULTS = (
+    "noise_scale=0.25",
+    "noise_scale=0.5",
+    "head_unnoised",
+    "factor_unnoised=A",
+    "noise_reuse",
+    "no_clip",
+)
+#: kept in the table with its measured power (sampler canaries will test it: not the noise)
+OTHER_FAULTS = ("fixed_batches",)
+TINY_QS = ("q1", "q025", "q005", "q001")
+#: the power curve's noise factors, tried from the largest down until one is flagged in >= 9/10
+POWER_FS = (0.99, 0.98, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6)
 
-#: (fault, setting): what is measured; the correct runs of every setting used are added
-FAULTS: list[tuple[str, str]] = [
-    ("noise_scale=0.25", "q1"),
-    ("noise_scale=0.5", "q1"),
-    ("no_clip", "q1"),
-    ("head_unnoised", "q1"),
-    ("factor_unnoised=A", "q1"),
-    ("factor_unnoised=B", "q1"),
-    ("noise_reuse", "q1"),
-    ("fixed_batches", "q1"),
-    ("noise_reuse", "q025"),
-    ("fixed_batches", "q025"),
-    ("head_unnoised", "q025"),
-    ("fedask_stage1_unnoised", "fedask"),
-    ("server_noise_omitted", "client"),
-    ("noise_scale=0.25", "client"),
-    ("noise_scale=0.5", "client"),
-]
 
-
-def clopper_pearson(k: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
-    """The exact (Clopper–Pearson) 1 − alpha interval of a binomial proportion k/n."""
-    from scipy.stats import beta
-
-    lo = 0.0 if k == 0 else float(beta.ppf(alpha / 2, k, n - k + 1))
-    hi = 1.0 if k == n else float(beta.ppf(1 - alpha / 2, k + 1, n - k))
-    return lo, hi
-
-
-def one_run(fault: str, setting: str, seed: int, work: Path) -> dict:
-    """Train one run (a fresh secret key) with ``fault`` ("" = correct) and audit it."""
-    from audit.bundle.audit import audit_run
-    from fl.run.engine import train
+def config(
+    setting: str,
+    eps: float,
+    method: str,
+    partition: str,
+    fault: str,
+    seed: int,
+    quick: bool = False,
+):
+    """The TrainConfig of one run."""
+    from fl.run.config import TrainConfig
     from fl.testing import tiny_config
 
-    out = work / f"run-{setting}-{seed}"
+    over = dict(SETTINGS[setting])
+    over.update({"method": method, **METHOD_OPTS.get(method, {})})
+    over.update(epsilon=eps, seed=seed, inject_fault=fault, partition=partition)
+    if quick:  # the harness test: short trainings, few canaries
+        over["local_steps"] = min(over.get("local_steps", 4), 3)
+        if over.get("canaries"):
+            over["canaries"] = 500
+        if over.get("canary_clients"):
+            over["canary_clients"] = 1000
+    if setting in MINILM:
+        from pipeline.job import PRESETS
+
+        base = dict(PRESETS["default"].base)
+        base.update(over)
+        return TrainConfig(**base, progress=False, device="cpu")
+    return tiny_config(**over)
+
+
+def _conformance(one: dict) -> dict | None:
+    c = one.get("conformance")
+    if not isinstance(c, dict):
+        return None
+    tests = [
+        {
+            k: t.get(k)
+            for k in (
+                "group",
+                "test",
+                "terms",
+                "observed_over_claimed",
+                "ratio_ci",
+                "ratio_upper",
+                "log10_p",
+                "rejected",
+            )
+            if k in t
+        }
+        for t in c.get("tests", [])
+    ]
+    return {
+        "passed": c.get("passed"),
+        "rejected": c.get("rejected"),
+        "tests": tests,
+        "implied_factor": c.get("implied_factor"),
+        "implied_factor_group": c.get("implied_factor_group"),
+        "implied_epsilon": c.get("implied_epsilon"),
+        "implied_epsilon_at_least": c.get("implied_epsilon_at_least"),
+        "coins": c.get("coins"),
+        "skipped": c.get("skipped"),
+    }
+
+
+def one_run(cell: dict, seed: int, work: Path, quick: bool = False) -> dict:
+    """Train one run (a fresh secret key) of ``cell`` and audit it; the row."""
+    from audit.bundle.audit import audit_run
+    from fl.run.engine import train
+
+    fault = cell["fault"] if cell["fault"] != "none" else ""
+    cfg = config(
+        cell["setting"], cell["eps"], cell["method"], cell["partition"], fault, seed, quick
+    )
+    out = work / f"run-{seed}"
     shutil.rmtree(out, ignore_errors=True)
-    cfg = tiny_config(**{**COMMON, **SETTINGS[setting]}, seed=seed, inject_fault=fault)
     t0 = time.perf_counter()
     m = train(cfg, out, quiet=True)
     t1 = time.perf_counter()
@@ -110,145 +208,252 @@ def one_run(fault: str, setting: str, seed: int, work: Path) -> dict:
     t2 = time.perf_counter()
     one = res["one_run"]
     codes = sorted({f["code"] for f in res["findings"]})
-    fdp = one.get("fdp", {}).get("epsilon_lb", one.get("epsilon_lb_fdp"))
+    conf = _conformance(one)
+    level = cfg.dp_level
+    priv = m["privacy"]
+    rates = [float(v) for v in (priv.get("sample_rates") or {}).values()]
     row = {
-        "fault": fault or "none",
-        "setting": setting,
+        **{k: cell[k] for k in ("fault", "setting", "eps", "method", "partition", "stage")},
+        "model": cfg.model,
+        "level": level,
         "seed": seed,
+        "q": Q[cell["setting"]],
+        "q_clients": [min(rates), max(rates)] if rates else None,
+        "steps": cfg.rounds * cfg.local_steps,
         "epsilon_claimed": res["epsilon_pld"],
-        "sigma": m["privacy"]["noise_multiplier"],
-        "epsilon_lb": one["epsilon_lb"],  # Steinke et al. at α
-        "epsilon_lb_fdp": fdp,  # audit.bounds.fdp, family (ε, δ), at α
-        "claim_check": one.get("claim_check"),  # the bound the claim is tested with
-        "detected": "empirical_exceeds_claim" in codes,
+        "delta": priv.get("delta"),
+        "sigma": priv["noise_multiplier"],
+        "epsilon_lb": one.get("epsilon_lb"),  # Steinke et al. at α
+        "epsilon_lb_fdp": one.get("fdp", {}).get("epsilon_lb", one.get("epsilon_lb_fdp")),
+        "epsilon_lb_claim_check": (one.get("claim_check") or {}).get("epsilon_lb"),
+        "empirical_exceeds_claim": "empirical_exceeds_claim" in codes,
+        "mechanism_mismatch": "mechanism_mismatch" in codes,
+        "conformance": conf if conf is not None else "pending",
+        "implied_epsilon": one.get("implied_epsilon"),
         "findings": codes,
-        "noise_observed_over_claimed": {
-            g: v["observed_over_claimed"]
-            for g, v in ((one.get("observations") or {}).get("noise") or {}).items()
-        },
         "released": (out / "release").exists(),
         "train_s": round(t1 - t0, 2),
         "audit_s": round(t2 - t1, 3),
     }
+    row["flagged"] = row["empirical_exceeds_claim"] or row["mechanism_mismatch"]
     shutil.rmtree(out, ignore_errors=True)
     return row
 
 
-def _dist(vals: list) -> dict | None:
-    vals = [v for v in vals if isinstance(v, int | float)]
-    if not vals:
-        return None
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+def cell(
+    fault="none", setting="q1", eps=3.0, method="fedavg", partition="iid", seeds=10, stage="target"
+) -> dict:
+    """One cell of a grid: ``seeds`` runs (fault seeds 0..n-1; correct runs: secret seeds)."""
+    return dict(
+        fault=fault,
+        setting=setting,
+        eps=eps,
+        method=method,
+        partition=partition,
+        seeds=seeds,
+        stage=stage,
+    )
 
 
-def summarize(rows: list[dict]) -> dict:
-    n = len(rows)
-    k = sum(r["detected"] for r in rows)
-    lbs = [r["epsilon_lb"] for r in rows]
-    lo, hi = clopper_pearson(k, n)
+def power(setting: str, eps: float = 3.0, seeds: int = 10, fs=POWER_FS) -> dict:
+    """A power-curve item: noise_scale=f for f in ``fs`` (largest first) until one is flagged
+    in >= 90 % of ``seeds``."""
+    return dict(power=True, setting=setting, eps=eps, seeds=seeds, fs=tuple(fs))
+
+
+def grid_full() -> list[dict]:
+    """The committed grid, in priority order (the stated targets first; ``--budget-min``
+    skips what is left when time runs out)."""
+    g: list[dict] = []
+    # 1. the targets: each fault at each q, ε = 3, 10 seeds (fedavg, IID)
+    for s in TINY_QS:
+        for f in TARGET_FAULTS + OTHER_FAULTS:
+            g.append(cell(f, s, 3.0, seeds=10))
+    # 2. correct runs (false alarms): methods × partitions × q × ε, sample level (tiny)
+    methods = ("fedavg", "ffa", "fedask", "fedpower", "plora")
+    k = 0
+    for s in TINY_QS:
+        for eps in (1.0, 3.0, 8.0):
+            for part in ("iid", "dirichlet"):
+                g.append(cell("none", s, eps, methods[k % len(methods)], part, 1, "correct"))
+                k += 1
+    for s in ("q005", "q001"):  # W-space slots and FedPower at the small rates
+        for m in methods:
+            g.append(cell("none", s, 3.0, m, "dirichlet", 1, "correct"))
+    for s, eps in (("q1", 3.0), ("q025", 3.0), ("q005", 1.0)):
+        for m in methods:
+            g.append(cell("none", s, eps, m, "iid", 1, "correct"))
+    # client level (canary clients; FedPower's in its factored space)
+    for m in ("fedavg", "ffa", "fedpower"):
+        for part in ("iid", "dirichlet"):
+            g.append(cell("none", "client", 3.0, m, part, 1, "correct"))
+    for eps in (1.0, 8.0):
+        for part in ("iid", "dirichlet"):
+            g.append(cell("none", "client", eps, "fedavg", part, 1, "correct"))
+    # 3. the power curve at each q (ε = 3, 10 seeds per noise factor)
+    for s in TINY_QS:
+        g.append(power(s, 3.0, 10))
+    # 4. the default preset (minilm/tweets, ε = 3) and one small-q minilm setting
+    g.append(cell("none", "minilm", 3.0, seeds=3, stage="minilm"))
+    for f in ("noise_scale=0.5", "noise_scale=0.8", "head_unnoised"):
+        g.append(cell(f, "minilm", 3.0, seeds=3, stage="minilm"))
+    g.append(cell("none", "minilm-q005", 3.0, seeds=1, stage="minilm"))
+    for f in ("noise_scale=0.5", "noise_scale=0.8"):
+        g.append(cell(f, "minilm-q005", 3.0, seeds=1, stage="minilm"))
+    # 5. the other ε cells: every fault at every q, 3 seeds
+    for eps in (1.0, 8.0):
+        for s in TINY_QS:
+            for f in TARGET_FAULTS + OTHER_FAULTS:
+                g.append(cell(f, s, eps, seeds=3, stage="other-eps"))
+    # 6. FedPower and FedASK (W-space) faults at q = 0.05, client-level faults
+    for f in ("noise_scale=0.5", "head_unnoised", "no_clip", "noise_reuse"):
+        g.append(cell(f, "q005", 3.0, "fedpower", seeds=3, stage="fedpower"))
+    for f in ("noise_scale=0.5", "fedask_stage1_unnoised"):
+        g.append(cell(f, "q005", 3.0, "fedask", seeds=3, stage="fedask"))
+    for f in ("server_noise_omitted", "noise_scale=0.25", "noise_scale=0.5"):
+        g.append(cell(f, "client", 3.0, seeds=3, stage="client"))
+    return g
+
+
+def grid_quick() -> list[dict]:
+    """The harness test: one short run per new setting with a blatant fault, one correct."""
+    return [
+        cell("noise_scale=0.25", "q005", 3.0, seeds=1, stage="quick"),
+        cell("noise_scale=0.25", "q001", 3.0, seeds=1, stage="quick"),
+        cell("none", "q001", 3.0, "fedask", "dirichlet", 1, "quick"),
+    ]
+
+
+def grid_timing() -> list[dict]:
+    """One run of each setting (and of the slower methods), to size the full grid."""
+    g = [cell("none", s, 3.0, seeds=1, stage="timing") for s in (*TINY_QS, "client", *MINILM)]
+    g += [cell("none", "q001", 3.0, m, "dirichlet", 1, "timing") for m in ("fedask", "fedpower")]
+    return g
+
+
+GRIDS = {"full": grid_full, "quick": grid_quick, "timing": grid_timing}
+
+
+def _meta(argv: list[str], grid: str) -> dict:
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, check=True).stdout
+        except Exception:  # noqa: BLE001 - not a checkout
+            return ""
+
     return {
-        "runs": n,
-        "detected": k,
-        "rate": k / n if n else float("nan"),
-        "ci95": [lo, hi],
-        "epsilon_lb": {
-            "median": statistics.median(lbs),
-            "min": min(lbs),
-            "max": max(lbs),
-        },
-        "epsilon_lb_fdp": _dist([r["epsilon_lb_fdp"] for r in rows]),
-        "epsilon_lb_claim_check": _dist([(r["claim_check"] or {}).get("epsilon_lb") for r in rows]),
-        "sigma": rows[0]["sigma"],
-        "epsilon_claimed": statistics.median(r["epsilon_claimed"] for r in rows),
-        "released_any": any(r["released"] for r in rows),
-        "wall_s": round(sum(r["train_s"] + r["audit_s"] for r in rows), 1),
+        "command": "OMP_NUM_THREADS=1 python -m benchmarks.auditing.faults " + " ".join(argv),
+        "grid": grid,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        # run from a clean export (git archive) of a commit, the checkout is not a repo:
+        # FAULTS_COMMIT names the commit
+        "commit": git("rev-parse", "HEAD").strip() or os.environ.get("FAULTS_COMMIT", "?"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip()),
+        "source": "git checkout"
+        if git("rev-parse", "HEAD").strip()
+        else "clean export (git archive) of the commit",
+        "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs (one process, OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}), Python {platform.python_version()}",
     }
 
 
-def table(summary: dict) -> str:
-    lines = [
-        "| fault | setting | detected / runs | rate (95 % CP) | ε_lb Steinke median [min, max] "
-        "| ε_lb f-DP median [min, max] | σ | wall s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for key, s in summary.items():
-        if "runs" not in s:
-            lines.append(f"| {key} | – | not measured | {s['why']} | | | | |")
-            continue
-        fault, setting = key.split(" @ ")
-        e, f = s["epsilon_lb"], s.get("epsilon_lb_fdp")
-        fcol = f"{f['median']:.2f} [{f['min']:.2f}, {f['max']:.2f}]" if f else "–"
-        lines.append(
-            f"| {fault} | {setting} | {s['detected']} / {s['runs']} | {s['rate']:.2f} "
-            f"[{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}] | {e['median']:.2f} "
-            f"[{e['min']:.2f}, {e['max']:.2f}] | {fcol} | {s['sigma']:.3g} | {s['wall_s']:.0f} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.auditing import faults_table as FT
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m benchmarks.auditing.faults", description=__doc__)
-    ap.add_argument("--seeds", type=int, default=10, help="runs per fault (fresh keys)")
-    ap.add_argument("--correct", type=int, default=20, help="correct runs per setting")
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
     ap.add_argument("--out", default="benchmarks/results/faults")
-    ap.add_argument("--only", default="", help="comma-separated faults to measure (default all)")
+    ap.add_argument(
+        "--budget-min",
+        type=float,
+        default=0.0,
+        help="stop launching cells after this many minutes (0 = run everything)",
+    )
+    ap.add_argument("--stages", default="", help="comma-separated stages to run (default all)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    only = {f for f in args.only.split(",") if f}
-    todo = [(f, s) for f, s in FAULTS if not only or f in only]
-    settings = sorted({s for _, s in todo}, key=list(SETTINGS).index)
+    import torch
+
+    torch.set_num_threads(1)
+    quick = args.grid == "quick"
+    plan = GRIDS[args.grid]()
+    if args.stages:
+        keep = set(args.stages.split(","))
+        plan = [p for p in plan if p.get("stage", "power") in keep]
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
+    meta = _meta(argv, args.grid)
     rows: list[dict] = []
+    skipped: list[dict] = []
     t_start = time.time()
     work = Path(tempfile.mkdtemp(prefix="fedlora-faults-"))
 
-    def save() -> dict:
-        groups: dict[str, list[dict]] = {}
-        for r in rows:
-            groups.setdefault(f"{r['fault']} @ {r['setting']}", []).append(r)
-        summary = {k: summarize(v) for k, v in groups.items()}
-        doc = {
-            "settings": {
-                "common": {**COMMON, "model": "tiny-bert", "dataset": "synthetic"},
-                "tiny": "fl.testing.TINY (3 clients × 80 members, 2 rounds × 4 local steps, "
-                "max_length 24, lr 0.02, LoRA on every layer)",
-                "per_setting": SETTINGS,
-                "alpha": 0.05,
-                "detection": "audit finding empirical_exceeds_claim: the claim check's certified "
-                "bound (the larger of Steinke et al.'s and the f-DP one, each at α/2) above the "
-                "recomputed ε",
-                "correct_run_seeds": "drawn with secrets.randbelow(2**31) (hidden until run)",
-            },
-            "summary": summary,
-            "runs": rows,
-            "wall_s": round(time.time() - t_start, 1),
-            "fdp_available": importlib.util.find_spec("audit.bounds.fdp") is not None,
-        }
+    def over_budget() -> bool:
+        return bool(args.budget_min) and time.time() - t_start > 60 * args.budget_min
+
+    def run_cell(c: dict) -> list[dict]:
+        got = []
+        for i in range(c["seeds"]):
+            seed = secrets.randbelow(2**31) if c["fault"] == "none" else i
+            r = one_run(c, seed, work, quick)
+            rows.append(r)
+            got.append(r)
+            print(
+                json.dumps(
+                    {
+                        k: r[k]
+                        for k in (
+                            "fault",
+                            "setting",
+                            "eps",
+                            "method",
+                            "partition",
+                            "seed",
+                            "flagged",
+                            "mechanism_mismatch",
+                            "empirical_exceeds_claim",
+                            "train_s",
+                            "audit_s",
+                        )
+                    }
+                ),
+                flush=True,
+            )
+            save()
+        return got
+
+    def save() -> None:
+        doc = FT.document(rows, meta, skipped, round(time.time() - t_start, 1), SETTINGS)
         (outdir / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
-        (outdir / "table.md").write_text(table(summary))
-        return summary
+        (outdir / "table.md").write_text(FT.markdown(doc))
 
     try:
-        for setting in settings:
-            for _ in range(args.correct):
-                seed = secrets.randbelow(2**31)
-                rows.append(one_run("", setting, seed, work))
-                print(json.dumps(rows[-1]), flush=True)
-                save()
-        for fault, setting in todo:
-            for seed in range(args.seeds):
-                rows.append(one_run(fault, setting, seed, work))
-                print(json.dumps(rows[-1]), flush=True)
-                save()
-        summary = save()
+        for item in plan:
+            if over_budget():
+                skipped.append(item)
+                continue
+            if item.get("power"):
+                for f in item["fs"]:
+                    c = cell(
+                        f"noise_scale={f}",
+                        item["setting"],
+                        item["eps"],
+                        seeds=item["seeds"],
+                        stage="power",
+                    )
+                    got = run_cell(c)
+                    if sum(r["flagged"] for r in got) >= 0.9 * len(got) or over_budget():
+                        break
+            else:
+                run_cell(item)
+        save()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    sys.stdout.write(table(summary))
-    fa = [s for k, s in summary.items() if k.startswith("none @")]
-    bad = sum(s["detected"] for s in fa)
-    return 1 if bad else 0
+    sys.stdout.write((outdir / "table.md").read_text())
+    return 0
 
 
 if __name__ == "__main__":
