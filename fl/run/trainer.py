@@ -9,6 +9,9 @@ the arguments of ``ClientContext.train``, live in :mod:`fl.run.local_step`.
 The Poisson batches (drawn by :mod:`fl.run.batches`) and the DP-SGD noise come from the run's
 secret streams, handed in by the caller (:class:`fl.run.contexts.ClientContext`); see
 :mod:`fl.run.engine`.
+
+The canaries and planted faults the audit places in a local training are
+:mod:`fl.run.probes`.
 """
 
 from __future__ import annotations
@@ -20,16 +23,15 @@ import numpy as np
 import torch
 
 from fl.data.tokenized import TokenizedData, length_chunks
-from fl.errors import UsageError
 from fl.models import causal_lm
 from fl.models import factors as F
 from fl.models.base import LoraSpec, load_base_model, wrap_lora
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams, DpStats
-from fl.privacy.sampler_canaries import SamplerCanaries
 from fl.run.batches import fixed_batches, poisson_masks, release_freed_memory
 from fl.run.config import TrainConfig
 from fl.run.local_step import DpSgd, Hook, local_step
+from fl.run.probes import TrainerProbes, noise_factor
 
 # Expected and harmless: Opacus' full backward hooks on frozen-input modules, and a
 # transformers deprecation notice inside peft; they would drown the progress output.
@@ -56,16 +58,7 @@ class TrainResult:
     dp_stats: dict = field(default_factory=dict)
 
 
-def _noise_factor(privatizer) -> float:
-    """The planted noise factor of a privatizer (``--inject-fault noise_scale``, tests
-    only; 1 on every real run), applied to the sampler canaries' noise as to the rest."""
-    fault = getattr(privatizer, "fault", None)
-    if fault is not None:
-        return float(getattr(fault, "noise_scale", 1.0))
-    return float(getattr(privatizer, "fault_noise_scale", None) or 1.0)
-
-
-class LocalTrainer:
+class LocalTrainer(TrainerProbes):
     """One peft model (and its Opacus per-sample-gradient wrapper), reused by every
     client: load state → train → read state."""
 
@@ -280,7 +273,7 @@ class LocalTrainer:
                     h.pre(params)
                 st = privatizer(params, b)
                 if sampler is not None:  # their isolated coordinates, from the same stream
-                    sampler.step(tail, privatizer.noise, _noise_factor(privatizer))
+                    sampler.step(tail, privatizer.noise, noise_factor(privatizer))
                 if st is not None:
                     dp_stats.add(st, b > 0)
                 for h in hooks:
@@ -313,101 +306,6 @@ class LocalTrainer:
             dp_stats.summary(),
         )
         return result, opt.state_dict()
-
-    def _begin_sampler(self, privatizer, q: float):
-        """The sampler canaries of this local training (:mod:`fl.privacy.sampler_canaries`),
-        or None (the default path, and every training without DP-SGD). Their coordinates
-        sit beside the privatizer's own (flat or a method's space): they take its σ, C and
-        noise stream."""
-        m = int(getattr(self.cfg, "sampler_canaries", 0) or 0)
-        if m <= 0 or self.sampler_out is None or not getattr(privatizer, "per_sample", False):
-            return None
-        parts = getattr(privatizer.noise, "parts", None) or ()
-        if len(parts) < 4 or parts[0] != "dpsgd-noise":
-            raise RuntimeError("sampler canaries need the run's DP-SGD noise stream")
-        return SamplerCanaries(
-            m=m,
-            clip=float(privatizer.dp.clip),
-            sigma=float(privatizer.dp.noise_multiplier),
-            meta={
-                "round": int(parts[1]),
-                "client": str(parts[2]),
-                "stage": str(parts[3]),
-                "attempt": int(parts[5]) if len(parts) >= 6 and parts[4] == "attempt" else 0,
-                "sigma": float(privatizer.dp.noise_multiplier),
-                "clip": float(privatizer.dp.clip),
-                "q": float(q),
-            },
-        )
-
-    def _begin_canaries(self, privatizer, params, names, q: float, steps: int):
-        """The gradient canaries of this local training, handed to the DP-SGD privatizer
-        (:mod:`fl.privacy.gradient_canaries`); None without them (the default path) or
-        without DP-SGD. A privatizer in a method's own space takes them when its transform
-        says in which space they live (``canary_space``: FedASK's W-space clipping,
-        :mod:`fl.privacy.wspace`); any other is refused."""
-        gc = self.gradient_canaries
-        if gc is None or not getattr(privatizer, "per_sample", False):
-            return None
-        space = None
-        if not isinstance(privatizer, DpSgd):
-            space = getattr(getattr(privatizer, "transform", None), "canary_space", None)
-            if space is None:
-                raise UsageError(
-                    "gradient canaries enter DP-SGD's flat clipped sum or FedASK's W-space "
-                    "sum; this method privatizes in another space of its own: use input "
-                    "canaries"
-                )
-        dp = privatizer.dp
-        cc = gc.begin(
-            privatizer.noise, params, names, q, steps, dp.clip, dp.noise_multiplier, space=space
-        )
-        privatizer.canaries = cc
-        return cc
-
-    def _plant_fault(self, privatizer, params, names):
-        """PLANTED FAULT (``--inject-fault``, tests only: auditing the auditor): hand this
-        local training's fault to its DP-SGD privatizer (:class:`fl.privacy.dpsgd.
-        StepFault`, or a noise factor for a method's own space). Returns what was planted
-        (the fault's name for ``fixed_batches``, which :meth:`run` applies to the batches),
-        or None when the fault is not a local-step fault or the training has no DP-SGD."""
-        from fl.privacy.dpsgd import StepFault
-        from fl.run.config import FAULT_SERVER, parse_fault
-        from fl.run.local_step import SpaceDpSgd
-
-        name, value = parse_fault(self.cfg.inject_fault, self.cfg.dp_level, self.cfg.method)
-        if name == FAULT_SERVER or not getattr(privatizer, "per_sample", False):
-            return None
-        if name == "fixed_batches":
-            return name
-        scale = {"noise_scale": value, "fedask_stage1_unnoised": 0.0}.get(name)
-        scale = None if scale is None else float(scale)
-        if isinstance(privatizer, SpaceDpSgd):
-            if scale is None:
-                raise UsageError(
-                    f"inject_fault {name} is planted in the flat DP-SGD step; this method "
-                    "privatizes in its own space (FedASK: use --opt clip_space=b)"
-                )
-            privatizer.fault_noise_scale = scale
-            return privatizer
-        fault = StepFault(noise_scale=1.0 if scale is None else scale)
-        fault.no_clip = name == "no_clip"
-        fault.reuse = name == "noise_reuse"
-        if name in ("head_unnoised", "factor_unnoised"):
-            fault.unnoised = torch.cat(
-                [
-                    torch.full(
-                        (p.numel(),),
-                        nm.startswith("head/")
-                        if name == "head_unnoised"
-                        else nm.startswith("factors/") and nm.endswith("/" + value),
-                        dtype=torch.bool,
-                    )
-                    for p, nm in zip(params, names)
-                ]
-            )
-        privatizer.fault = fault
-        return fault
 
     #: the fixed cost of one forward/backward pass on the CPU, in padded tokens: the
     #: length buckets' trade-off (:func:`fl.data.tokenized.length_chunks`). Measured on
