@@ -23,7 +23,7 @@ from fl.errors import UsageError
 from fl.io import read_json
 
 
-def _figure(fig: Path, caption: str) -> Figure:
+def figure_paragraph(fig: Path, caption: str) -> Figure:
     """A figure written into the report's ``figures/`` folder."""
     return Figure(f"figures/{fig.name}", caption)
 
@@ -50,7 +50,7 @@ def _analyses_section(analyses_dir: str | None, figdir: Path) -> Section:
         sec.add(sub)
         for png in sorted(js.parent.glob("*.png")):
             dst = copy_figure(png, figdir / f"{name}-{png.name}")
-            sub.add(_figure(dst, name))
+            sub.add(figure_paragraph(dst, name))
         rows_a = [ra for ra in doc.get("rows") or [] if isinstance(ra, dict)]
         summarize = _SUMMARIES.get(name)
         if summarize and rows_a:
@@ -217,7 +217,7 @@ def _claims_section(claims: dict | None, analyses_dir: str | None, figdir: Path)
     # the table above in an image some ten thousand pixels tall: linked, not embedded)
     fig = claims_figure(claims["claims"])
     if fig is not None:
-        sec.add(_figure(save_figure(fig, figdir / "claims-verdicts")[0],
+        sec.add(figure_paragraph(save_figure(fig, figdir / "claims-verdicts")[0],
                         "the claims by verdict, per paper"))  # fmt: skip
     if png and png.is_file():
         sec.add(Paragraph.of(f"The analysis's figure of every claim and its verdict: {png}."))
@@ -279,7 +279,9 @@ def _utility_blocks(sec: Section, utility: dict | None, claims_dir, figdir: Path
     png = Path(claims_dir) / "claims_utility.png" if claims_dir else None
     if png and png.is_file():
         dst = copy_figure(png, figdir / "claims-utility.png")
-        sec.add(_figure(dst, "balanced accuracy vs ε per method (mean, 95% CI over seeds)"))
+        sec.add(
+            figure_paragraph(dst, "balanced accuracy vs ε per method (mean, 95% CI over seeds)")
+        )
 
 
 # --------------------------------------------------------------------------- outside inputs

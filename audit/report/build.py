@@ -24,11 +24,8 @@ commands to reproduce every run.
 
 from __future__ import annotations
 
-import math
 import platform
-import re
 import shlex
-from collections import Counter
 from dataclasses import fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,7 +35,7 @@ from audit.report.analyses import (  # noqa: F401 (readable, CLAIM_FIGURES re-ex
     CLAIM_FIGURES,
     _analyses_section,
     _claims_section,
-    _figure,
+    figure_paragraph,
     foreign_summary,
     pair_foreign,
     readable,
@@ -57,17 +54,23 @@ from audit.report.document import (
     save_figure,
 )
 from audit.report.document import format_cell as _fmt
-from audit.report.empirical import _empirical_section, best_bound, empirical_bounds
+from audit.report.empirical import _empirical_section, empirical_bounds
 from audit.report.figures import (
     accuracy_figure,
     accuracy_series,
-    implied_epsilon,
-    num,
-    privacy_figure,
     roc_figure,
 )
 from audit.report.lm import client_section, lm_section
-from audit.report.verdict import CHANCE_BALANCED, Evidence, findings_summary, verdict
+from audit.report.verdict import CHANCE_BALANCED
+from audit.report.verdict_table import (  # noqa: F401 (VERDICT_COLUMNS, run_verdict re-exported)
+    VERDICT_COLUMNS,
+    headline,
+    parse_eps,
+    run_verdict,
+    strongest_attack,
+    verdict_section,
+    with_ci,
+)
 from fl.errors import UsageError
 from fl.io import atomic_write_text, read_json
 from fl.run import rundir
@@ -92,12 +95,6 @@ BUNDLE_NOT_SHOWN = (
     "attacks against the run's true members (a bundle is attacked with member / non-member "
     "files the attacker supplies: `fedlora attack BUNDLE --members F --nonmembers F`)",
 )
-
-
-def _eps(v):
-    if v in ("inf", "Infinity"):
-        return math.inf
-    return v
 
 
 def train_command(config: dict, out: str) -> str:
@@ -131,7 +128,7 @@ def _run_summary(run_dir: Path) -> dict:
         "level": priv.get("level"),
         "noise_multiplier": priv.get("noise_multiplier"),
         "delta": priv.get("delta"),
-        "epsilon_claimed": _eps((priv.get("epsilon") or {}).get("pld")),
+        "epsilon_claimed": parse_eps((priv.get("epsilon") or {}).get("pld")),
         "target_epsilon": priv.get("target_epsilon"),
         "accuracy": final.get("accuracy"),
         "balanced_accuracy": final.get("balanced_accuracy"),
@@ -220,7 +217,7 @@ def build_report(
 
     report = Report(title, datetime.now(UTC).isoformat(timespec="seconds"))
     summary: dict = {"runs": [], "sections": list(SECTIONS), "missing": []}
-    report.sections.append(_verdict_section(rows, figdir, summary))
+    report.sections.append(verdict_section(rows, figdir, summary))
     report.sections.append(_runs_section(rows, figdir, summary))
     report.sections.append(_analyses_section(analyses_dir, figdir))
     report.sections.append(_attacks_section(rows, figdir, summary))
@@ -243,200 +240,6 @@ def build_report(
     summary["html"] = str(outp / "report.html")
     summary["markdown"] = str(outp / "report.md")
     return summary
-
-
-def _verdict_kind(v: str) -> str:
-    """A verdict's kind, its words before the first ``(``, ``;`` or ``:``."""
-    return re.split(r" \(|;|:", v, maxsplit=1)[0].strip()
-
-
-def headline(rows: list[dict]) -> str:
-    """The line under the report's title: the verdicts counted by kind, and the runs at
-    chance-level utility (``6 runs: 5 private as claimed, 1 no DP claimed; 2 at chance``)."""
-    kinds = Counter(_verdict_kind(r.get("verdict") or "no verdict") for r in rows)
-    chance = sum(
-        1
-        for r in rows
-        if isinstance(r.get("balanced_accuracy"), int | float)
-        and r["balanced_accuracy"] <= CHANCE_BALANCED
-    )
-    n = len(rows)
-    text = f"{n} run{'s' if n != 1 else ''}: " + ", ".join(f"{c} {k}" for k, c in kinds.items())
-    if chance:
-        text += f"; {chance} with utility at chance (balanced accuracy ≤ {CHANCE_BALANCED})"
-    return text + "."
-
-
-def strongest_attack(row: dict) -> tuple[str, dict] | None:
-    """The attack with the highest AUC in the run's attacks.json, ``(name, result)``."""
-    att = (row.get("attacks") or {}).get("attacks") or {}
-    done = [(n, a) for n, a in att.items() if isinstance(a, dict) and "auc" in a]
-    return max(done, key=lambda na: na[1]["auc"], default=None)
-
-
-def _with_ci(x, ci) -> str:
-    if x is None:
-        return "–"
-    return f"{_fmt(x, 3)} [{_fmt(ci[0], 3)}, {_fmt(ci[1], 3)}]" if ci else _fmt(x, 3)
-
-
-def _utility(r: dict) -> str:
-    parts = [
-        f"{label} {_fmt(r[k], 3)}"
-        for k, label in (("accuracy", "acc."), ("balanced_accuracy", "bal. acc."))
-        if r.get(k) is not None
-    ]
-    if r.get("perplexity") is not None:
-        parts.append(f"test ppl {_fmt(r['perplexity'], 4)}")
-    return " · ".join(parts) or "–"
-
-
-def _empirical_cell(bound: dict | None) -> str:
-    """The verdict table's certified lower bound: the one the claim is tested with, then
-    Steinke et al.'s and the f-DP one side by side (each certified on its own)."""
-    if not bound:
-        return "–"
-    cell = f"[{_fmt(bound['epsilon_lb'], 3)}, ∞) at {1 - bound['alpha']:.0%}"
-    if bound.get("fdp") is not None:
-        cell += (
-            f" (Steinke {_fmt(bound['steinke'], 3)}, f-DP {_fmt(bound['fdp'], 3)}; "
-            f"each at {1 - bound['alpha']:.0%})"
-        )
-    return f"{cell} · {bound['source']}"
-
-
-def run_verdict(r: dict) -> dict:
-    """The verdict row's cells for one run (strings), and the verdict itself."""
-    a = r.get("audit") or {}
-    findings = tuple(Finding.from_dict(f) for f in a.get("findings") or [])
-    bound = best_bound(r)
-    ev = Evidence(
-        dp_claimed=r.get("level") not in (None, "none"),
-        epsilon_claimed=r.get("epsilon_claimed"),
-        epsilon_recomputed=_eps(a.get("epsilon_pld")),
-        understated=bool(a.get("understated")),
-        findings=findings,
-        audit_error=a.get("error") if r.get("audit") is not None else "audit not available",
-        empirical_lb=bound["epsilon_lb"] if bound else None,
-        alpha=bound["alpha"] if bound else 0.05,
-        empirical_limit=bound.get("limit") if bound else None,
-        empirical_exceeds=bound.get("exceeds") if bound else None,
-        balanced_accuracy=r.get("balanced_accuracy"),
-    )
-    strongest = strongest_attack(r)
-    name, att = strongest if strongest else ("", {})
-    ci = att.get("ci") or {}
-    return {
-        "run": r["run"],
-        "utility": _utility(r),
-        "epsilon_claimed": r.get("epsilon_claimed") if ev.dp_claimed else "no DP",
-        "epsilon_recomputed": ev.epsilon_recomputed,
-        "empirical": _empirical_cell(bound),
-        "auc": f"{_with_ci(att.get('auc'), ci.get('auc'))} · {name}" if att else "–",
-        "tpr": _with_ci(
-            (att.get("tpr_at_fpr") or {}).get("0.01"), (ci.get("tpr_at_fpr") or {}).get("0.01")
-        ),
-        "findings": findings_summary(findings),
-        "verdict": verdict(ev),
-    }
-
-
-VERDICT_COLUMNS = {
-    "run": "run",
-    "utility": "utility",
-    "epsilon_claimed": "ε claimed",
-    "epsilon_recomputed": "ε recomputed (ledger)",
-    "empirical": "empirical ε lower bound",
-    "auc": "strongest attack: AUC [95% CI]",
-    "tpr": "TPR at 1% FPR [95% CI]",
-    "findings": "audit findings",
-    "verdict": "verdict",
-}
-
-
-def privacy_points(rows: list[dict]) -> list[dict]:
-    """What the privacy figure shows of each run: ``run``, ``dp`` (a DP claim),
-    ``claimed``, ``recomputed``, ``implied``, ``lb`` and ``alpha`` (the certified lower
-    bound the verdict uses, :func:`audit.report.empirical.best_bound`), ``limit`` (what the
-    claim lets the bound reach when that is not the recomputed ε: 2ε at client level),
-    ``balanced_accuracy``, ``accuracy``, ``perplexity``; None where unknown."""
-    out = []
-    for r in rows:
-        a = r.get("audit") if isinstance(r.get("audit"), dict) else {}
-        bound = best_bound(r) or {}
-        dp = r.get("level") not in (None, "none")
-        recomputed = num(a.get("epsilon_pld")) if dp else None
-        limit = num(bound.get("limit"))
-        out.append(
-            {
-                "run": r["run"],
-                "dp": dp,
-                "claimed": num(r.get("epsilon_claimed")) if dp else None,
-                "recomputed": recomputed,
-                "implied": implied_epsilon(a),
-                "lb": num(bound.get("epsilon_lb")),
-                "alpha": bound.get("alpha"),
-                # what one canary may reach when not the recomputed ε (client level: 2ε)
-                "limit": limit if limit is not None and limit != recomputed else None,
-                "balanced_accuracy": num(r.get("balanced_accuracy")),
-                "accuracy": num(r.get("accuracy")),
-                "perplexity": num(r.get("perplexity")),
-            }
-        )
-    return out
-
-
-def _verdict_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
-    """The verdict table, then the privacy figure, then what both show."""
-    sec = Section("Verdict")
-    cells = [run_verdict(r) for r in rows]
-    for r, c in zip(rows, cells):
-        r["verdict"] = c["verdict"]
-    sec.add(Table.of(VERDICT_COLUMNS.values(), [[c[k] for k in VERDICT_COLUMNS] for c in cells]))
-    points = summary["privacy"] = privacy_points(rows)
-    fig = privacy_figure(points)
-    if fig is not None:
-        path = save_figure(fig, figdir / "privacy")[0]
-        summary.setdefault("figures", {})["privacy"] = str(path)
-        sec.add(_figure(path, "privacy claimed, recomputed and measured, against utility"))
-    sec.add(
-        Paragraph.of(
-            "ε in nats at the run's δ; recomputed by the run audit from the composed DP "
-            "events (fedlora audit RUN). The empirical lower bound is the one-run audit over "
-            "the run's canaries (fedlora train --canaries M; gradient canaries: white-box "
-            "Dirac canaries in the clipped sums, --canary-kind gradient), a one-sided interval "
-            "on the run's true ε at the confidence shown: the larger of Steinke et al.'s bound "
-            "and the f-DP one (Mahloujifar et al.), each at half the error, which the verdict "
-            "compares with the claim; each of the two, certified on its own, in brackets; – "
-            "where the run has none. The attacks' "
-            "member / non-member scores give estimates only (Empirical privacy section), "
-            "never this bound. The strongest attack is the one with the highest AUC, chosen "
-            "after the fact among the run's attacks, so its bootstrap 95% intervals are "
-            "optimistic for it. Findings are counted by severity, the errors named; the Runs "
-            "section lists them in full."
-        )
-    )
-    if fig is not None:
-        implied = any(p["implied"] is not None for p in points)
-        sec.add(
-            Paragraph.of(
-                "The figure has one row per run. Left: ε claimed (the run's manifest), "
-                "recomputed from the ledger by the audit, and the certified lower bound of "
-                "the one-run canary audit, drawn as its one-sided interval (the run's true ε "
-                "lies in it at the confidence shown)"
-                + (
-                    "; the noise-implied ε is the ledger's ε recomputed with the noise scale "
-                    "the conformance tests observed (conditional on Gaussian noise, not a "
-                    "certified bound)"
-                    if implied
-                    else ""
-                )
-                + ". A claim is contradicted when the bound's interval lies entirely above "
-                "what the recomputed ε allows (the verdict's test). Right: the released model's utility on the test set; "
-                "balanced accuracy 0.5 is chance."
-            )
-        )
-    return sec
 
 
 def _runs_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
@@ -521,7 +324,7 @@ def _runs_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
     if fig is not None:
         path = save_figure(fig, figdir / "accuracy")[0]
         summary.setdefault("figures", {})["accuracy"] = str(path)
-        sec.add(_figure(path, "accuracy per round"))
+        sec.add(figure_paragraph(path, "accuracy per round"))
     if single:
         names = ", ".join(f"{run} (round {k})" for run, k in single)
         sec.add(
@@ -575,11 +378,11 @@ def _attacks_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
         if fig is not None:  # drawn here from attacks.json: log–log, one style for all runs
             path = save_figure(fig, figdir / f"{r['run']}-roc")[0]
             summary.setdefault("figures", {})[f"roc {r['run']}"] = str(path)
-            sub.add(_figure(path, f"ROC {r['run']} (log–log)"))
+            sub.add(figure_paragraph(path, f"ROC {r['run']} (log–log)"))
         else:  # attack results without curves: the attack's own figures
             for src in r["roc_figures"]:
                 dst = copy_figure(Path(src), figdir / f"{r['run']}-{Path(src).name}")
-                sub.add(_figure(dst, f"ROC {r['run']}"))
+                sub.add(figure_paragraph(dst, f"ROC {r['run']}"))
     if not sec.blocks:
         sec.missing = "no attack results in the runs (run `fedlora attack RUN_DIR`)."
     return sec

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.report.analyses import _figure
+from audit.report.analyses import figure_paragraph
 from audit.report.document import Paragraph, Section, Table, save_figure
 
 
@@ -183,7 +183,7 @@ def _empirical_section(rows: list[dict], figdir: Path, summary: dict) -> Section
         )  # fmt: skip
         fig = _plot_bounds(rows, figdir / "epsilon_bounds")
         if fig:
-            sec.add(_figure(fig[0], "ε estimates from one model's scores vs claimed ε"))
+            sec.add(figure_paragraph(fig[0], "ε estimates from one model's scores vs claimed ε"))
         else:
             sec.add(
                 Paragraph.of(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.report.analyses import _figure
+from audit.report.analyses import figure_paragraph
 from audit.report.document import Paragraph, Section, Table, copy_figure, save_figure
 from audit.report.document import format_cell as _fmt
 
@@ -76,7 +76,7 @@ def lm_section(rows: list[dict], figdir: Path) -> Section | None:
         )
     if bars:
         fig = _plot_perplexity(bars, figdir / "lm_perplexity")
-        sec.add(_figure(fig, "perplexity of base and adapter per run and role"))
+        sec.add(figure_paragraph(fig, "perplexity of base and adapter per run and role"))
     return sec
 
 
@@ -163,5 +163,5 @@ def client_section(rows: list[dict], figdir: Path) -> Section | None:
             src = adir / f"{stem}.png"
             if src.is_file():
                 dst = copy_figure(src, figdir / f"{r['run']}-{src.name}")
-                sub.add(_figure(dst, f"{caption} {r['run']}"))
+                sub.add(figure_paragraph(dst, f"{caption} {r['run']}"))
     return sec

@@ -73,7 +73,7 @@ def test_the_certified_bound_is_the_one_run_canary_audit(tmp_path):
     best = best_bound(row)
     assert (best["epsilon_lb"], best["steinke"], best["fdp"]) == (0.29, 0.25, 0.31)
     assert best["source"] == "5000 gradient canaries, one run" and best["limit"] == 8.0
-    from audit.report.build import _empirical_cell
+    from audit.report.verdict_table import empirical_cell as _empirical_cell
 
     assert _empirical_cell(best) == (
         "[0.29, ∞) at 95% (Steinke 0.25, f-DP 0.31; each at 95%) · 5000 gradient canaries, one run"

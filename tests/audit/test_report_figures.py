@@ -11,7 +11,7 @@ import pytest
 from matplotlib.colors import to_rgb
 
 from attacks.metrics import roc_metrics
-from audit.report.build import build_report, headline, privacy_points
+from audit.report.build import build_report
 from audit.report.document import MAX_WIDTH, compress_png, copy_figure, save_figure
 from audit.report.figures import (
     accuracy_figure,
@@ -21,6 +21,7 @@ from audit.report.figures import (
     privacy_figure,
     roc_figure,
 )
+from audit.report.verdict_table import headline, privacy_points
 from pipeline.cli import main
 
 #: what the default job reads (pipeline.job: RUNS, ANALYSES)

@@ -49,6 +49,10 @@ def test_quick_preset_end_to_end(tmp_path):
             assert "gradient canaries, one run" in vcells[4]
             assert 0 < float(lb.group(1)) <= eps and float(lb.group(2)) > 0
             assert f"empirical ε ≥ {lb.group(1)} at 95%" in vcells[-1]
+            # the conformance tests pass on a correct run, and the noise-implied ε is the
+            # ledger's (σ as claimed): columns 5 and 6
+            assert vcells[5].startswith("pass ("), vcells[5]
+            assert float(vcells[6]) == pytest.approx(eps, rel=1e-3)
         # the Runs table row of this run shows the manifest's numbers
         runs_md = md.split("\n## Runs\n")[1]
         row = next(line for line in runs_md.splitlines() if line.startswith(f"| {r.name} |"))
