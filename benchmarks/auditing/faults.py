@@ -26,14 +26,17 @@ Settings (:data:`SETTINGS`; q = batch / members per client):
   ``q025`` 80 members, batch 20, 2 × 4; ``q005`` 160 members, batch 8, 2 × 50 (100 steps);
   ``q001`` 300 members, batch 3, 2 × 50 (100 steps; the synthetic set has 1 200 examples,
   so 3 × 300 members is as large as it goes). 2 000 gradient canaries (5 000 before issue
-  42: the conformance tests need far fewer), δ = 1e-5.
+  42: the conformance tests need far fewer), δ = 1e-5. 400 sampler canaries per client (what
+  the default job's DP runs carry) in the correct runs, ``fixed_batches`` and every minilm
+  run; the noise faults' runs go without them (:data:`SAMPLER_CANARIES`).
 - ``client``: client-level FedAvg-LoRA (tiny-bert), server noise, 3 clients of 20, every
   client every round, 3 rounds of 1 local step, C = 0.5, rank 64, 4 000 canary clients.
 - ``minilm``: the default preset of ``fedlora run`` (``pipeline.job.PRESETS["default"]``:
   all-MiniLM-L6-v2 on tweets, 5 clients × 400, batches of 128, q = 0.32, 3 rounds × 6
   steps, LoRA rank 8 on the top layer, zero head) at sample level with 5 000 gradient
   canaries and the preset's δ (1/(10·400)); ``minilm-q005``: the same with batches of 20
-  (q = 0.05) and 2 rounds × 50 steps.
+  (q = 0.05) and 2 rounds × 50 steps (5 000 gradient canaries, 400 sampler canaries per
+  client).
 
 Grids (``--grid``; :data:`GRIDS`): ``full`` the committed table, ``quick`` one short run per
 new setting (the harness test), ``timing`` one run of each setting (prints train_s and
@@ -62,6 +65,13 @@ from pathlib import Path
 
 #: tiny-bert settings (TrainConfig overrides on top of fl.testing.TINY); ``q`` is nominal
 TINY_COMMON = dict(rank=16, canaries=2000, canary_kind="gradient", delta=1e-5)
+#: sampler canaries per client (as the default job's DP runs carry, #42 item 4) in the runs
+#: whose sampling is audited: the correct runs, ``fixed_batches`` and every minilm run. The
+#: noise faults' runs go without them (their permutation test costs seconds per run at small
+#: q and tests the sampling, which those faults leave as claimed): their power is the
+#: gradient canaries' tests'
+SAMPLER_CANARIES = 400
+SAMPLER_FAULTS = ("", "fixed_batches")
 SETTINGS: dict[str, dict] = {
     "q1": dict(TINY_COMMON, members=240, batch_size=80, rounds=2, local_steps=4),
     "q025": dict(TINY_COMMON, members=240, batch_size=20, rounds=2, local_steps=4),
@@ -118,7 +128,8 @@ TARGET_FAULTS = (
     "noise_reuse",
     "no_clip",
 )
-#: kept in the table with its measured power (sampler canaries will test it: not the noise)
+#: kept in the table with its measured power: the gradient canaries cannot see it (the auditor
+#: draws their coins), the sampler canaries' permutation test can
 OTHER_FAULTS = ("fixed_batches",)
 TINY_QS = ("q1", "q025", "q005", "q001")
 #: the power curve's noise factors, tried from the largest down until one is flagged in >= 9/10
@@ -141,12 +152,18 @@ def config(
     over = dict(SETTINGS[setting])
     over.update({"method": method, **METHOD_OPTS.get(method, {})})
     over.update(epsilon=eps, seed=seed, inject_fault=fault, partition=partition)
+    if over.get("dp_level", "sample") == "sample" and (
+        fault in SAMPLER_FAULTS or setting in MINILM
+    ):
+        over["sampler_canaries"] = SAMPLER_CANARIES
     if quick:  # the harness test: short trainings, few canaries
         over["local_steps"] = min(over.get("local_steps", 4), 3)
         if over.get("canaries"):
             over["canaries"] = 500
         if over.get("canary_clients"):
             over["canary_clients"] = 1000
+        if over.get("sampler_canaries"):
+            over["sampler_canaries"] = 100
     if setting in MINILM:
         from pipeline.job import PRESETS
 
@@ -187,6 +204,9 @@ def _conformance(one: dict) -> dict | None:
         "implied_epsilon_at_least": c.get("implied_epsilon_at_least"),
         "coins": c.get("coins"),
         "skipped": c.get("skipped"),
+        "tested": c.get("tested", True),  # False: FedPower at client level (its note says why)
+        "note": c.get("note"),
+        "sampling": c.get("sampling"),  # the sampler canaries' permutation test
     }
 
 
@@ -220,6 +240,9 @@ def one_run(cell: dict, seed: int, work: Path, quick: bool = False) -> dict:
         "q": Q[cell["setting"]],
         "q_clients": [min(rates), max(rates)] if rates else None,
         "steps": cfg.rounds * cfg.local_steps,
+        "canaries": cfg.canaries,
+        "sampler_canaries": cfg.sampler_canaries,
+        "canary_clients": cfg.canary_clients,
         "epsilon_claimed": res["epsilon_pld"],
         "delta": priv.get("delta"),
         "sigma": priv["noise_multiplier"],
@@ -229,6 +252,14 @@ def one_run(cell: dict, seed: int, work: Path, quick: bool = False) -> dict:
         "empirical_exceeds_claim": "empirical_exceeds_claim" in codes,
         "mechanism_mismatch": "mechanism_mismatch" in codes,
         "conformance": conf if conf is not None else "pending",
+        # which tests rejected: the noise's (scale, fresh, clip of the gradient canaries or
+        # canary clients) or the sampler canaries' (sampling)
+        "mismatch_noise": any(
+            not x.endswith(":sampling") for x in ((conf or {}).get("rejected") or [])
+        ),
+        "mismatch_sampler": any(
+            x.endswith(":sampling") for x in ((conf or {}).get("rejected") or [])
+        ),
         "implied_epsilon": one.get("implied_epsilon"),
         "findings": codes,
         "released": (out / "release").exists(),
@@ -300,18 +331,18 @@ def grid_full() -> list[dict]:
     g.append(cell("none", "minilm-q005", 3.0, seeds=1, stage="minilm"))
     for f in ("noise_scale=0.5", "noise_scale=0.8"):
         g.append(cell(f, "minilm-q005", 3.0, seeds=1, stage="minilm"))
-    # 5. the other ε cells: every fault at every q, 3 seeds
-    for eps in (1.0, 8.0):
-        for s in TINY_QS:
-            for f in TARGET_FAULTS + OTHER_FAULTS:
-                g.append(cell(f, s, eps, seeds=3, stage="other-eps"))
-    # 6. FedPower and FedASK (W-space) faults at q = 0.05, client-level faults
+    # 5. FedPower and FedASK (W-space) faults at q = 0.05, client-level faults
     for f in ("noise_scale=0.5", "head_unnoised", "no_clip", "noise_reuse"):
         g.append(cell(f, "q005", 3.0, "fedpower", seeds=3, stage="fedpower"))
     for f in ("noise_scale=0.5", "fedask_stage1_unnoised"):
         g.append(cell(f, "q005", 3.0, "fedask", seeds=3, stage="fedask"))
     for f in ("server_noise_omitted", "noise_scale=0.25", "noise_scale=0.5"):
         g.append(cell(f, "client", 3.0, seeds=3, stage="client"))
+    # 6. the other ε cells: every fault at every q, 3 seeds
+    for eps in (1.0, 8.0):
+        for s in TINY_QS:
+            for f in TARGET_FAULTS + OTHER_FAULTS:
+                g.append(cell(f, s, eps, seeds=3, stage="other-eps"))
     return g
 
 

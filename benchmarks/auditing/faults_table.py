@@ -91,8 +91,24 @@ def summarize(rows: list[dict]) -> dict:
         "rate": k / n if n else math.nan,
         "ci95": [lo, hi],
         "mechanism_mismatch": sum(r["mechanism_mismatch"] for r in rows),
+        "mismatch_noise": sum(r.get("mismatch_noise", False) for r in rows),
+        "mismatch_sampler": sum(r.get("mismatch_sampler", False) for r in rows),
         "empirical_exceeds_claim": sum(r["empirical_exceeds_claim"] for r in rows),
-        "conformance": "pending" if all(c == "pending" for c in conf) else "available",
+        "conformance": "pending"
+        if all(c == "pending" for c in conf)
+        else "not tested"
+        if all(isinstance(c, dict) and c.get("tested") is False for c in conf)
+        else "available",
+        "sampling_z": {
+            "window": _dist(
+                ((c or {}).get("sampling") or {}).get("z_window") if isinstance(c, dict) else None
+                for c in conf
+            ),
+            "phase": _dist(
+                ((c or {}).get("sampling") or {}).get("z_phase") if isinstance(c, dict) else None
+                for c in conf
+            ),
+        },
         "rejected_tests": _rejected(rows),
         "epsilon_claimed": statistics.median(r["epsilon_claimed"] for r in rows),
         "sigma": statistics.median(r["sigma"] for r in rows),
@@ -123,6 +139,8 @@ def false_alarms(rows: list[dict]) -> dict:
             "runs": len(rs),
             "flagged": k,
             "mechanism_mismatch": sum(r["mechanism_mismatch"] for r in rs),
+            "mismatch_noise": sum(r.get("mismatch_noise", False) for r in rs),
+            "mismatch_sampler": sum(r.get("mismatch_sampler", False) for r in rs),
             "empirical_exceeds_claim": sum(r["empirical_exceeds_claim"] for r in rs),
             "ci95": list(clopper_pearson(k, len(rs))),
         }
@@ -218,24 +236,26 @@ def _ratio_cell(s: dict) -> str:
 
 
 HEAD = (
-    "| fault | q | ε | method/partition | flagged / runs | rate (95 % CP) | mismatch | ε_lb>claim "
+    "| fault | q | ε | method/partition | flagged / runs | rate (95 % CP) | mismatch (noise / sampler) | ε_lb>claim "
     "| ε_lb (Steinke) | implied ε | observed/claimed noise (scale test, median) | σ | audit s |"
 )
 
 
 def _row(s: dict) -> str:
     imp = _d(s["implied_epsilon"])
-    if s["conformance"] == "pending":
-        imp = "pending"
+    if s["conformance"] in ("pending", "not tested"):
+        imp = s["conformance"]
     elif s["implied_epsilon_at_least"]:
         imp = "≥ " + imp
     eps = s["eps"] if isinstance(s["eps"], str) else f"{s['eps']:g}"
     return (
         f"| {s['fault']} | {s['q']:g} | {eps} | {s['method']}/{s['partition']} "
         f"| {s['flagged']} / {s['runs']} | {s['rate']:.2f} [{s['ci95'][0]:.2f}, "
-        f"{s['ci95'][1]:.2f}] | {s['mechanism_mismatch']} | {s['empirical_exceeds_claim']} "
+        f"{s['ci95'][1]:.2f}] | {s['mechanism_mismatch']} ({s['mismatch_noise']} / "
+        f"{s['mismatch_sampler']}) | {s['empirical_exceeds_claim']} "
         f"| {_d(s['epsilon_lb'])} | {imp} | "
-        f"{'pending' if s['conformance'] == 'pending' else _ratio_cell(s)} | {s['sigma']:.3g} "
+        f"{_ratio_cell(s) if s['conformance'] == 'available' else s['conformance']} "
+        f"| {s['sigma']:.3g} "
         f"| {_d(s['audit_s'], 1)} |"
     )
 
@@ -324,6 +344,23 @@ def markdown(doc: dict) -> str:
         pooled,
         "σ: the median over the pooled runs (it differs with ε).",
     )
+    samp = [s for s in S if s["sampling_z"]["window"]]
+    samp.sort(key=lambda s: (s["fault"] != "fixed_batches", order.get(s["setting"], 9), s["eps"]))
+    if samp:
+        lines += [
+            "## The sampler canaries' permutation test (runs that carried them)",
+            "",
+            "| fault | q | ε | method/partition | sampler test rejected / runs | z window median "
+            "[min, max] (negative: epochs) | z phase median [min, max] (positive: cycled) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for s in samp:
+            lines.append(
+                f"| {s['fault']} | {s['q']:g} | {s['eps']:g} | {s['method']}/{s['partition']} "
+                f"| {s['mismatch_sampler']} / {s['runs']} | {_d(s['sampling_z']['window'])} "
+                f"| {_d(s['sampling_z']['phase'])} |"
+            )
+        lines.append("")
     fa = doc["false_alarms"]
     a = fa["all"]
     lines += [
@@ -331,7 +368,8 @@ def markdown(doc: dict) -> str:
         "",
         f"**{a['flagged']} / {a['runs']}** correct runs flagged (95 % CP "
         f"[{a['ci95'][0]:.3f}, {a['ci95'][1]:.3f}]); mechanism_mismatch "
-        f"{a['mechanism_mismatch']}, empirical_exceeds_claim {a['empirical_exceeds_claim']}.",
+        f"{a['mechanism_mismatch']} (noise tests {a['mismatch_noise']}, sampler test "
+        f"{a['mismatch_sampler']}), empirical_exceeds_claim {a['empirical_exceeds_claim']}.",
         "",
         "| by | value | flagged / runs | 95 % CP |",
         "|---|---|---|---|",

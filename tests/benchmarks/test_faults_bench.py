@@ -78,6 +78,9 @@ def test_quick_grid_flags_the_blatant_fault(tmp_path):
     (ok,) = [r for r in rows if r["fault"] == "none"]
     assert ok["method"] == "fedask" and not ok["flagged"]
     assert "B (W-space)" in {t["group"] for t in ok["conformance"]["tests"]}
+    # the correct run carries sampler canaries: their permutation test is in the family
+    assert ok["sampler_canaries"] == 100 and ok["conformance"]["sampling"] is not None
+    assert all(r["sampler_canaries"] == 0 for r in faulty)
     assert doc["false_alarms"]["all"]["runs"] == 1
     md = (tmp_path / "table.md").read_text()
     assert md.startswith("# Planted faults") and "command: `" in md and "commit" in md
