@@ -21,6 +21,19 @@ Neighbouring relations of the audit (the claim is add/remove, :mod:`audit.claims
 The claim test takes the larger of Steinke et al.'s bound and the f-DP one (family (ε, δ),
 valid for any mechanism), each at α/2, so it holds at 1 − α (the run audit's
 ``_claim_check``).
+
+Gradient canaries and canary clients with orthogonal directions also get the conformance
+tests of :mod:`audit.bounds.conformance` (the run audit's, ``audit.bundle.conformance``):
+what was released at each step carries at least the claim's Gaussian noise N(0, σ²C²) at
+every canary, fresh at every step, and a canary adds at most C, for any data gradient. What
+is tested is the CLAIM: σ is the claim's ``noise_multiplier``, C its ``clipping_norm``; the σ
+an observation file states is the trainer's word, reported (``stated_sigma_differs``) and
+never used. The coins are drawn again from the set's key, as the hooks drew them (without
+the key the clipping test is skipped, and said so). A rejected test is the finding
+``mechanism_mismatch`` and the verdict "does not implement its claim"; beside it the
+noise-implied ε, the claim's mechanism at σ × the observed noise factor's upper confidence
+bound (:mod:`audit.claims.implied`; conditional, not certified). Input canaries give one
+loss per canary after training: nothing per step to test.
 """
 
 from __future__ import annotations
@@ -171,13 +184,8 @@ def _check_set(cs: CanarySet, obs: dict, where: str) -> None:
         )
 
 
-def _check_sigma_clip(sigma: float, clip: float, claim, spec: dict, where: str) -> None:
-    """The observed σ and C against the claim's and the canary set's (one line each)."""
-    if not _same(sigma, claim.noise_multiplier):
-        raise UsageError(
-            f"{where}: noise multiplier σ = {sigma:g} observed, the claim says "
-            f"noise_multiplier = {claim.noise_multiplier:g}"
-        )
+def _check_clip(clip: float, claim, spec: dict, where: str) -> None:
+    """The observed C against the canary set's and the claim's (one line each)."""
     if not _same(clip, float(spec["clip"])):
         raise UsageError(
             f"{where}: clip C = {clip:g} observed, the canary set's clip is {spec['clip']:g}"
@@ -187,6 +195,33 @@ def _check_sigma_clip(sigma: float, clip: float, claim, spec: dict, where: str) 
             f"{where}: clip C = {clip:g} observed, the claim says clipping_norm = "
             f"{claim.clipping_norm:g}"
         )
+
+
+#: the finding of an observation file whose σ is not the claim's (the trainer's own word:
+#: reported, never used by a test)
+STATED_SIGMA_DIFFERS = "stated_sigma_differs"
+
+
+def _stated_sigma(sigma: float, claim, where: str) -> dict | None:
+    """A finding when the σ the observation file states differs from the claim's: an error
+    when it is below (the training's own record says it added less noise than claimed), a
+    warning when above. The tests use the claim's σ either way."""
+    if _same(sigma, claim.noise_multiplier):
+        return None
+    below = sigma < claim.noise_multiplier
+    return {
+        "code": STATED_SIGMA_DIFFERS,
+        "severity": "error" if below else "warning",
+        "message": f"{where}: the observation file states σ = {sigma:g}, the claim "
+        f"noise_multiplier = {claim.noise_multiplier:g}. "
+        + (
+            "The training's own record says it added less noise than the claim accounts for. "
+            if below
+            else "The training's own record says it added more noise than claimed. "
+        )
+        + "The file's σ is the trainer's word: the conformance tests and the scores use the "
+        "claim's σ, and test what the observations show.",
+    }
 
 
 def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> tuple:
@@ -201,7 +236,7 @@ def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -
     clip = _scalar(obs, "clip", where)
     q = _scalar(obs, "q", where)
     sp = cs.spec
-    _check_sigma_clip(sigma, clip, claim, sp, where)
+    _check_clip(clip, claim, sp, where)
     if claim.sampling == "poisson":
         rates = [claim.record_rate] + [r for r in [opacus_sample_rate(claim)] if r is not None]
         if not any(_same(q, r) for r in rates):
@@ -248,7 +283,7 @@ def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -
     }
     if "source" in obs:
         info["source"] = str(obs["source"])
-    return scores, info
+    return scores, info, {"x": x, "q": q, "clip": clip, "sigma": sigma}
 
 
 def _input_scores(cs: CanarySet, obs: dict, where: str) -> tuple:
@@ -276,7 +311,7 @@ def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> 
     sigma, clip = _scalar(obs, "sigma", where), _scalar(obs, "clip", where)
     per_round = _scalar(obs, "clients_per_round", where)
     sp = cs.spec
-    _check_sigma_clip(sigma, clip, claim, sp, where)
+    _check_clip(clip, claim, sp, where)
     if int(per_round) != claim.clients_per_round:
         raise UsageError(
             f"{where}: {int(per_round)} clients per round (the server's denominator m) "
@@ -319,16 +354,222 @@ def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> 
     }
 
 
+# --------------------------------------------------------------------------- conformance
+
+
+def gradient_coins(key, steps: int, m: int, q: float) -> np.ndarray:
+    """(steps, M) bool: the Poisson coins :class:`audit.canaries.hooks.GradientCanaryHook`
+    drew, drawn again from the set's key: step t's from the stream
+    ``(COIN_STREAM, t)``, one Bernoulli(q) per canary, included or not (the hook's
+    ``_sampled``). The auditor draws them itself rather than trust a record of them."""
+    from audit.canaries.canary_set import COIN_STREAM
+    from fl.privacy import rng as R
+
+    out = np.zeros((steps, m), dtype=bool)
+    for t in range(steps):
+        out[t] = R.bernoulli_mask(key.stream(COIN_STREAM, t), m, q).numpy().astype(bool)
+    return out
+
+
+def _claim_clip(cs: CanarySet, claim) -> float:
+    """C of the tests: the claim's clipping norm (checked equal to the set's and the
+    file's), else the set's."""
+    return float(claim.clipping_norm) if claim.clipping_norm is not None else float(cs.spec["clip"])
+
+
+def _gradient_block(cs: CanarySet, raw: dict, claim):
+    """The observations of a gradient canary set as one conformance block (one local
+    training, steps in order): u = the privatized sum at each canary's coordinate / C,
+    σ the claim's, the coins re-drawn from the set's key (None without the key). Returns
+    (block, how the coins were had)."""
+    from audit.bounds.conformance import Block
+
+    x, q = raw["x"], raw["q"]
+    sp = cs.spec
+    group = {p["name"]: p["group"] for p in sp["params"]}
+    groups = np.array([group[c["param"]] for c in sp["coordinates"]])
+    if cs.key is not None:
+        coins, how = gradient_coins(cs.key, x.shape[0], cs.count, q), "re-drawn from the set's key"
+    else:
+        coins, how = None, "unknown: the set's key is not at hand (give --key FILE)"
+    block = Block(
+        u=x / _claim_clip(cs, claim),
+        tracks=np.arange(cs.count),
+        groups=groups,
+        sigma=claim.noise_multiplier,
+        included=np.asarray(cs.included, dtype=bool),
+        coins=coins,
+        q=q,
+        order=(0,),
+    )
+    return block, how
+
+
+def _orthonormal_directions(cs: CanarySet) -> bool:
+    """Whether the canary clients' directions are exactly orthogonal unit vectors (disjoint
+    supports, ±1/√k entries), checked on the file: their noise projections are then
+    independent N(0, (σC/m)²), which the tests need."""
+    d = cs.directions
+    if d.get("mode") != "disjoint":
+        return False
+    sup, sig = np.asarray(d["support"]), np.asarray(d["signs"], dtype=np.float64)
+    if sup.ndim != 2 or sup.shape != sig.shape or sup.shape[0] != cs.count:
+        return False
+    if np.unique(sup).size != sup.size or sup.min() < 0 or sup.max() >= int(cs.spec["dim"]):
+        return False
+    return bool(np.allclose(np.sqrt((sig**2).sum(axis=1)), 1.0, rtol=1e-9, atol=0))
+
+
+def _client_block(cs: CanarySet, obs: dict, claim, where: str):
+    """The canary clients' observations as one conformance block: u = ⟨ĉ_j, Δ_r⟩·m/C (the
+    released update Δ_r = (clipped sum + canaries + N(0, σ²C²I)) / m projected on canary
+    j's unit direction, so the noise is N(0, σ²) and an included canary adds 1), σ and m
+    the claim's; coins: every round (q = 1), or re-drawn from the key per round. Returns
+    (block or None, how the coins were had, why not tested)."""
+    from audit.bounds.conformance import Block
+
+    if not _orthonormal_directions(cs):
+        return (
+            None,
+            "",
+            "the canary clients' directions are isotropic (M > d), not orthogonal: their "
+            "noise projections are correlated, and the tests need independent ones",
+        )
+    inner = _array(obs, "inner", (None, cs.count), where)
+    sp = cs.spec
+    m_round = claim.clients_per_round
+    coins, how, q = None, "", 1.0
+    if sp["participation"] == "every_round":
+        coins, how = np.ones(inner.shape, dtype=bool), "every round (every-round participation)"
+    else:
+        q = float(sp["rate"])
+        rounds = None
+        if "rounds" in obs:
+            r = np.asarray(obs["rounds"])
+            if r.shape == (inner.shape[0],) and np.issubdtype(r.dtype, np.integer):
+                rounds = r.astype(np.int64)
+        if cs.key is None:
+            how = "unknown: the set's key is not at hand (give --key FILE)"
+        elif rounds is None:
+            how = "unknown: the observation file records no round numbers ('rounds')"
+        else:
+            from audit.canaries.draw import client_canaries
+
+            cc, bits, _ = client_canaries(
+                cs.key, cs.count, float(sp["clip"]), int(sp["dim"]), "poisson", q
+            )
+            # taking_part gives coin AND bit; the tests read an excluded canary's coin only
+            # together with its bit, so this is the coins as far as they are used
+            coins = np.zeros(inner.shape, dtype=bool)
+            for t, r in enumerate(rounds.tolist()):
+                coins[t, cc.taking_part(int(r))] = True
+            how = "re-drawn from the set's key (the hook's participation coins)"
+    block = Block(
+        u=inner * m_round / _claim_clip(cs, claim),
+        tracks=np.arange(cs.count),
+        groups=np.full(cs.count, "clients"),
+        sigma=claim.noise_multiplier,
+        included=np.asarray(cs.included, dtype=bool),
+        coins=coins,
+        q=q,
+        order=(0,),
+    )
+    return block, how, None
+
+
+def _claim_mechanism(c, checked: dict):
+    """The mechanism the claim check computed the recomputed ε for: the reference, or
+    Opacus's rate when the check read the claim with it (finding ``opacus_sample_rate``)."""
+    from audit.claims.mistakes import Mech, opacus_sample_rate, reference
+
+    ref = reference(c)
+    q_op = opacus_sample_rate(c)
+    if q_op is not None and any(f.get("code") == "opacus_sample_rate" for f in checked["findings"]):
+        return Mech(True, q_op, ref.count)
+    return ref
+
+
+def _conformance(
+    block, how: str, clip: float, c, checked: dict, alpha: float, findings: list
+) -> dict:
+    """The conformance tests of one block against the claim, the noise-implied ε of the
+    claim's mechanism, and a ``mechanism_mismatch`` finding per rejected test."""
+    from audit.bounds.conformance import MIN_LOG10_P, TESTS, conformance, implied_noise_factor
+    from audit.claims.implied import epsilon_of_scaled_claim
+    from audit.findings import Code
+
+    res = conformance([block], alpha=alpha)
+    factor, group = implied_noise_factor(res)
+    mech = _claim_mechanism(c, checked)
+    eps_implied, at_least = epsilon_of_scaled_claim(mech, c.noise_multiplier, factor, c.delta)
+    for t in res.rejected:
+        p_text = f"p < 1e{MIN_LOG10_P:.0f}" if t.log10_p <= MIN_LOG10_P else f"p = {t.p_value:.3g}"
+        ratio = (
+            f"observed/claimed noise {t.ratio:.3g} [{t.ratio_ci[0]:.3g}, {t.ratio_ci[1]:.3g}]"
+            if t.ratio is not None
+            else "the canaries' coins pull the innovations up (statistic "
+            f"{t.statistic:.4g} over {t.terms} terms)"
+        )
+        findings.append(
+            {
+                "code": str(Code.MECHANISM_MISMATCH),
+                "severity": "error",
+                "message": f"Group {t.group}, {t.test} test ({TESTS[t.test]}): rejected at "
+                f"family-wise α = {alpha:g} (Holm), {p_text}; {ratio}, tested "
+                f"against the claim's σ = {c.noise_multiplier:g}. The training does not "
+                "implement the mechanism its claim describes.",
+            }
+        )
+    out = res.to_dict()
+    out.update(
+        {
+            "performed": True,
+            "sigma": c.noise_multiplier,
+            "sigma_from": "the claim (noise_multiplier); never the observation file's",
+            "clip": clip,
+            "coins": how,
+            "steps": int(np.asarray(block.u).shape[0]),
+            "implied_factor": factor,
+            "implied_factor_group": group,
+            "implied_epsilon": eps_implied,
+            "implied_epsilon_at_least": at_least,
+            "implied_mechanism": f"{mech.count} "
+            + (
+                f"Poisson-subsampled Gaussian step(s) at q = {mech.q:.4g}"
+                if mech.poisson and mech.q < 1
+                else "plain Gaussian step(s)"
+            )
+            + f", noise multiplier σ × {factor:.4g}"
+            + (f" / {mech.sens} (sensitivity {mech.sens}C)" if mech.sens != 1 else ""),
+            "implied_note": "the claim's mechanism with σ times the worst group's upper "
+            "confidence bound on the observed noise factor (capped at 1): conditional on the "
+            "noise being Gaussian at the observed scale; not a certified bound",
+        }
+    )
+    return out
+
+
 def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_file=None) -> dict:
     """Audit an outside training: its canary set (folder), observation file and claim
-    (:class:`audit.claims.schema.Claim`, a dict, or a file). Returns the result document;
-    ``verdict`` is ``"leaks more than claimed"`` when the certified bound exceeds what the
-    claimed ε allows one canary, ``"claim understated"`` when the recomputed ε exceeds the
-    claimed one (or the claim check has another error), else ``"ok"``.
+    (:class:`audit.claims.schema.Claim`, a dict, or a file). Returns the result document.
+
+    Gradient canaries and canary clients (orthogonal directions) also get the conformance
+    tests (:mod:`audit.bounds.conformance`: the noise at each canary is at least the
+    claim's N(0, σ²C²), fresh at every step, and a canary adds at most C) with the claim's
+    σ and C, never the file's, the coins re-drawn from the set's key, and the noise-implied
+    ε of the claim's mechanism (``conformance``).
+
+    ``verdict``, first that applies: ``"does not implement its claim"`` (a conformance test
+    rejects: finding ``mechanism_mismatch``), ``"leaks more than claimed"`` (the certified
+    bound exceeds what the claimed ε allows one canary), ``"claim understated"`` (the
+    recomputed ε exceeds the claimed one, or the claim check has another error),
+    ``"claim not supported"`` (the observation file states a σ below the claim's), else
+    ``"ok"``.
 
     Raises:
         UsageError: bad input (one line): missing or malformed files, observations of
-            another set, σ / C / q / rounds that disagree with the claim.
+            another set, C / q / rounds that disagree with the claim. (A σ that disagrees
+            is a finding, ``stated_sigma_differs``.)
     """
     from audit.claims.check import check_claim
     from audit.claims.schema import Claim, load_claim, validate_claim
@@ -349,10 +590,21 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
     checked = check_claim(c)
     y = cs.included
     estimate = None
+    own: list[dict] = []  # this audit's findings beside the claim check's
+    block, how, not_tested = None, "", None
+    if cs.kind in ("gradient", "client"):
+        f = _stated_sigma(_scalar(obs, "sigma", where), c, where)
+        if f is not None:
+            own.append(f)
     if cs.kind == "gradient":
-        scores, info = _gradient_scores(cs, obs, c, where, notes)
+        scores, info, raw = _gradient_scores(cs, obs, c, where, notes)
+        block, how = _gradient_block(cs, raw, c)
     elif cs.kind == "input":
         scores, info = _input_scores(cs, obs, where)
+        not_tested = (
+            "input canaries give one loss per canary after training: there is no per-step "
+            "release to test"
+        )
     else:
         stats, info = _client_scores(cs, obs, c, where, notes)
         scores = stats["all_iterates"]  # the certified test's statistic, fixed in advance
@@ -364,6 +616,18 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
             }
         info["statistic"] = "all_iterates"
         info["score"] = STATISTICS["all_iterates"]
+        block, how, not_tested = _client_block(cs, obs, c, where)
+    if block is not None and not c.noise_multiplier > 0:
+        block, not_tested = None, "the claim's σ is 0: it claims no noise to test"
+    if block is not None:
+        conf = _conformance(block, how, _claim_clip(cs, c), c, checked, alpha, own)
+        if conf["skipped"]:
+            notes.append(
+                "conformance: the clipping test is skipped (the canaries' coins are "
+                f"{how}); the scale and freshness tests ran"
+            )
+    else:
+        conf = {"performed": False, "reason": not_tested}
     eps_c, eps_r = c.claimed_epsilon, float(checked["epsilon_pld"])
     allowed, d_used, relation = _relation(cs.kind, c.level, eps_c, c.delta)
     b = _bounds(scores, y, d_used, alpha)
@@ -380,7 +644,7 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
     lb_r = b["epsilon_lb"] if d_r == d_used else _bounds(scores, y, d_r, alpha)["epsilon_lb"]
     exceeds_recomputed = lb_r > allowed_r
     claim_errors = [f for f in checked["findings"] if f.get("severity") == "error"]
-    findings = list(checked["findings"])
+    findings = list(checked["findings"]) + own
     if leaks:
         findings.append(
             {
@@ -403,11 +667,17 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
             }
         )
     understated = bool(checked["understated"])
-    verdict = (
-        "leaks more than claimed"
-        if leaks
-        else ("claim understated" if understated or claim_errors else "ok")
-    )
+    mismatch = bool(conf["performed"] and not conf["passed"])
+    if mismatch:
+        verdict = "does not implement its claim"
+    elif leaks:
+        verdict = "leaks more than claimed"
+    elif understated or claim_errors:
+        verdict = "claim understated"
+    elif any(f["severity"] == "error" for f in own):
+        verdict = "claim not supported"
+    else:
+        verdict = "ok"
     res = {
         "kind": "outside_canaries",
         "canary_kind": cs.kind,
@@ -436,10 +706,15 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
         **b,
         "leaks_more_than_claimed": bool(leaks),
         "exceeds_recomputed": bool(exceeds_recomputed),
+        "conformance": conf,
+        "mechanism_mismatch": mismatch,
         "labels": {
             "epsilon_lb": "certified: the larger of Steinke et al. (2023) and the f-DP bound "
             "(Mahloujifar et al. 2024, (ε, δ) family), each at α/2: holds with probability "
             ">= 1 - alpha",
+            "conformance": "white-box tests of the per-step releases against the claim's σ "
+            "and C (audit.bounds.conformance), family-wise level alpha (Holm); valid for any "
+            "data gradient; the implied ε is conditional, not certified",
         },
         "notes": notes,
         "findings": findings,
@@ -452,15 +727,18 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
 
 
 def exit_code(result: dict) -> int:
-    """1 when the training leaks more than claimed or the claim check has an error
-    finding (e.g. an understated ε), else 0."""
+    """1 when a conformance test rejects the claim, the training leaks more than claimed,
+    the claim check has an error finding (e.g. an understated ε) or the observation file
+    states a σ below the claim's; else 0."""
     return 0 if result.get("verdict") == "ok" else 1
 
 
 __all__ = [
     "OBS_FORMAT",
+    "STATED_SIGMA_DIFFERS",
     "audit_outside",
     "exit_code",
+    "gradient_coins",
     "read_observations",
     "write_observations",
 ]

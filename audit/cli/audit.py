@@ -63,8 +63,9 @@ def register(sub) -> None:
         "--canaries",
         metavar="DIR",
         help="a canary set (`fedlora canaries new`) added to a training done elsewhere; with "
-        "--observations and --claim: score the canaries, bound ε from below and compare it "
-        "with the claim (exit 1: leaks more than claimed)",
+        "--observations and --claim: test the per-step releases against the claim's σ and C "
+        "(conformance), score the canaries, bound ε from below and compare it with the claim "
+        "(exit 1: does not implement its claim, or leaks more than claimed)",
     )
     p.add_argument(
         "--observations",
@@ -89,7 +90,8 @@ def register(sub) -> None:
         metavar="FILE",
         help="the run's noise key (RUN/private/noise.key): retrain the whole run on the CPU "
         "and check that it reproduces the released adapter and privacy block; with "
-        "--canaries: the set's key (re-derives and checks the set)",
+        "--canaries: the set's key (re-derives and checks the set, re-draws the canaries' "
+        "coins for the clipping test)",
     )
     p.set_defaults(func=cmd_audit)
 
@@ -335,6 +337,7 @@ def _human_outside(r: dict) -> str:
         rows.append(
             (f"estimate {name}", f"{_num(e['epsilon'])} [{_num(lo)}, {_num(hi)}] (not a bound)")
         )
+    rows += _conformance_rows(r.get("conformance"), r["alpha"])
     rows.append(("verdict", r["verdict"].upper() if r["verdict"] != "ok" else "ok"))
     w = max(len(k) for k, _ in rows)
     lines = [f"fedlora audit --canaries {r['canaries']}"]
@@ -343,6 +346,43 @@ def _human_outside(r: dict) -> str:
     for d in r["findings"]:
         lines.append(f"  [{d['severity']}] {d['code']}: {d['message']}")
     return "\n".join(lines)
+
+
+def _conformance_rows(c: dict | None, alpha: float) -> list[tuple[str, str]]:
+    """The outside audit's conformance tests (audit.canaries.outside), as rows."""
+    if not c:
+        return []
+    if not c.get("performed"):
+        return [("conformance", f"not tested: {c.get('reason')}")]
+    rej = c.get("rejected") or []
+    rows = [
+        (
+            "conformance (claim's σ)",
+            f"σ = {_num(c['sigma'])}, C = {_num(c['clip'])}, {c['steps']} steps; "
+            + (f"REJECTED: {', '.join(rej)}" if rej else "passed")
+            + f" (family-wise α = {alpha:g}, Holm)",
+        )
+    ]
+    for t in c.get("tests") or []:
+        if t["test"] == "scale":
+            lo, hi = t["ratio_ci"]
+            rows.append(
+                (
+                    f"noise observed/claimed {t['group']}",
+                    f"{t['observed_over_claimed']:.4g} [{lo:.4g}, {hi:.4g}]"
+                    + ("  REJECTED" if t["rejected"] else ""),
+                )
+            )
+    rows.append(("canaries' coins", str(c.get("coins"))))
+    ge = "≥ " if c.get("implied_epsilon_at_least") else ""
+    rows.append(
+        (
+            "noise-implied ε",
+            f"{ge}{_num(c['implied_epsilon'])} (the claim's mechanism at σ × "
+            f"{_num(c['implied_factor'])}; conditional on Gaussian noise, not certified)",
+        )
+    )
+    return rows
 
 
 def _audit_several(args) -> int:

@@ -178,7 +178,6 @@ def _obs(tmp_path, cs, **kw):
 @pytest.mark.parametrize(
     "change, words",
     [
-        (dict(sigma=0.5), ["0.5", "noise_multiplier = 2"]),
         (dict(q=0.25), ["0.25", "0.5"]),
         (dict(clip=2.0), ["C = 2", "1"]),
         (dict(obs=np.zeros((9, 20))), ["9 DP-SGD steps", "4"]),
@@ -212,11 +211,52 @@ def test_audit_flag_combinations(params, tmp_path, capsys):
                              "--claim", str(_claim(tmp_path, "c2.json", level="client",
                              clients_per_round=2, total_clients=2))], capsys)  # fmt: skip
     assert "sample-level" in line
-    # zeros everywhere: consistent (exit 0), a JSON document
+    # zeros everywhere: no noise at all, which the conformance tests see (exit 1), a JSON
+    # document; the one-run bound alone would not
     assert main(["audit", "--canaries", str(out), "--observations", str(obs), "--claim",
-                 str(claim), "--json"]) == 0  # fmt: skip
+                 str(claim), "--json"]) == 1  # fmt: skip
     doc = json.loads(capsys.readouterr().out)
-    assert doc["verdict"] == "ok" and doc["epsilon_lb"] <= 3.0
+    assert doc["verdict"] == "does not implement its claim" and doc["epsilon_lb"] <= 3.0
+    assert not doc["leaks_more_than_claimed"] and not doc["conformance"]["passed"]
+    assert any(f["code"] == "mechanism_mismatch" for f in doc["findings"])
+
+
+def _fixed_key(tmp_path):
+    """A fixed key (tests only: reproducible draws)."""
+    from fl.privacy.rng import NoiseKey
+
+    (tmp_path / "k").mkdir(exist_ok=True)
+    return NoiseKey(bytes(range(32))).write(tmp_path / "k", overwrite=True)
+
+
+@pytest.mark.parametrize(
+    "stated, rc, verdict, severity",
+    [(2.0, 0, "ok", None), (0.5, 1, "claim not supported", "error"), (3.0, 0, "ok", "warning")],
+)
+def test_audit_reports_a_different_sigma(stated, rc, verdict, severity, params, tmp_path, capsys):
+    """Observations with the claim's noise (σ = 2) and the canaries' C where their coins say:
+    a σ the file states otherwise is a finding naming both (not exit 2); the tests use the
+    claim's σ."""
+    kp = _fixed_key(tmp_path)
+    out = tmp_path / "set"
+    CS.new_canary_set("gradient", 20, out, params=str(params), clip=1.0, key_file=kp)
+    cs = CS.load_canary_set(out, key_file=kp)
+    coins = O.gradient_coins(cs.key, 4, 20, 0.5)
+    x = np.random.default_rng(0).normal(size=(4, 20)) * 2.0 + (coins & cs.included)
+    obs = _obs(tmp_path, cs, obs=x, sigma=stated)
+    got = main(["audit", "--canaries", str(out), "--observations", str(obs), "--claim",
+                str(_claim(tmp_path)), "--key", str(kp), "--json"])  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert got == rc and doc["verdict"] == verdict
+    c = doc["conformance"]
+    assert c["passed"] and c["sigma"] == 2.0 and c["coins"].startswith("re-drawn")
+    found = [f for f in doc["findings"] if f["code"] == "stated_sigma_differs"]
+    if severity is None:
+        assert not found
+    else:
+        (f,) = found
+        assert f["severity"] == severity
+        assert f"σ = {stated:g}" in f["message"] and "noise_multiplier = 2" in f["message"]
 
 
 @pytest.mark.parametrize("content", [b"PK\x03\x04junk", b"garbage\x00", b""])

@@ -106,6 +106,57 @@ def test_flower_wrapper_in_process(task_identity, tmp_path):
     assert list(o["rounds"]) == [1, 2]
 
 
+@pytest.mark.parametrize(
+    "server_sigma, verdict", [(2.0, "ok"), (0.5, "does not implement its claim")]
+)
+def test_flower_conformance(server_sigma, verdict, task_identity, tmp_path):
+    """The Flower wrapper's observations in the tests' units (⟨ĉ_j, Δ_r⟩·m/C: noise
+    N(0, σ²)): a server at the claimed σ = 2 conforms; one at σ = 0.5 is a mismatch at
+    about ¼ of the claimed noise, whatever σ its file states."""
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
+
+    from fl.privacy.rng import NoiseKey
+
+    shapes = [(40, 50)]
+    d, m_clients, clip, sigma, rounds, M = 2000, 3, 0.5, 2.0, 5, 400
+    (tmp_path / "k").mkdir()
+    kp = NoiseKey(bytes(range(1, 33))).write(tmp_path / "k")  # fixed: reproducible
+    out = CS.new_canary_set("client", M, tmp_path / "set", clip=clip, dim=d, key_file=kp)
+    hook = ClientCanaryHook.load(out, key_file=kp)
+    inner = FedAvg(fraction_train=1.0, min_available_nodes=3, min_train_nodes=3)
+    wrapper = DifferentialPrivacyServerSideFixedClipping(inner, server_sigma, clip, m_clients)
+    hook.attach_flower(wrapper)
+    state = np.random.get_state()
+    np.random.seed(7)  # Flower draws its noise from numpy's global generator
+    try:
+        rng = np.random.default_rng(1)
+        glob = [rng.normal(size=s).astype(np.float32) for s in shapes]
+        for rnd in range(1, rounds + 1):
+            msgs = list(wrapper.configure_train(rnd, ArrayRecord(glob), ConfigRecord({}), _Grid()))
+            ups = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in msgs]
+            replies = [
+                Message(RecordDict({"arrays": ArrayRecord([g + x for g, x in zip(glob, up)]),
+                                    "metrics": MetricRecord({"num-examples": 5})}), reply_to=msg)
+                for msg, up in zip(msgs, ups)
+            ]  # fmt: skip
+            arrays, _ = wrapper.aggregate_train(rnd, replies)
+            glob = arrays.to_numpy_ndarrays()
+    finally:
+        np.random.set_state(state)
+    obs = hook.write_observations(tmp_path / "obs.npz")
+    claim = dict(level="client", noise_multiplier=sigma, clipping_norm=clip, sampling="all",
+                 rounds=rounds, clients_per_round=m_clients, total_clients=m_clients,
+                 claimed_epsilon=100.0, delta=1e-5, noise_source="csprng")  # fmt: skip
+    res = O.audit_outside(out, obs, claim, key_file=kp)
+    c = res["conformance"]
+    assert res["verdict"] == verdict and c["sigma"] == sigma, c["rejected"]
+    (scale,) = [t for t in c["tests"] if t["test"] == "scale"]
+    assert abs(scale["observed_over_claimed"] - server_sigma / sigma) < 0.06 * server_sigma / sigma
+    if server_sigma != sigma:
+        assert any(f["code"] == "stated_sigma_differs" for f in res["findings"])
+
+
 def _server_loop(hook, *, rounds, clients, d, clip, sigma, noise_scale, seed):
     """A numpy DP-FedAvg server: clipped client updates, canaries in the sum, Gaussian
     noise σC (× ``noise_scale``: a planted fault), divided by the m clients."""
@@ -118,11 +169,19 @@ def _server_loop(hook, *, rounds, clients, d, clip, sigma, noise_scale, seed):
         hook.observe(r, s / clients, sigma=sigma, clip=clip, clients_per_round=clients)
 
 
-@pytest.mark.parametrize("noise_scale, verdict", [(1.0, "ok"), (0.0, "leaks more than claimed")])
+@pytest.mark.parametrize(
+    "noise_scale, verdict", [(1.0, "ok"), (0.0, "does not implement its claim")]
+)
 def test_client_audit(noise_scale, verdict, tmp_path):
+    from fl.privacy.rng import NoiseKey
+
     m, d, clip, sigma, rounds, clients = 2000, 20000, 0.5, 4.0, 3, 10
-    out = CS.new_canary_set("client", m, tmp_path / "set", clip=clip, dim=d)
-    hook = ClientCanaryHook.load(out)
+    # a fixed key as well as a fixed server seed: the audit's outcome is reproducible (each
+    # of its tests has a false-alarm rate <= α over keys and noise)
+    (tmp_path / "k").mkdir()
+    kp = NoiseKey(bytes(range(32))).write(tmp_path / "k")
+    out = CS.new_canary_set("client", m, tmp_path / "set", clip=clip, dim=d, key_file=kp)
+    hook = ClientCanaryHook.load(out, key_file=kp)
     _server_loop(hook, rounds=rounds, clients=clients, d=d, clip=clip, sigma=sigma,
                  noise_scale=noise_scale, seed=2)  # fmt: skip
     obs = hook.write_observations(tmp_path / "obs.npz")
@@ -130,8 +189,8 @@ def test_client_audit(noise_scale, verdict, tmp_path):
                  rounds=rounds, clients_per_round=clients, total_clients=clients,
                  claimed_epsilon=1.0, delta=1e-5, noise_source="keyed_csprng")  # fmt: skip
     claim["claimed_epsilon"] = check_claim(claim)["epsilon_pld"]
-    res = O.audit_outside(out, obs, claim)
-    assert res["verdict"] == verdict, res["epsilon_lb"]
+    res = O.audit_outside(out, obs, claim, key_file=kp)
+    assert res["verdict"] == verdict, (res["epsilon_lb"], res["conformance"]["rejected"])
     assert res["relation"].startswith("a canary client is one client")
     est = res["estimate"]["all_iterates"]
     assert est["kind"] == "estimate"
@@ -139,9 +198,15 @@ def test_client_audit(noise_scale, verdict, tmp_path):
         # Andrew et al.'s estimate is near the claim (ε ≈ 1.5 here), the bound below it
         assert 0.5 * claim["claimed_epsilon"] < est["epsilon"] < 1.5 * claim["claimed_epsilon"]
         assert res["epsilon_lb"] <= claim["claimed_epsilon"]
+    else:  # no noise: the conformance tests say so first, the one-run bound leaks too
+        assert res["leaks_more_than_claimed"] and not res["conformance"]["passed"]
     # a claim whose participation does not match the canaries' is refused
     bad = dict(claim, sampling="poisson", clients_per_round=10, total_clients=20)
     with pytest.raises(O.UsageError, match="every round"):
-        O.audit_outside(out, obs, bad)
-    with pytest.raises(O.UsageError, match="noise_multiplier = 2"):
-        O.audit_outside(out, obs, dict(claim, noise_multiplier=2.0))
+        O.audit_outside(out, obs, bad, key_file=kp)
+    # a σ the file states otherwise is a finding (the hook's σ = 4 above a claimed 2: a
+    # warning), not a refusal; the tests use the claim's σ
+    res2 = O.audit_outside(out, obs, dict(claim, noise_multiplier=2.0), key_file=kp)
+    (f,) = [f for f in res2["findings"] if f["code"] == "stated_sigma_differs"]
+    assert f["severity"] == "warning" and "σ = 4" in f["message"]
+    assert "noise_multiplier = 2" in f["message"] and res2["conformance"]["sigma"] == 2.0

@@ -22,10 +22,21 @@ def _linear(seed=0, d_in=8, d_out=6):
 
 
 def _make_set(tmp_path, model, m, clip, name="set"):
+    """A canary set from a fixed key (tests only), kept in the set's private/ as a fresh
+    key would be: with the seeded data and noise, every audit here is reproducible."""
+    import hashlib
+    import shutil
+
     (tmp_path / "params.json").write_text(json.dumps(describe(model)))
-    return CS.new_canary_set(
-        "gradient", m, tmp_path / name, params=str(tmp_path / "params.json"), clip=clip
-    )
+    (tmp_path / f"key-{name}").mkdir()
+    secret = hashlib.sha256(f"test_outside_gradient {name}".encode()).digest()
+    kp = R.NoiseKey(secret).write(tmp_path / f"key-{name}")
+    out = CS.new_canary_set(
+        "gradient", m, tmp_path / name, params=str(tmp_path / "params.json"), clip=clip,
+        key_file=kp,
+    )  # fmt: skip
+    shutil.copy(kp, out / "private" / "noise.key")
+    return out
 
 
 def _plain_loop(model, hook, x, y, steps, q, sigma, clip, gen, mode="rows"):
@@ -203,11 +214,20 @@ def test_opacus_faults_leak_more_than_claimed(tmp_path, capsys):
     rc, ok = results["ok"]
     assert rc == 0 and ok["verdict"] == "ok" and ok["epsilon_lb"] < ok["allowed_epsilon"]
     assert 0.9 < ok["allowed_epsilon"] < 1.2
+    assert ok["conformance"]["passed"] and ok["conformance"]["coins"].startswith("re-drawn")
     for name in ("quarter", "noclip"):
         rc, r = results[name]
-        assert rc == 1 and r["verdict"] == "leaks more than claimed", (name, r["epsilon_lb"])
-        assert any(f["code"] == "empirical_exceeds_claim" for f in r["findings"])
+        # the conformance tests name the fault first; the one-run bound leaks as well
+        assert rc == 1 and r["verdict"] == "does not implement its claim", name
+        assert r["leaks_more_than_claimed"], (name, r["epsilon_lb"])
+        codes = {f["code"] for f in r["findings"]}
+        assert {"empirical_exceeds_claim", "mechanism_mismatch"} <= codes
     assert results["noclip"][1]["epsilon_lb"] > 3
+    # noise × ¼: the scale test in every group, at about ¼ of the claimed noise
+    scale = [t for t in results["quarter"][1]["conformance"]["tests"] if t["test"] == "scale"]
+    assert scale and all(t["rejected"] and 0.2 < t["observed_over_claimed"] < 0.35 for t in scale)
+    # clip skipped: a canary adds K·C, which the clipping test sees through the coins
+    assert any(r.endswith(":clip") for r in results["noclip"][1]["conformance"]["rejected"])
 
 
 def test_opacus_refuses_wrong_clip_and_optimizer(tmp_path):
