@@ -42,24 +42,25 @@ from fl.linalg.aggregate import (
     unfold_modules,
 )
 
-# _check_pairs, _stack, _weights, _factors_from_svd: package-private helpers that
-# fl.privacy.powerdp and the methods share.
-from fl.linalg.core import (  # noqa: F401
+# check_pairs, client_weights, weighted_concat, qr_q, factors_from_svd: the helpers that
+# fl.privacy.powerdp and the methods share with this package.
+from fl.linalg.core import (
     Tensor,
     Weights,
-    _check_pairs,
-    _stack,
-    _weights,
     apply_stacked,
     apply_sum,
     apply_sum_t,
+    check_pairs,
     client_fro_norms,
+    client_weights,
     dense_sum,
     factored_fro_inner,
     factored_fro_norm,
     factored_sum_norm,
     orth,
+    qr_q,
     stack_factors,
+    weighted_concat,
     weighted_sum,
 )
 from fl.linalg.measure import (
@@ -76,7 +77,7 @@ from fl.linalg.sketching import (
     sketch_basis,
     subspace_iteration,
 )
-from fl.linalg.svd import _factors_from_svd, factored_svd, truncated_svd_factors  # noqa: F401
+from fl.linalg.svd import factored_svd, factors_from_svd, truncated_svd_factors
 
 __all__ = [
     "weighted_sum",
@@ -112,4 +113,14 @@ __all__ = [
     "largest_principal_angle",
     "rowspace_angle",
     "subspace_iteration",
+    "Tensor",
+    "Weights",
+    "check_pairs",
+    "client_weights",
+    "weighted_concat",
+    "qr_q",
+    "stack_factors",
+    "apply_stacked",
+    "client_fro_norms",
+    "factors_from_svd",
 ]

@@ -11,8 +11,8 @@ import torch
 from fl.linalg.core import (
     Tensor,
     Weights,
-    _check_pairs,
-    _weights,
+    check_pairs,
+    client_weights,
     factored_fro_norm,
     weighted_sum,
 )
@@ -27,7 +27,7 @@ def fedavg_aggregate(
     Inexact: (Σ p_k B_k)(Σ p_k A_k) − Σ p_k B_k A_k = Σ_{j≠k} p_j p_k B_j A_k − ... (the
     cross-term error); it vanishes when all A_k are equal, or all B_k are equal.
     """
-    _check_pairs(Bs, As)
+    check_pairs(Bs, As)
     return weighted_sum(Bs, weights), weighted_sum(As, weights)
 
 
@@ -43,7 +43,7 @@ def ffa_aggregate(
     Exact (B A = Σ p_k B_k A) when all A_k are equal, which ``check`` verifies
     (ValueError otherwise; ``atol`` tolerance on the max abs difference).
     """
-    _check_pairs(Bs, As)
+    check_pairs(Bs, As)
     A0 = As[0]
     if check:
         for k, A in enumerate(As[1:], start=1):
@@ -64,8 +64,8 @@ def flora_stack(
 
     B A = Σ p_k B_k A_k exactly, at rank Σ_k r_k (ranks may differ).
     """
-    _check_pairs(Bs, As)
-    w = _weights(weights, len(Bs))
+    check_pairs(Bs, As)
+    w = client_weights(weights, len(Bs))
     return torch.cat([p * B for p, B in zip(w, Bs)], dim=1), torch.cat(list(As), dim=0)
 
 
@@ -117,7 +117,7 @@ def hetlora_weights(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> Tensor:
     """HETLoRA sparsity weights: w_k = ‖B_k A_k‖_F / Σ_j ‖B_j A_j‖_F (uniform when all
     norms are 0). Norms only — no data-size factor p_k: these are the weights the method
     (``fl.methods.hetlora``) trains with. Returns a (K,) tensor."""
-    _check_pairs(Bs, As)
+    check_pairs(Bs, As)
     norms = torch.stack([factored_fro_norm(B, A) for B, A in zip(Bs, As)])
     tot = norms.sum()
     if float(tot) <= 0.0:
@@ -206,7 +206,7 @@ def plora_aggregate(
     Returns new B (m×R), A (R×n); the inputs are not modified.
     """
     R = global_B.shape[1]
-    w = _weights(weights, len(client_modules))
+    w = client_weights(weights, len(client_modules))
     num_B = torch.zeros_like(global_B)
     num_A = torch.zeros_like(global_A)
     den = global_B.new_zeros(R)

@@ -14,7 +14,7 @@ Weights = Sequence[float] | Tensor | None
 # ----------------------------------------------------------------------------- helpers
 
 
-def _weights(weights: Weights, k: int) -> list[float]:
+def client_weights(weights: Weights, k: int) -> list[float]:
     """Weights as a list of k finite python floats (``None`` -> uniform 1/k)."""
     if k == 0:
         raise ValueError("empty client list")
@@ -31,7 +31,9 @@ def _weights(weights: Weights, k: int) -> list[float]:
     return w
 
 
-def _check_pairs(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> None:
+def check_pairs(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> None:
+    """Raise ValueError unless ``Bs``, ``As`` are K >= 1 pairs of 2-D factors B_k (m×r_k),
+    A_k (r_k×n) with one update shape m×n."""
     if len(Bs) != len(As):
         raise ValueError(f"{len(Bs)} B factors but {len(As)} A factors")
     if len(Bs) == 0:
@@ -48,15 +50,18 @@ def _check_pairs(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> None:
             raise ValueError(f"client {k}: update is {B.shape[0]}×{A.shape[1]}, expected {m}×{n}")
 
 
-def _stack(Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights) -> tuple[Tensor, Tensor]:
+def weighted_concat(
+    Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights
+) -> tuple[Tensor, Tensor]:
     """B_cat = [B_1 .. B_K] (m×Σr_k), A_cat = [p_1 A_1; ..; p_K A_K] (Σr_k×n):
     Σ_k p_k B_k A_k = B_cat A_cat."""
-    _check_pairs(Bs, As)
-    w = _weights(weights, len(Bs))
+    check_pairs(Bs, As)
+    w = client_weights(weights, len(Bs))
     return torch.cat(list(Bs), dim=1), torch.cat([p * A for p, A in zip(w, As)], dim=0)
 
 
-def _qr_q(M: Tensor) -> Tensor:
+def qr_q(M: Tensor) -> Tensor:
+    """Q of the reduced QR decomposition of M (d×k -> d×k)."""
     return torch.linalg.qr(M, mode="reduced").Q
 
 
@@ -83,7 +88,7 @@ def weighted_sum(tensors: Sequence[Tensor], weights: Weights = None) -> Tensor:
     """Σ_k w_k T_k for same-shape tensors (``weights=None`` -> uniform mean)."""
     if len(tensors) == 0:
         raise ValueError("empty tensor list")
-    w = _weights(weights, len(tensors))
+    w = client_weights(weights, len(tensors))
     out = w[0] * tensors[0]
     for p, t in zip(w[1:], tensors[1:]):
         if t.shape != tensors[0].shape:
@@ -126,14 +131,14 @@ def factored_sum_norm(
     Gram-trace formula this has no cancellation, so it is accurate for differences
     (used by :func:`aggregation_error`).
     """
-    Bc, Ac = _stack(Bs, As, weights)
+    Bc, Ac = weighted_concat(Bs, As, weights)
     return torch.linalg.matrix_norm(_qr_r(Bc) @ _qr_r(Ac.mT).mT)
 
 
 def apply_sum(Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights, X: Tensor) -> Tensor:
     """(Σ_k p_k B_k A_k) X computed as Σ_k p_k B_k (A_k X). X (n×c) -> m×c."""
-    _check_pairs(Bs, As)
-    w = _weights(weights, len(Bs))
+    check_pairs(Bs, As)
+    w = client_weights(weights, len(Bs))
     out = None
     for p, B, A in zip(w, Bs, As):
         t = B @ (A @ X)
@@ -143,8 +148,8 @@ def apply_sum(Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights, X: T
 
 def apply_sum_t(Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights, Y: Tensor) -> Tensor:
     """(Σ_k p_k B_k A_k)ᵀ Y computed as Σ_k p_k A_kᵀ (B_kᵀ Y). Y (m×c) -> n×c."""
-    _check_pairs(Bs, As)
-    w = _weights(weights, len(Bs))
+    check_pairs(Bs, As)
+    w = client_weights(weights, len(Bs))
     out = None
     for p, B, A in zip(w, Bs, As):
         t = A.mT @ (B.mT @ Y)
@@ -158,12 +163,12 @@ def stack_factors(
     """(B_cat m×Σr_k, A_cat Σr_k×n, d (Σr_k,)) with Σ_k p_k B_k A_k = B_cat diag(d) A_cat:
     d holds p_k repeated r_k times (the factors themselves are only concatenated).
     ``weights`` may be a (K,) tensor on the factors' device (kept there: no host sync)."""
-    _check_pairs(Bs, As)
+    check_pairs(Bs, As)
     ref = Bs[0]
     if isinstance(weights, Tensor) and weights.ndim == 1 and len(weights) == len(Bs):
         w = weights.to(dtype=ref.dtype, device=ref.device)
     else:
-        w = torch.tensor(_weights(weights, len(Bs)), dtype=ref.dtype, device=ref.device)
+        w = torch.tensor(client_weights(weights, len(Bs)), dtype=ref.dtype, device=ref.device)
     ranks = torch.tensor([B.shape[1] for B in Bs], device=ref.device)
     d = torch.repeat_interleave(w, ranks)
     return torch.cat(list(Bs), dim=1), torch.cat(list(As), dim=0), d
@@ -175,7 +180,7 @@ def client_fro_norms(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> Tensor:
     give a NaN/Inf norm; a rounding-negative sum is clamped to 0). One client at a time:
     a float64 copy of all K factors at once (a stacked batch) costs more than the Gram
     products themselves at m = n = 4096 (fresh pages), see docs/benchmarks.md."""
-    _check_pairs(Bs, As)
+    check_pairs(Bs, As)
     sq = []
     for B, A in zip(Bs, As):
         Bd, Ad = B.to(torch.float64), A.to(torch.float64)
@@ -195,5 +200,5 @@ def apply_stacked(
 
 def dense_sum(Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Weights = None) -> Tensor:
     """Reference: the dense m×n matrix S = Σ_k p_k B_k A_k (forms it)."""
-    Bc, Ac = _stack(Bs, As, weights)
+    Bc, Ac = weighted_concat(Bs, As, weights)
     return Bc @ Ac

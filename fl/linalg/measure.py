@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fl.linalg.core import Tensor, Weights, _qr_q, _weights, factored_sum_norm
+from fl.linalg.core import Tensor, Weights, client_weights, factored_sum_norm, qr_q
 
 
 def aggregation_error(
@@ -20,7 +20,7 @@ def aggregation_error(
     cancellation: an exact aggregate gives ~1e-15 in float64). Returns 0 when both
     are 0 and inf when only S is 0.
     """
-    w = _weights(weights, len(Bs))
+    w = client_weights(weights, len(Bs))
     num = factored_sum_norm([B_glob, *Bs], [A_glob, *As], [1.0] + [-p for p in w])
     den = factored_sum_norm(Bs, As, w)
     if float(den) == 0.0:
@@ -39,7 +39,7 @@ def principal_angles(U: Tensor, V: Tensor) -> Tensor:
     """
     if U.shape[0] != V.shape[0]:
         raise ValueError(f"subspaces live in different spaces: {U.shape[0]} vs {V.shape[0]}")
-    Qu, Qv = _qr_q(U), _qr_q(V)
+    Qu, Qv = qr_q(U), qr_q(V)
     if Qu.shape[1] < Qv.shape[1]:
         Qu, Qv = Qv, Qu  # Qv is the smaller basis
     M = Qu.mT @ Qv

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from fl.linalg.core import Tensor, orth
-from fl.linalg.svd import _factors_from_svd
+from fl.linalg.svd import factors_from_svd
 
 
 def gaussian_sketch(
@@ -58,7 +58,7 @@ def refactor(Q: Tensor, Y_tilde: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     columns/rows are zero.
     """
     U, s, Vh = torch.linalg.svd(Y_tilde.mT, full_matrices=False)
-    return _factors_from_svd(Q @ U, s, Vh, rank, "sqrt")
+    return factors_from_svd(Q @ U, s, Vh, rank, "sqrt")
 
 
 def subspace_iteration(

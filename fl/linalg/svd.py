@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
-from fl.linalg.core import Tensor, Weights, _stack
+from fl.linalg.core import Tensor, Weights, weighted_concat
 
 
-def _factors_from_svd(
+def factors_from_svd(
     U: Tensor, s: Tensor, Vh: Tensor, rank: int, split: str
 ) -> tuple[Tensor, Tensor]:
     """Rank-``rank`` factors from an SVD U diag(s) Vh (zero-padded if short)."""
@@ -42,7 +42,7 @@ def factored_svd(
     Returns U (m×q), s (q, descending), Vh (q×n) with q = min(m, n, Σ r_k).
     Cost O((m+n)(Σr)²).
     """
-    Bc, Ac = _stack(Bs, As, weights)
+    Bc, Ac = weighted_concat(Bs, As, weights)
     Q1, R1 = torch.linalg.qr(Bc, mode="reduced")
     Q2, R2 = torch.linalg.qr(Ac.mT, mode="reduced")
     Uc, s, Vch = torch.linalg.svd(R1 @ R2.mT, full_matrices=False)
@@ -65,4 +65,4 @@ def truncated_svd_factors(
     when rank(S) < rank.
     """
     U, s, Vh = factored_svd(Bs, As, weights)
-    return _factors_from_svd(U, s, Vh, rank, split)
+    return factors_from_svd(U, s, Vh, rank, split)

@@ -125,7 +125,7 @@ def fedask_layer(
     adds the randomized-SVD oversampling of 2, which helps when S is only
     approximately low rank.
     """
-    L._check_pairs(Bs, As)
+    L.check_pairs(Bs, As)
     if weights is None:
         weights = [1.0] * len(Bs)
     dt = Bs[0].dtype

@@ -284,7 +284,7 @@ def server_aggregate(
             )
         elif dense:
             U, s, Vh = torch.linalg.svd(linalg.dense_sum(b, a, weights), full_matrices=False)
-            B, A = linalg._factors_from_svd(U, s, Vh, rank, "left")
+            B, A = linalg.factors_from_svd(U, s, Vh, rank, "left")
             rec = []
         else:
             B, A, rec = P.no_perturbation(b, a, weights, rank, clip)

@@ -135,7 +135,7 @@ def _weight_bound(weights, weight_bound: float | None) -> float:
     if weight_bound is not None:
         wb = float(weight_bound)
     else:
-        w = linalg._weights(weights, len(weights))
+        w = linalg.client_weights(weights, len(weights))
         wb = max(abs(x) for x in w)
     if not (math.isfinite(wb) and wb >= 0):
         raise ValueError(f"weight bound must be finite and >= 0, got {wb}")
@@ -278,10 +278,10 @@ def powerdp(
         raise ValueError(
             f"need rank > 0, iters >= 0, oversample >= 0; got {rank}, {iters}, {oversample}"
         )
-    linalg._check_pairs(Bs, As)
+    linalg.check_pairs(Bs, As)
     clipping.check_bound(clip)
     ref = Bs[0]
-    w = linalg._weights(weights, len(Bs))
+    w = linalg.client_weights(weights, len(Bs))
     sens = projection_sensitivity(clip, _weight_bound(w, weight_bound))
     std = noise_multiplier * sens if noise_multiplier > 0 else 0.0
     # Clip norms from per-client float64 Gram products; the factors are concatenated
@@ -365,7 +365,7 @@ def input_perturbation(
     Returns (B = U_r Σ_r, A = V_rᵀ, releases) with the powerdp convention."""
     _check_sigma_clip(noise_multiplier, clip)
     Bc, Ac, _ = clip_clients(Bs, As, clip)
-    w = linalg._weights(weights, len(Bc))
+    w = linalg.client_weights(weights, len(Bc))
     sens = projection_sensitivity(clip, _weight_bound(w, weight_bound))
     Wn = linalg.dense_sum(Bc, Ac, w)
     if noise_multiplier > 0:
@@ -373,7 +373,7 @@ def input_perturbation(
             raise ValueError("a generator is required when noise_multiplier > 0")
         Wn = Wn + gaussian_noise(tuple(Wn.shape), noise_multiplier * sens, generator, Wn)
     U, s, Vh = torch.linalg.svd(Wn, full_matrices=False)
-    B, A = linalg._factors_from_svd(U, s, Vh, rank, "left")
+    B, A = linalg.factors_from_svd(U, s, Vh, rank, "left")
     return B, A, [_record("dense_update", 0, sens, noise_multiplier, shape=list(Wn.shape))]
 
 
@@ -412,7 +412,7 @@ def output_perturbation(
     if calibration not in ("norm_bound", "heuristic"):
         raise ValueError(f"calibration must be 'norm_bound' or 'heuristic', got {calibration!r}")
     Bc, Ac, _ = clip_clients(Bs, As, clip)
-    w = linalg._weights(weights, len(Bc))
+    w = linalg.client_weights(weights, len(Bc))
     wb = _weight_bound(w, weight_bound)
     B, A = linalg.truncated_svd_factors(Bc, Ac, w, rank, split="left")
     heuristic = calibration == "heuristic"
