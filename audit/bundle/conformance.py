@@ -17,18 +17,18 @@ it is not a certified lower bound (that is the one-run bound beside it).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from audit.bounds.conformance import TESTS, Block, GroupTest, conformance, implied_noise_factor
 from audit.bounds.sampling import sampling_test
+from audit.claims.implied import epsilon_of_scaled_events
 from audit.findings import Code, Findings
 from fl.privacy import gradient_canaries as G
 from fl.privacy import rng as R
 from fl.privacy import sampler_canaries as SC
-from fl.privacy.accounting import Event, epsilon_of_events
+from fl.privacy.accounting import Event
 
 __all__ = [
     "coin_stream",
@@ -133,31 +133,16 @@ def gradient_blocks(
     return blocks, notes
 
 
-#: below this effective σ the PLD grid grows past memory; the implied ε is then computed at
-#: this σ, which gives a lower bound on it (ε falls as σ grows), reported as "at least"
-SIGMA_FLOOR = 0.25
-
-
 def implied_epsilon(manifest: dict, factor: float, delta: float) -> tuple[float, bool]:
     """(ε, at_least): the ledger's ε (max over accounting units, PLD) with every event's σ
-    multiplied by ``factor`` (the noise-implied ε; ``factor`` 0 → ∞). An effective σ below
-    :data:`SIGMA_FLOOR` is raised to it, and ``at_least`` says the figure is then a lower
-    bound on the implied ε."""
-    events = [
-        Event.from_dict(e)
-        for e in ((manifest.get("privacy") or {}).get("ledger") or {}).get("events") or []
-    ]
-    if factor <= 0:
-        return math.inf, False
+    multiplied by ``factor`` (the noise-implied ε; ``factor`` 0 → ∞), by the shared core
+    :func:`audit.claims.implied.epsilon_of_scaled_events` (``at_least``: an effective σ was
+    raised to its floor, so the figure is a lower bound on the implied ε)."""
     by_unit: dict[str, list[Event]] = {}
-    floored = False
-    for e in events:
-        s = e.noise_multiplier * factor
-        if 0 < s < SIGMA_FLOOR:
-            s, floored = SIGMA_FLOOR, True
-        by_unit.setdefault(e.unit, []).append(replace(e, noise_multiplier=s))
-    eps = max((epsilon_of_events(v, delta) for v in by_unit.values()), default=0.0)
-    return eps, floored
+    for e in ((manifest.get("privacy") or {}).get("ledger") or {}).get("events") or []:
+        ev = Event.from_dict(e)
+        by_unit.setdefault(ev.unit, []).append(ev)
+    return epsilon_of_scaled_events(by_unit.values(), factor, delta)
 
 
 def sampler_test(run: Path, manifest: dict) -> tuple[GroupTest | None, dict | None]:
