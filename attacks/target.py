@@ -400,11 +400,11 @@ def base_model_config(model: str):
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from fl.models.base import _tiny_config, model_folder
+    from fl.models.base import model_folder, tiny_model_config
 
     hf_logging.set_verbosity_error()  # as fl.models.base does: config notices are not ours
     if model in ("tiny-bert", "tiny-gpt2"):
-        return _tiny_config(model, 2, 30522)  # only positions and layers are read
+        return tiny_model_config(model, 2, 30522)  # only positions and layers are read
     path = model_folder(model)  # UsageError for an unknown name
     try:
         return AutoConfig.from_pretrained(path)

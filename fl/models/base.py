@@ -53,7 +53,9 @@ def load_tokenizer(model: str):
         raise UsageError(f"cannot load a tokenizer from {path}: {exc}") from None
 
 
-def _tiny_config(kind: str, num_labels: int, vocab_size: int):
+def tiny_model_config(kind: str, num_labels: int, vocab_size: int):
+    """The Hugging Face config of the built-in random test models (``tiny-bert``: a 2-layer
+    BERT of width 64; ``tiny-gpt2`` otherwise), made without any download."""
     from transformers import BertConfig, GPT2Config
 
     if kind == "tiny-bert":
@@ -153,7 +155,7 @@ def load_base_model(
     path = model_folder(model)
     if path is None:
         tok = load_tokenizer("minilm")
-        config = _tiny_config(model, num_labels, tok.vocab_size)
+        config = tiny_model_config(model, num_labels, tok.vocab_size)
     else:
         try:
             config = AutoConfig.from_pretrained(path, num_labels=num_labels)

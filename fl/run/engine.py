@@ -46,22 +46,9 @@ from fl.privacy.gradient_canaries import GradientCanaries
 from fl.privacy.rng import derive_seed
 from fl.run import inflight
 from fl.run.batches import poisson_masks
-from fl.run.checkpoint import (  # noqa: F401 (re-exported)
-    _decode_nested,
-    _encode_nested,
-    _fsync_file,
-    load_checkpoint,
-    save_checkpoint,
-)
 from fl.run.config import TrainConfig
 from fl.run.contexts import ClientContext, InProcessTransport, ServerContext
 from fl.run.files import RunFiles
-from fl.run.manifest import (  # noqa: F401 (re-exported)
-    _mechanism_text,
-    _version,
-    _versions,
-    build_manifest,
-)
 from fl.run.plan import PrivacyPlan
 from fl.run.rundir import MANIFEST, SCHEMA_VERSION, SPLITS
 from fl.run.setup import (

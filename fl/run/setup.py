@@ -61,7 +61,7 @@ def _model_positions(model: str) -> int | None:
     from fl.models.base import model_folder
 
     folder = model_folder(model)
-    if folder is None:  # tiny-bert / tiny-gpt2 (fl.models.base._tiny_config)
+    if folder is None:  # tiny-bert / tiny-gpt2 (fl.models.base.tiny_model_config)
         return 256
     try:
         conf = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
