@@ -28,7 +28,9 @@ def figure_paragraph(fig: Path, caption: str) -> Figure:
     return Figure(f"figures/{fig.name}", caption)
 
 
-def _analyses_section(analyses_dir: str | None, figdir: Path) -> Section:
+def analyses_section(analyses_dir: str | None, figdir: Path) -> Section:
+    """The "Noise analyses" section: each analysis under ``analyses_dir`` with its figure
+    (copied into ``figdir``) and a short summary."""
     sec = Section("Noise analyses")
     analyses = []
     if analyses_dir and Path(analyses_dir).is_dir():
@@ -194,7 +196,9 @@ def _claim_figure(c: dict, analyses_dir: str | None) -> str:
     return "–"
 
 
-def _claims_section(claims: dict | None, analyses_dir: str | None, figdir: Path) -> Section:
+def claims_section(claims: dict | None, analyses_dir: str | None, figdir: Path) -> Section:
+    """The "Claims check" section: one readable row per claim of the claims analysis
+    (``claims``), with the figure that shows it."""
     sec = Section("Claims check")
     if not (claims and claims.get("claims")):
         sec.missing = "the claims analysis was not run."

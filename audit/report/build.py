@@ -33,8 +33,8 @@ from pathlib import Path
 from audit.findings import Finding
 from audit.report.analyses import (  # noqa: F401 (readable, CLAIM_FIGURES re-exported)
     CLAIM_FIGURES,
-    _analyses_section,
-    _claims_section,
+    analyses_section,
+    claims_section,
     figure_paragraph,
     foreign_summary,
     pair_foreign,
@@ -54,7 +54,7 @@ from audit.report.document import (
     save_figure,
 )
 from audit.report.document import format_cell as _fmt
-from audit.report.empirical import _empirical_section, empirical_bounds
+from audit.report.empirical import empirical_bounds, empirical_section
 from audit.report.figures import (
     accuracy_figure,
     accuracy_series,
@@ -219,12 +219,12 @@ def build_report(
     summary: dict = {"runs": [], "sections": list(SECTIONS), "missing": []}
     report.sections.append(verdict_section(rows, figdir, summary))
     report.sections.append(_runs_section(rows, figdir, summary))
-    report.sections.append(_analyses_section(analyses_dir, figdir))
+    report.sections.append(analyses_section(analyses_dir, figdir))
     report.sections.append(_attacks_section(rows, figdir, summary))
     # optional: only when a run is a causal LM / has a client-level attack
     report.sections += [s for s in (lm_section(rows, figdir), client_section(rows, figdir)) if s]
-    report.sections.append(_empirical_section(rows, figdir, summary))
-    report.sections.append(_claims_section(claims, analyses_dir, figdir))
+    report.sections.append(empirical_section(rows, figdir, summary))
+    report.sections.append(claims_section(claims, analyses_dir, figdir))
     report.sections.append(_environment_section(rows))
     cmds = list(commands or [])
     for r in rows:

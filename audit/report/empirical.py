@@ -148,7 +148,9 @@ def best_bound(row: dict) -> dict | None:
     return out
 
 
-def _empirical_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
+def empirical_section(rows: list[dict], figdir: Path, summary: dict) -> Section:
+    """The "Empirical privacy" section: the runs' empirical lower bounds on ε (attack
+    scores, one-run canaries) beside the claimed ε, with their figure in ``figdir``."""
     sec = Section("Empirical privacy")
     bt = [
         [r["run"], b["attack"], b["method"], b["epsilon_lb"], r["epsilon_claimed"]]

@@ -191,7 +191,7 @@ def test_claims_cli_with_grids(tmp_path):
     import contextlib
     import io
 
-    from audit.report.analyses import _claims_section
+    from audit.report.analyses import claims_section
     from pipeline.cli import main
 
     g = tmp_path / "grid"
@@ -210,7 +210,7 @@ def test_claims_cli_with_grids(tmp_path):
     assert (out / "claims_utility.png").is_file()
     figdir = tmp_path / "fig"
     figdir.mkdir()
-    sec = _claims_section(doc, str(tmp_path), figdir)
+    sec = claims_section(doc, str(tmp_path), figdir)
     assert (figdir / "claims-utility.png").is_file()
     text = repr(sec.blocks)
     assert "fedask-w/eps1" in text and "accuracy vs ε (below)" in text
