@@ -26,6 +26,10 @@ __all__ = [
     "epsilon_lower_bound",
     "check_prob",
     "check_scores",
+    "error_counts",
+    "eps_from_rates",
+    "gdp_mu_from_rates",
+    "roc_hull_thresholds",
 ]
 
 
@@ -127,7 +131,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     )
 
 
-def _gdp_mu_from_rates(fpr_ub: np.ndarray, fnr_ub: np.ndarray) -> np.ndarray:
+def gdp_mu_from_rates(fpr_ub: np.ndarray, fnr_ub: np.ndarray) -> np.ndarray:
     """Smallest mu whose trade-off curve passes through/below the point (fpr_ub, fnr_ub).
 
     mu-GDP requires FNR >= f_mu(FPR) = Phi(Phi^-1(1 - FPR) - mu) for every test. f_mu is
@@ -143,14 +147,14 @@ def _gdp_mu_from_rates(fpr_ub: np.ndarray, fnr_ub: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- threshold audit
 
 
-def _counts(in_sorted: np.ndarray, out_sorted: np.ndarray, thr: np.ndarray):
+def error_counts(in_sorted: np.ndarray, out_sorted: np.ndarray, thr: np.ndarray):
     """False-positive and false-negative counts of the test "member iff score >= thr"."""
     fp = out_sorted.size - np.searchsorted(out_sorted, thr, side="left")  # out >= t
     fn = np.searchsorted(in_sorted, thr, side="left")  # in < t
     return fp, fn
 
 
-def _eps_from_rates(fpr_ub: np.ndarray, fnr_ub: np.ndarray, delta: float) -> np.ndarray:
+def eps_from_rates(fpr_ub: np.ndarray, fnr_ub: np.ndarray, delta: float) -> np.ndarray:
     """(eps, delta)-DP implies FPR + e^eps FNR >= 1 - delta and FNR + e^eps FPR >= 1 - delta.
 
     Both left-hand sides grow with FPR and FNR, so plugging in upper bounds stays valid.
@@ -163,12 +167,12 @@ def _eps_from_rates(fpr_ub: np.ndarray, fnr_ub: np.ndarray, delta: float) -> np.
     return np.maximum(e, 0.0)
 
 
-def _roc_hull_thresholds(in_sorted: np.ndarray, out_sorted: np.ndarray) -> np.ndarray:
+def roc_hull_thresholds(in_sorted: np.ndarray, out_sorted: np.ndarray) -> np.ndarray:
     """Thresholds at the vertices of the empirical ROC's upper concave hull, both ends excluded.
 
     ROC points are (FP(t), TP(t)) counts of "member iff score >= t" over every distinct score t
-    (plus +inf). Both inequalities of :func:`_eps_from_rates` and the GDP mu of
-    :func:`_gdp_mu_from_rates` are maximised over a set of (FPR, TPR) points at a vertex of its
+    (plus +inf). Both inequalities of :func:`eps_from_rates` and the GDP mu of
+    :func:`gdp_mu_from_rates` are maximised over a set of (FPR, TPR) points at a vertex of its
     upper hull: a point under a hull chord is dominated by one of the chord's ends, because the
     region where each criterion is <= c is convex (a half-plane through a fixed point for
     eps; the region under a concave Gaussian trade-off curve for mu). The two ends, (0, 0) at
@@ -179,7 +183,7 @@ def _roc_hull_thresholds(in_sorted: np.ndarray, out_sorted: np.ndarray) -> np.nd
         ascending thresholds, shape (K,) with K >= 0; each is the lowest score with its FP count.
     """
     thr = np.append(np.unique(np.concatenate((in_sorted, out_sorted))), np.inf)
-    fp, fn = _counts(in_sorted, out_sorted, thr)
+    fp, fn = error_counts(in_sorted, out_sorted, thr)
     # Walk from t = +inf down: FP and TP both grow. Among equal FP keep the largest TP (the
     # lowest t), the only one of them that can be a vertex.
     fp, tp, thr = fp[::-1], (in_sorted.size - fn)[::-1], thr[::-1]
@@ -219,7 +223,7 @@ def _threshold_grid(pooled: np.ndarray, n_thresholds: int) -> np.ndarray:
 def _candidates(in_sorted, out_sorted, candidates: str, n_thresholds: int) -> np.ndarray:
     """The thresholds a bound is computed at (never empty: a lone +inf certifies nothing)."""
     if candidates == "hull":
-        cand = _roc_hull_thresholds(in_sorted, out_sorted)
+        cand = roc_hull_thresholds(in_sorted, out_sorted)
     else:
         cand = _threshold_grid(np.concatenate((in_sorted, out_sorted)), n_thresholds)
     return cand if cand.size else np.array([np.inf])
@@ -229,13 +233,13 @@ def _bound_at(in_sorted, out_sorted, thr, delta, a_rates, method):
     """Per-threshold bound: returns (value to maximise, eps, fpr_ub, fnr_ub, mu).
     ``a_rates``: the failure probability of each FPR and each FNR upper bound."""
     a_fpr, a_fnr = a_rates
-    fp, fn = _counts(in_sorted, out_sorted, thr)
+    fp, fn = error_counts(in_sorted, out_sorted, thr)
     fpr_ub = clopper_pearson_upper(fp, out_sorted.size, a_fpr)
     fnr_ub = clopper_pearson_upper(fn, in_sorted.size, a_fnr)
     if method == "gdp":
-        mu = _gdp_mu_from_rates(fpr_ub, fnr_ub)
+        mu = gdp_mu_from_rates(fpr_ub, fnr_ub)
         return mu, None, fpr_ub, fnr_ub, mu
-    eps = _eps_from_rates(fpr_ub, fnr_ub, delta)
+    eps = eps_from_rates(fpr_ub, fnr_ub, delta)
     return eps, eps, fpr_ub, fnr_ub, None
 
 
@@ -273,7 +277,7 @@ def epsilon_lower_bound(
 
     Candidate thresholds (``candidates``): ``"hull"`` (default) takes the vertices of the
     empirical ROC's upper concave hull (without its two ends), which contain the maximiser of
-    both inequalities and of mu (see :func:`_roc_hull_thresholds`); ``"quantiles"`` takes
+    both inequalities and of mu (see :func:`roc_hull_thresholds`); ``"quantiles"`` takes
     <= n_thresholds pooled-score quantiles, dense in both tails.
 
     Threshold choice is data-dependent, so it is corrected:
@@ -350,7 +354,7 @@ def epsilon_lower_bound(
 
     crit, eps, fpr_ub, fnr_ub, mu = _bound_at(ev_in, ev_out, cand, delta, a_rates, method)
     j = int(np.argmax(crit))
-    fp, fn = _counts(ev_in, ev_out, cand[j : j + 1])
+    fp, fn = error_counts(ev_in, ev_out, cand[j : j + 1])
     out = {
         "method": method,
         "threshold_selection": threshold_selection,

@@ -16,7 +16,7 @@ from scipy import optimize, special, stats
 
 from audit.bounds.hypothesis import check_prob, check_scores
 
-__all__ = ["one_run_p_value", "epsilon_one_run"]
+__all__ = ["one_run_p_value", "epsilon_one_run", "epsilon_from_guesses"]
 
 
 def _check_delta_one_run(value: float) -> float:
@@ -62,8 +62,9 @@ def one_run_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
     return min(tail + 2.0 * m * delta * corr, 1.0)
 
 
-def _eps_one_run_single(m: int, r: int, v: int, delta: float, alpha: float) -> float:
-    """Largest eps with p-value < alpha, i.e. sup{eps : P_eps[>= v correct] < alpha} (>= 0).
+def epsilon_from_guesses(m: int, r: int, v: int, delta: float, alpha: float) -> float:
+    """The bound of one guess split: the largest eps with p-value < alpha, i.e.
+    sup{eps : P_eps[>= v correct] < alpha} (>= 0), for m canaries, r guesses, v correct.
 
     The p-value is continuous and non-decreasing in eps, so bracket then root-find.
     """
@@ -161,7 +162,7 @@ def epsilon_one_run(
     for kp, kn in grid:
         r = kp + kn
         v = int(correct_top[kp] + correct_bot[kn])
-        eps = _eps_one_run_single(m, r, v, delta, a_k)
+        eps = epsilon_from_guesses(m, r, v, delta, a_k)
         if best is None or eps > best["epsilon_lb"]:
             best = {"epsilon_lb": eps, "r": r, "v": v, "k_pos": kp, "k_neg": kn}
     best.update(

@@ -70,6 +70,7 @@ __all__ = [
     "audit_run",
     "flag_shared_keys",
     "canary_scores",
+    "claim_check",
     "compare_adapters",
     "TAMPER_CODES",
     "SCHEMA_VERSION",
@@ -534,7 +535,7 @@ def _joint_bound(scores, included, delta, alpha) -> tuple[float, str]:
     return (fd, "f-DP") if fd > st else (st, "Steinke et al.")
 
 
-def _claim_check(m, scores, included, delta, alpha, eps_claim, res) -> dict:
+def claim_check(m, scores, included, delta, alpha, eps_claim, res) -> dict:
     """What the claim allows for one canary, and the one-run bound to compare with it.
 
     The bound is the larger of Steinke et al.'s and the f-DP one, each at α/2
@@ -660,7 +661,7 @@ def _one_run(
     res["fdp"] = _fdp_summary(scores, included, delta, alpha)
     eps_claim = out.get("epsilon_pld")
     if isinstance(eps_claim, int | float) and math.isfinite(eps_claim):
-        res["claim_check"] = check = _claim_check(m, scores, included, delta, alpha, eps_claim, res)
+        res["claim_check"] = check = claim_check(m, scores, included, delta, alpha, eps_claim, res)
         if check["exceeds"]:
             findings.add(
                 Code.EMPIRICAL_EXCEEDS_CLAIM,

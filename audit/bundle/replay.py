@@ -34,7 +34,7 @@ from fl.run.integrity import verify_mac
 from fl.run.release import PUBLIC_METRICS, public_manifest
 from fl.run.rundir import read_metrics
 
-__all__ = ["replay", "compare_adapters", "CUDA_RTOL"]
+__all__ = ["replay", "compare_adapters", "trained_device", "CUDA_RTOL"]
 
 #: Replay tolerance for runs made on CUDA (the replay runs on the CPU): every tensor of
 #: the replayed adapter must lie within CUDA_RTOL × (the released tensor's largest
@@ -66,7 +66,7 @@ _REPLAY_PRIVACY_FIELDS = (
 )
 
 
-def _trained_device(run: Path, m: dict, bundle: bool) -> tuple[str, str]:
+def trained_device(run: Path, m: dict, bundle: bool) -> tuple[str, str]:
     """Where the run trained: ("cpu" | "cuda" | "unknown", how we know)."""
 
     def kind(dev) -> str | None:
@@ -331,7 +331,7 @@ def replay(
     cfg = TrainConfig.from_dict(cfg_dict)
     # Only an authenticated manifest may say the run was made on CUDA and so relax the
     # comparison: an unsealed one is compared bit for bit.
-    trained_on, how = _trained_device(run, m, bundle) if sealed else ("cpu", "not authenticated")
+    trained_on, how = trained_device(run, m, bundle) if sealed else ("cpu", "not authenticated")
     rtol = CUDA_RTOL if trained_on == "cuda" else 0.0
     replay_device = "cpu"
     if trained_on == "cuda" and _cuda_available():

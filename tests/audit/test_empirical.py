@@ -12,14 +12,14 @@ from scipy.spatial import ConvexHull
 from scipy.stats import binom, norm
 
 from audit.bounds.hypothesis import (
-    _counts,
-    _eps_from_rates,
-    _gdp_mu_from_rates,
-    _roc_hull_thresholds,
     clopper_pearson_upper,
+    eps_from_rates,
     epsilon_lower_bound,
+    error_counts,
     gdp_delta,
     gdp_epsilon,
+    gdp_mu_from_rates,
+    roc_hull_thresholds,
 )
 from benchmarks.auditing.jax_privacy import compare as jax_compare
 from benchmarks.auditing.jax_privacy.arrays import fingerprint, scores
@@ -243,7 +243,7 @@ def _hull_reference(x_in, x_out):
     """Hull-vertex thresholds by qhull: the ROC points plus the corner (n_out, 0) form a convex
     polygon whose vertices are the upper hull, that corner and the two trivial ends."""
     thr = np.append(np.unique(np.concatenate((x_in, x_out))), np.inf)
-    fp, fn = _counts(np.sort(x_in), np.sort(x_out), thr)
+    fp, fn = error_counts(np.sort(x_in), np.sort(x_out), thr)
     tp = x_in.size - fn
     pts = np.column_stack((fp, tp)).astype(float)
     hull = ConvexHull(np.vstack((pts, [[x_out.size, 0.0]])))
@@ -261,7 +261,7 @@ def test_roc_hull_matches_qhull(seed):
     # rounded scores: ties inside and across the classes
     x_in = np.round(rng.normal(mu, 1, n_in), int(rng.integers(0, 3)))
     x_out = np.round(rng.normal(0, 1, n_out), int(rng.integers(0, 3)))
-    got = _roc_hull_thresholds(np.sort(x_in), np.sort(x_out))
+    got = roc_hull_thresholds(np.sort(x_in), np.sort(x_out))
     np.testing.assert_array_equal(got, _hull_reference(x_in, x_out))
 
 
@@ -272,14 +272,14 @@ def test_roc_hull_contains_the_maximiser():
     for mu in (0.3, 1.0, 2.5):
         x_in, x_out = np.sort(rng.normal(mu, 1, 300)), np.sort(rng.normal(0, 1, 400))
         every = np.append(np.unique(np.concatenate((x_in, x_out))), np.inf)
-        hull = _roc_hull_thresholds(x_in, x_out)
+        hull = roc_hull_thresholds(x_in, x_out)
         assert 2 <= hull.size < every.size / 10
 
         def rates(t, x_in=x_in, x_out=x_out):
-            fp, fn = _counts(x_in, x_out, t)
+            fp, fn = error_counts(x_in, x_out, t)
             return (fp + 1) / (x_out.size + 2), (fn + 1) / (x_in.size + 2)
 
-        for crit in (lambda f, g: _eps_from_rates(f, g, 1e-3), _gdp_mu_from_rates):
+        for crit in (lambda f, g: eps_from_rates(f, g, 1e-3), gdp_mu_from_rates):
             assert crit(*rates(hull)).max() == pytest.approx(crit(*rates(every)).max(), rel=1e-12)
 
 
@@ -288,7 +288,7 @@ def test_bonferroni_rate_bounds_hold_for_every_threshold():
     bounds are made simultaneous over every possible false-positive (negative) count."""
     rng = np.random.default_rng(4)
     x_in, x_out = rng.normal(1, 1, 3000), rng.normal(0, 1, 3000)
-    k = _roc_hull_thresholds(np.sort(x_in), np.sort(x_out)).size
+    k = roc_hull_thresholds(np.sort(x_in), np.sort(x_out)).size
     for method in ("clopper_pearson", "gdp"):
         res = epsilon_lower_bound(
             x_in, x_out, DELTA, method=method, threshold_selection="bonferroni"
@@ -320,9 +320,9 @@ def test_bound_formulas_are_exact_on_population_rates(mu):
     closed-form eps(delta) of mu-GDP, and every threshold gives back mu itself."""
     t = np.linspace(-8, 12, 400_001)
     fpr, fnr = norm.sf(t), norm.cdf(t - mu)
-    assert _eps_from_rates(fpr, fnr, DELTA).max() == pytest.approx(gdp_epsilon(mu, DELTA), rel=1e-6)
+    assert eps_from_rates(fpr, fnr, DELTA).max() == pytest.approx(gdp_epsilon(mu, DELTA), rel=1e-6)
     mid = np.abs(t - mu / 2) < 4  # where both rates are well above float resolution
-    np.testing.assert_allclose(_gdp_mu_from_rates(fpr[mid], fnr[mid]), mu, rtol=1e-9)
+    np.testing.assert_allclose(gdp_mu_from_rates(fpr[mid], fnr[mid]), mu, rtol=1e-9)
 
 
 # --------------------------------------------------------------------------- input validation

@@ -297,7 +297,7 @@ def test_issue_figure_b_expected_counts():
     # expectation, default grid with union bound alpha/6 for both bounds. Issue's figures:
     # Steinke 1.44 / 2.76 / 3.37, f-DP 2.35 / 3.89 / 4.72; this setting gives
     # 1.27 / 2.53 / 3.21 and 2.21 / 3.72 / 4.41 (see docs/audit.md: not reproduced exactly).
-    from audit.bounds.one_run import _eps_one_run_single
+    from audit.bounds.one_run import epsilon_from_guesses
 
     mu = optimize.brentq(lambda u: gdp_delta(u, 8.0) - DELTA, 0.1, 10)
     assert gdp_epsilon(mu, DELTA) == pytest.approx(8.0, abs=1e-9)
@@ -306,7 +306,7 @@ def test_issue_figure_b_expected_counts():
         grid = default_k_grid(m)
         a = 0.05 / len(grid)
         counts = [(kp + kn, _expected_correct(mu, m, kp)) for kp, kn in grid]
-        st = max(_eps_one_run_single(m, k, c, DELTA, a) for k, c in counts)
+        st = max(epsilon_from_guesses(m, k, c, DELTA, a) for k, c in counts)
         fd = max(fdp_one_run_ideal(m, k, c, DELTA, a)["epsilon_lb"] for k, c in counts)
         assert st == pytest.approx(w_st, abs=0.005) and fd == pytest.approx(w_f, abs=0.005)
         assert fd > st + 0.9

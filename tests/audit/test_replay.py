@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from audit.bundle.audit import CUDA_RTOL, TAMPER_CODES, audit_run, compare_adapters
-from audit.bundle.replay import _trained_device
+from audit.bundle.replay import trained_device
 from fl.privacy.ledger import Ledger
 from pipeline.cli import main
 
@@ -257,12 +257,12 @@ def test_compare_adapters_exact_and_tolerance(tmp_path):
 
 def test_trained_device(tmp_path):
     m = {"config": {"device": "cuda"}}
-    assert _trained_device(tmp_path, m, bundle=True)[0] == "cuda"
-    assert _trained_device(tmp_path, {"config": {"device": "cpu"}}, bundle=True)[0] == "cpu"
-    assert _trained_device(tmp_path, {"config": {"device": "auto"}}, bundle=True)[0] == "unknown"
+    assert trained_device(tmp_path, m, bundle=True)[0] == "cuda"
+    assert trained_device(tmp_path, {"config": {"device": "cpu"}}, bundle=True)[0] == "cpu"
+    assert trained_device(tmp_path, {"config": {"device": "auto"}}, bundle=True)[0] == "unknown"
     # a run directory: the engine's start line in run.log says where it actually ran
     (tmp_path / "run.log").write_text("fedlora train: method=fedavg dp=sample device=cuda:0\n")
-    assert _trained_device(tmp_path, {"config": {"device": "auto"}}, bundle=False)[0] == "cuda"
+    assert trained_device(tmp_path, {"config": {"device": "auto"}}, bundle=False)[0] == "cuda"
 
 
 def test_a_run_with_a_round_rerun_after_a_stop_is_verified(tmp_path, tiny_cfg, monkeypatch):

@@ -236,16 +236,16 @@ def test_one_run_claim_check_at_client_level_allows_replace_one_client():
     at sample level the same bound exceeds the claim."""
     from audit.bounds.fdp import fdp_one_run_bound
     from audit.bounds.one_run import epsilon_one_run
-    from audit.bundle.audit import _claim_check
+    from audit.bundle.audit import claim_check
 
     rng = np.random.default_rng(0)
     inc = rng.random(1000) < 0.5
     scores = inc + rng.normal(size=1000) * 0.01  # perfectly separated canaries
     res = epsilon_one_run(scores, inc, 1e-5, alpha=0.05)
     assert 4.0 < res["epsilon_lb"]  # ≈ 4.57 with 1000 canaries
-    sample = _claim_check({"privacy": {"level": "sample"}}, scores, inc, 1e-5, 0.05, 2.3, res)
+    sample = claim_check({"privacy": {"level": "sample"}}, scores, inc, 1e-5, 0.05, 2.3, res)
     assert sample["exceeds"] and sample["epsilon"] == 2.3
-    client = _claim_check({"privacy": {"level": "client"}}, scores, inc, 1e-5, 0.05, 2.3, res)
+    client = claim_check({"privacy": {"level": "client"}}, scores, inc, 1e-5, 0.05, 2.3, res)
     assert client["epsilon"] == 4.6 and client["delta"] == pytest.approx((1 + math.e**2.3) * 1e-5)
     # the claim is tested with the larger of the two certified bounds, each at α/2
     d2 = client["delta"]
@@ -255,5 +255,5 @@ def test_one_run_claim_check_at_client_level_allows_replace_one_client():
     )
     assert client["epsilon_lb"] == pytest.approx(want) and 2.3 < want < 4.6
     assert not client["exceeds"]  # between ε and 2ε: allowed for one canary
-    tight = _claim_check({"privacy": {"level": "client"}}, scores, inc, 1e-5, 0.05, 1.0, res)
+    tight = claim_check({"privacy": {"level": "client"}}, scores, inc, 1e-5, 0.05, 1.0, res)
     assert tight["exceeds"] and tight["epsilon"] == 2.0  # above 2ε: a leak
