@@ -15,7 +15,8 @@ from benchmarks.grids.claims import GRIDS as CLAIM_GRIDS
 RECIPE = dict(members=10000, nonmembers=1000, test=1000, batch_size=64, rounds=5, local_steps=20)
 
 
-def _coerce(value: str):
+def parse_value(value: str):
+    """A ``KEY=VALUE`` override's value as int, float, bool (``true``/``false``) or text."""
     for cast in (int, float):
         try:
             return cast(value)

@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.grids.jobs import GRIDS, RECIPE, _coerce, best_recipe
+from benchmarks.grids.jobs import GRIDS, RECIPE, best_recipe, parse_value
 from fl.distributed import run_tasks
 
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if "=" not in kv:
             ap.error(f"--base expects KEY=VALUE, got {kv!r}")
         k, v = kv.split("=", 1)
-        overrides[k] = _coerce(v)
+        overrides[k] = parse_value(v)
     base.update(overrides)
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)

@@ -35,7 +35,8 @@ RANK = 16
 TARGET = 30.0  # issue 20
 
 
-def _factors(m: int, n: int, K: int, r: int, seed: int):
+def random_factors(m: int, n: int, K: int, r: int, seed: int):
+    """K seeded random LoRA factor pairs B_k (m×r, scale 0.01), A_k (r×n, scale 1/√n)."""
     g = torch.Generator().manual_seed(seed)
     Bs = [0.01 * torch.randn(m, r, generator=g) for _ in range(K)]
     As = [torch.randn(r, n, generator=g) / n**0.5 for _ in range(K)]
@@ -89,7 +90,7 @@ def _peak_child(size: int, K: int, dense: bool) -> dict:
     PowerDP call and return the peak RSS it added (MiB)."""
     from fl.privacy.powerdp import powerdp
 
-    Bs, As = _factors(size, size, K, RANK, seed=size + K)
+    Bs, As = random_factors(size, size, K, RANK, seed=size + K)
     w = [1.0 / K] * K
     gen = torch.Generator().manual_seed(1)
     before = _status_kib("VmRSS")
@@ -144,7 +145,7 @@ def case(
     from fl.methods.fedask import fedask_layer
     from fl.privacy.powerdp import powerdp
 
-    Bs, As = _factors(size, size, K, RANK, seed=size + K)
+    Bs, As = random_factors(size, size, K, RANK, seed=size + K)
     Bs, As = [b.to(device) for b in Bs], [a.to(device) for a in As]
     w = [1.0 / K] * K
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

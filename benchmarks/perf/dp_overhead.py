@@ -170,7 +170,7 @@ def precisions(device: str) -> list[str]:
     return ["bf16"] if os.environ.get("FEDLORA_BENCH_BF16") == "1" else ["fp32"]
 
 
-def _autocast(device: str, precision: str | None = None):
+def precision_autocast(device: str, precision: str | None = None):
     """bf16 autocast on CUDA for precision bf16 (None: bf16 when FEDLORA_BENCH_BF16=1 on
     CUDA); else a no-op."""
     if precision is None:
@@ -224,7 +224,7 @@ def measure(
     def run(kind: str):
         def f():
             streams = bench_streams("bench", model)
-            with _autocast(device, precision):
+            with precision_autocast(device, precision):
                 if kind == "dp_per_parameter":
                     trainer.run(
                         start, data, pos, steps, set(trainable), PerParameter(dp, streams[0]),

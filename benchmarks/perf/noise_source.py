@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.perf import harness
-from benchmarks.perf.dp_overhead import _autocast, dp_params, make_trainer
+from benchmarks.perf.dp_overhead import dp_params, make_trainer, precision_autocast
 
 NAME = "noise_source"
 TARGET = 1.02  # keyed-CSPRNG DP step / seeded-generator DP step on minilm
@@ -164,7 +164,7 @@ def measure(
         make, name = sources[side], names[side]
 
         def f():
-            with _autocast(device):
+            with precision_autocast(device):
                 trainer.train(
                     start,
                     data,

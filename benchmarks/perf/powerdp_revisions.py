@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from benchmarks.perf import harness
-from benchmarks.perf.aggregation import RANK, _factors
+from benchmarks.perf.aggregation import RANK, random_factors
 
 
 def load_revision(rev: str):
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     old = load_revision(a.rev)
     torch.set_num_threads(a.threads)
-    Bs, As = _factors(a.size, a.size, a.K, RANK, seed=a.size + a.K)
+    Bs, As = random_factors(a.size, a.size, a.K, RANK, seed=a.size + a.K)
     w = [1.0 / a.K] * a.K
 
     def call(mod, dense=False):
