@@ -130,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
                     r = one(m, level, e, a.seed, Path(tmp))
                     rows.append(r)
                     print(json.dumps(r, default=str), flush=True)
-                    doc = {"git": T._git(), "seconds": round(time.time() - t0, 1), "rows": rows}
+                    doc = {
+                        "git": T.git_state(),
+                        "seconds": round(time.time() - t0, 1),
+                        "rows": rows,
+                    }
                     (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
                     (out / "table.md").write_text(table(rows))
     return 0

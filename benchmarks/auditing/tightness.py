@@ -247,7 +247,7 @@ def _separation(run: Path) -> dict:
     return out
 
 
-def _git() -> dict:
+def git_state() -> dict:
     """The commit measured and whether the working tree differed from it."""
     import subprocess
 
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 "targets": TARGETS,
                 "threads": os.environ.get("OMP_NUM_THREADS"),
                 "noise_keys": "a fresh secret key per run (the engine's default)",
-                "git": _git(),
+                "git": git_state(),
             },
             "summary": summary,
             "utility": utility,

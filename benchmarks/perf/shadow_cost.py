@@ -96,7 +96,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
         counter = iter(range(10**6))
 
         def shadows(config, k: int, share: bool):
-            heads._ENCODED.clear()  # a fresh process: nothing encoded yet
+            heads.clear_encoded_cache()  # a fresh process: nothing encoded yet
             train_shadows(
                 config, ids, texts, labels, k, Path(tmp) / f"s{next(counter)}", device=device,
                 progress=False, num_labels=c, workers=1, ray_address="none", share_prefix=share,

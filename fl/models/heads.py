@@ -157,6 +157,12 @@ _ENCODED: OrderedDict = OrderedDict()
 _ENCODED_MAX = 4
 _ENCODED_BYTES = 3 * 2**30
 
+
+def clear_encoded_cache() -> None:
+    """Forget this process's encoded data sets (as in a fresh process)."""
+    _ENCODED.clear()
+
+
 _LAYER_RE = re.compile(r"\.(?:layer|h)\.(\d+)\.")
 
 #: pools whose prefix outputs other data sets take their rows from (:func:`shared_rows`)
