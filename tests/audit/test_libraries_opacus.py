@@ -1,0 +1,137 @@
+"""audit.libraries.opacus: sampler canaries that travel Opacus's own path (#43).
+
+Small Opacus trainings (an MLP on synthetic data, CPU, seconds each)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("opacus")
+
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from audit.libraries.opacus import SamplerCanaries  # noqa: E402
+from benchmarks.auditing.libraries import train_and_audit  # noqa: E402
+
+warnings.filterwarnings("ignore", module="opacus")
+
+
+def _rejected(res: dict) -> set[str]:
+    return set(res["conformance"]["rejected"])
+
+
+def test_correct_flat_poisson_run_passes():
+    res = train_and_audit("flat_poisson", steps=80, seed=3, permutations=199)
+    assert res["verdict"] == "pass", res["findings"]
+    assert res["exit_code"] == 0
+    assert res["run"]["sampling"] == "poisson" and res["run"]["steps"] == 80
+    # the recomputed ε of the run's mechanism agrees with Opacus's accountant (PRV)
+    assert res["recomputed_epsilon"] == pytest.approx(res["accountant_epsilon"], rel=0.02)
+    assert res["conformance"]["passed"] and not res["untested"]
+
+
+def test_shuffled_batches_accounted_as_poisson_are_flagged_from_the_data():
+    # σ = 0.5, q = 1/11, 64 canaries, 150 steps: the release test's z ≈ sqrt(M·T)·q^1.5/σ² ≈ 11
+    res = train_and_audit("flat_shuffle_as_poisson", steps=150, sigma=0.5, permutations=199)
+    assert res["verdict"] == "fail" and res["exit_code"] == 1
+    codes = {f["code"] for f in res["findings"]}
+    assert {"sampling_mismatch", "epsilon_understated"} <= codes
+    # detected from the release alone (the noisy canary block), not only from the loader type
+    rej = _rejected(res)
+    assert "sampling:release:exchangeable" in rej
+    assert "sampling:sampler:exchangeable" in rej
+    assert res["sampling"]["z_window"] < -3
+
+
+def test_per_layer_clipping_carries_the_canaries():
+    res = train_and_audit("per_layer", steps=60, permutations=199)
+    assert res["mode"] == "per_layer"
+    assert res["verdict"] == "pass", res["findings"]
+    # the claim's C is the norm of the per-layer norms, which Opacus's noise uses
+    assert res["run"]["clipping_norm"] == pytest.approx(1.0 * (5 / 4) ** 0.5)
+    assert res["run"]["canary_clip"] == pytest.approx(0.5)
+
+
+def test_ghost_clipping_audits_the_noise_and_names_what_it_does_not_test():
+    res = train_and_audit("ghost", steps=40, permutations=199)
+    assert res["mode"] == "ghost" and res["verdict"] == "pass"
+    assert res["sampling"] is None
+    assert any(u.startswith("sampling") for u in res["untested"])
+    assert any(u.startswith("clipping") for u in res["untested"])
+    assert {t["test"] for t in res["conformance"]["tests"]} == {"scale", "fresh"}
+
+
+def test_hand_set_noise_below_the_calibrated_one_is_caught():
+    res = train_and_audit("low_sigma", steps=100, permutations=199)
+    codes = {f["code"] for f in res["findings"]}
+    assert {"noise_multiplier_mismatch", "epsilon_understated"} <= codes
+    assert "canary:scale" in _rejected(res)
+    assert res["noise_factor"] < 0.8  # the run's noise is 0.6 of the claim's
+    assert res["implied_epsilon"] > res["claimed_epsilon"]
+
+
+def _per_sample_reference(model, x, y, cid, clip):
+    """Slow reference: each sample's gradient by plain autograd, flat-clipped to C, summed."""
+    params = list(model.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    crit = nn.CrossEntropyLoss()
+    for i in range(len(x)):
+        model.zero_grad()
+        model.canary.gain = 100.0 * clip
+        crit(model(x[i : i + 1], cid[i : i + 1]), y[i : i + 1]).backward()
+        g = [p.grad.detach().clone() for p in params]
+        norm = torch.sqrt(sum((t**2).sum() for t in g))
+        f = min(1.0, clip / (float(norm) + 1e-6))
+        total = [a + f * t for a, t in zip(total, g)]
+    return total
+
+
+def test_recorded_canary_block_equals_a_slow_clip_and_noise_reference():
+    torch.manual_seed(0)
+    x = torch.randn(40, 5)
+    y = (x[:, 0] > 0).long()
+    can = SamplerCanaries(m=8)
+    ds = can.dataset(TensorDataset(x, y))
+    model = can.model(nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2)))
+    plain = copy.deepcopy(model)
+    from opacus import PrivacyEngine
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gen = torch.Generator().manual_seed(123)
+    pe = PrivacyEngine(accountant="rdp")
+    clip, sigma = 0.7, 1.3
+    model, opt, dl = pe.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(ds, batch_size=48, shuffle=False),
+        noise_multiplier=sigma,
+        max_grad_norm=clip,
+        poisson_sampling=False,
+        noise_generator=gen,
+    )
+    audit = can.attach(pe, opt, dl)
+    xb, yb, cid = next(iter(dl))  # the whole dataset: 40 real records and the 8 canaries
+    opt.zero_grad()
+    nn.CrossEntropyLoss()(model(xb, cid), yb).backward()
+    opt.step()
+    ref = _per_sample_reference(plain, xb, yb, cid, clip)
+    # the same noise, drawn in the optimizer's parameter order from the same seed
+    g2 = torch.Generator().manual_seed(123)
+    noise = [torch.normal(0, sigma * clip, size=p.shape, generator=g2) for p in ref]
+    ob = audit.observations()
+    np.testing.assert_allclose(ob["sums"][0], ref[-1].reshape(-1).numpy(), atol=1e-5)
+    np.testing.assert_allclose(ob["sums"][0], clip * np.ones(8), atol=1e-5)
+    np.testing.assert_allclose(ob["obs"][0], (ref[-1] + noise[-1]).reshape(-1).numpy(), atol=1e-5)
+    assert ob["coins"][0].all()
+    # the real records' clipped sums are those of the slow reference: the canaries change
+    # nothing on the user's parameters
+    for p, r in zip(list(model.parameters())[:-1], ref[:-1]):
+        assert p.summed_grad is None or torch.allclose(p.summed_grad, r, atol=1e-5)
+    for p, r, z in zip(opt.params[:-1], ref[:-1], noise[:-1]):
+        torch.testing.assert_close(p.grad * opt.expected_batch_size, r + z, atol=1e-4, rtol=1e-4)
