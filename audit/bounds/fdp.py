@@ -49,17 +49,20 @@ chosen before seeing the data tests each at alpha / (grid size) (union bound), a
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from audit.bounds.hypothesis import gdp_epsilon
 from audit.bounds.tradeoff import MechanismFamily, dp_inverse_blowup, gdp_inverse_blowup
+from audit.records import Record
 
 __all__ = [
     "min_total_mass",
     "fdp_rejects",
     "fdp_one_run_ideal",
     "fdp_one_run_bound",
+    "FdpBound",
     "default_k_grid",
 ]
 
@@ -264,6 +267,37 @@ def _k_grid(k, m: int) -> list[tuple[int, int]]:
     return grid
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class FdpBound(Record):
+    """The result of :func:`fdp_one_run_bound`: the strongest member of a family of
+    trade-off curves that the canaries' guesses reject (a read-only dict too, see
+    :mod:`audit.records`)."""
+
+    #: μ of μ-GDP (family ``"gdp"``; None otherwise)
+    mu_lb: float | None
+    #: ε(δ) of the rejected curve (nats)
+    epsilon_lb: float
+    #: the family's parameter: μ, ε or the noise divisor
+    theta_lb: float
+    #: the guesses: "in" for the k+ highest scores, "out" for the k- lowest, k in all
+    k_plus: int
+    k_minus: int
+    k: int
+    #: correct guesses
+    correct: int
+    #: canaries
+    m: int
+    alpha: float
+    #: the level each split was tested at (alpha / n_k_tried)
+    alpha_per_k: float
+    n_k_tried: int
+    delta: float
+    #: ``"gdp"``, ``"dp"`` or ``"mechanism"``
+    family: str
+    #: one paragraph, plain words
+    explanation: str
+
+
 def fdp_one_run_bound(
     scores,
     included,
@@ -271,7 +305,7 @@ def fdp_one_run_bound(
     alpha: float = 0.05,
     family="gdp",
     k=None,
-) -> dict:
+) -> FdpBound:
     """One-run f-DP lower bound (Mahloujifar, Melis & Chaudhuri 2024) from canary scores.
 
     The auditor guesses "in" for the k+ highest scores and "out" for the k- lowest (ties broken
@@ -292,10 +326,11 @@ def fdp_one_run_bound(
             alpha; a list of pairs: that grid (fixed before seeing the data), union bound.
 
     Returns:
-        dict with ``epsilon_lb`` (nats), ``mu_lb`` (GDP, else None), ``theta_lb`` (the family's
-        parameter: mu, eps or the noise divisor), ``k_plus``, ``k_minus``, ``k``, ``correct``,
-        ``m``, ``alpha``, ``alpha_per_k``, ``n_k_tried``, ``delta``, ``family`` and
-        ``explanation`` (one paragraph, plain words).
+        an :class:`FdpBound` (a read-only dict too) with ``epsilon_lb`` (nats), ``mu_lb``
+        (GDP, else None), ``theta_lb`` (the family's parameter: mu, eps or the noise
+        divisor), ``k_plus``, ``k_minus``, ``k``, ``correct``, ``m``, ``alpha``,
+        ``alpha_per_k``, ``n_k_tried``, ``delta``, ``family`` and ``explanation`` (one
+        paragraph, plain words).
 
     Raises:
         ValueError: for bad scores/labels, delta or alpha outside (0, 1), a bad k or family.
@@ -336,7 +371,7 @@ def fdp_one_run_bound(
         }
     )
     best["explanation"] = _explain(best)
-    return best
+    return FdpBound(**best)
 
 
 def _explain(b: dict) -> str:

@@ -15,15 +15,20 @@ Jagielski (2023) is :func:`audit.bounds.one_run.epsilon_one_run`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 from scipy import optimize, special, stats
+
+from audit.records import Record
 
 __all__ = [
     "clopper_pearson_upper",
     "gdp_delta",
     "gdp_epsilon",
     "epsilon_lower_bound",
+    "ThresholdBound",
     "check_prob",
     "check_scores",
     "error_counts",
@@ -31,6 +36,47 @@ __all__ = [
     "gdp_mu_from_rates",
     "roc_hull_thresholds",
 ]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ThresholdBound(Record):
+    """The result of :func:`epsilon_lower_bound`: an ε lower bound from one threshold
+    membership test, with the test's rates and sample sizes (a read-only dict too, see
+    :mod:`audit.records`)."""
+
+    optional_keys: ClassVar[frozenset[str]] = frozenset({"mu_lb"})
+
+    #: ``"clopper_pearson"`` or ``"gdp"``
+    method: str
+    #: ``"split"`` or ``"bonferroni"``
+    threshold_selection: str
+    #: ``"hull"`` or ``"quantiles"``
+    candidates: str
+    alpha: float
+    delta: float
+    #: the chosen t of the test "member iff score >= t"
+    threshold: float
+    #: Clopper–Pearson upper bounds on the rates at t, on the evaluation data
+    fpr_ub: float
+    fnr_ub: float
+    #: the empirical rates at t
+    fpr_hat: float
+    fnr_hat: float
+    #: the inputs' sizes
+    n_in: int
+    n_out: int
+    #: the samples the bound was computed on
+    n_in_eval: int
+    n_out_eval: int
+    #: K, the thresholds the bound is made simultaneous over (1 for a split)
+    n_candidates: int
+    #: each rate bound's failure probability
+    alpha_fpr_bound: float
+    alpha_fnr_bound: float
+    #: the smallest consistent μ of μ-GDP (``method="gdp"`` only; not in the dict otherwise)
+    mu_lb: float | None = None
+    #: the bound (nats)
+    epsilon_lb: float
 
 
 # --------------------------------------------------------------------------- validation helpers
@@ -253,7 +299,7 @@ def epsilon_lower_bound(
     seed: int = 0,
     n_thresholds: int = 100,
     candidates: str = "hull",
-) -> dict:
+) -> ThresholdBound:
     """Empirical epsilon lower bound from a threshold membership test.
 
     The test says "member" iff score >= t. For a DP mechanism, FPR(t) = P(out >= t) and
@@ -305,7 +351,8 @@ def epsilon_lower_bound(
         candidates: "hull" or "quantiles".
 
     Returns:
-        dict with ``epsilon_lb`` (nats), ``method``, ``threshold_selection``, ``alpha``, ``delta``,
+        a :class:`ThresholdBound` (a read-only dict too) with ``epsilon_lb`` (nats),
+        ``method``, ``threshold_selection``, ``candidates``, ``alpha``, ``delta``,
         ``threshold`` (chosen t), ``fpr_ub``, ``fnr_ub`` (Clopper-Pearson upper bounds at t on
         the evaluation data), ``fpr_hat``, ``fnr_hat`` (empirical rates there), ``n_in``,
         ``n_out`` (inputs), ``n_in_eval``, ``n_out_eval`` (samples the bound was computed on),
@@ -379,4 +426,4 @@ def epsilon_lower_bound(
         out["epsilon_lb"] = gdp_epsilon(float(mu[j]), delta) if mu[j] > 0 else 0.0
     else:
         out["epsilon_lb"] = float(eps[j])
-    return out
+    return ThresholdBound(**out)

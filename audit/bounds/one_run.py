@@ -10,13 +10,38 @@ delta may be 0 here (pure DP).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from scipy import optimize, special, stats
 
 from audit.bounds.hypothesis import check_prob, check_scores
+from audit.records import Record
 
-__all__ = ["one_run_p_value", "epsilon_one_run", "epsilon_from_guesses"]
+__all__ = ["one_run_p_value", "epsilon_one_run", "OneRunBound", "epsilon_from_guesses"]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class OneRunBound(Record):
+    """The result of :func:`epsilon_one_run`: the one-run ε lower bound of Steinke, Nasr &
+    Jagielski (2023) at its best guess split (a read-only dict too, see
+    :mod:`audit.records`)."""
+
+    #: the bound (nats)
+    epsilon_lb: float
+    #: guesses made and correct
+    r: int
+    v: int
+    #: "in" for the k_pos highest scores, "out" for the k_neg lowest
+    k_pos: int
+    k_neg: int
+    #: canaries
+    m: int
+    alpha: float
+    delta: float
+    #: the level each split was tested at (alpha / n_k_tried)
+    alpha_per_k: float
+    n_k_tried: int
 
 
 def _check_delta_one_run(value: float) -> float:
@@ -97,7 +122,7 @@ def epsilon_one_run(
     alpha: float = 0.05,
     k_pos: int | None = None,
     k_neg: int | None = None,
-) -> dict:
+) -> OneRunBound:
     """One-run epsilon lower bound (Steinke, Nasr & Jagielski 2023, Algorithm 1 + Thm 3.1).
 
     Setting: m canaries, each inserted independently with probability 1/2 before the single
@@ -121,8 +146,9 @@ def epsilon_one_run(
         k_pos, k_neg: numbers of positive / negative guesses, k_pos + k_neg <= m.
 
     Returns:
-        dict with ``epsilon_lb`` (nats), ``r``, ``v``, ``k_pos``, ``k_neg``, ``m``, ``alpha``,
-        ``delta``, ``alpha_per_k`` and ``n_k_tried``.
+        a :class:`OneRunBound` (a read-only dict too) with ``epsilon_lb`` (nats), ``r``,
+        ``v``, ``k_pos``, ``k_neg``, ``m``, ``alpha``, ``delta``, ``alpha_per_k`` and
+        ``n_k_tried``.
 
     Raises:
         ValueError: naming the problem, for bad scores/labels, delta outside [0, 1), alpha
@@ -168,4 +194,4 @@ def epsilon_one_run(
     best.update(
         {"m": m, "alpha": alpha, "delta": delta, "alpha_per_k": a_k, "n_k_tried": len(grid)}
     )
-    return best
+    return OneRunBound(**best)

@@ -51,7 +51,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -59,6 +61,7 @@ from audit.bundle.crosscheck import cross_check, validate_numbers
 from audit.bundle.recompute import audit_privacy
 from audit.bundle.replay import CUDA_RTOL, compare_adapters, replay
 from audit.findings import TAMPER_CODES, Code, Finding, Findings
+from audit.records import Record
 from fl.errors import UsageError
 from fl.io import file_sha256, read_json
 from fl.run import rundir
@@ -68,6 +71,7 @@ from fl.run.rundir import SCHEMA_VERSION
 
 __all__ = [
     "audit_run",
+    "RunAudit",
     "flag_shared_keys",
     "canary_scores",
     "claim_check",
@@ -134,13 +138,62 @@ def _read_metrics(run: Path) -> list[dict] | None:
 # --------------------------------------------------------------------------- audit
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RunAudit(Record):
+    """The result of :func:`audit_run`: one run directory's or release bundle's audit (a
+    read-only dict too, see :mod:`audit.records`; ``fedlora audit RUN --json`` writes it).
+    ε in nats."""
+
+    optional_keys: ClassVar[frozenset[str]] = frozenset({"sigma", "one_run"})
+
+    #: the audited folder
+    run_dir: str
+    #: ``"run"`` (a run directory) or ``"bundle"`` (a release bundle)
+    kind: str
+    method: str
+    #: ``"sample"``, ``"client"`` or ``"none"``
+    level: str
+    #: the ε the manifest stores (PLD)
+    claimed_epsilon: float | None
+    delta: float | None
+    #: ε recomputed by each accountant: the larger of the ledger's and the config's
+    epsilon_pld: float | None
+    epsilon_rdp: float | None
+    #: the stored ε is below the recomputed one by more than 1%
+    understated: bool
+    #: a finding means tampering (:attr:`audit.findings.Code.tampering`)
+    tampered: bool
+    #: epsilon_pld / claimed_epsilon
+    ratio: float | None
+    #: the stored ε per accountant
+    stored: dict | None
+    #: ``{"ledger": {...}, "config": {...}}``: each recomputation per accountant
+    recomputed: dict | None
+    #: :class:`audit.findings.Finding` dicts ``{"code", "severity", "message"}``
+    findings: list[dict]
+    #: ``{"check", "reason"}`` of the checks that could not run
+    skipped: list[dict]
+    #: the fields taken on trust (no verified replay), and why
+    trusted: list[str]
+    trusted_note: str | None
+    #: None, or ``{"verified", "performed", "max_abs_diff", "seconds", ...}`` (``key=``)
+    replay: dict | None
+    #: the run's noise key id
+    key_id: str | None
+    #: the noise multiplier σ (DP runs only; not in the dict otherwise)
+    sigma: float | None = None
+    #: the one-run canary audit (``one_run=True`` only; not in the dict otherwise)
+    one_run: dict | None = None
+    adapter_sha256: str | None
+
+
 def audit_run(
     run_dir,
     one_run: bool = False,
     alpha: float = 0.05,
     key: str | Path | None = None,
     log: Callable[[str], None] | None = None,
-) -> dict:
+) -> RunAudit:
     """Audit one run directory or release bundle.
 
     Args:
@@ -153,13 +206,14 @@ def audit_run(
         log: called with progress lines (the replay's announcement); None = silent.
 
     Returns:
-        ``{"run_dir", "kind" ("run" | "bundle"), "method", "level", "claimed_epsilon"
-        (stored PLD ε), "delta", "epsilon_pld", "epsilon_rdp" (max of the ledger and config
-        recomputations), "understated", "tampered", "ratio", "stored", "recomputed":
-        {"ledger", "config"}, "findings": [{"code", "severity", "message"}], "skipped":
-        [{"check", "reason"}], "trusted": [field, ...], "trusted_note", "replay" (None, or
-        {"verified", "performed", "max_abs_diff", "seconds", ...}), "one_run" (when
-        asked)}``; ε in nats.
+        a :class:`RunAudit`, a read-only dict ``{"run_dir", "kind" ("run" | "bundle"),
+        "method", "level", "claimed_epsilon" (stored PLD ε), "delta", "epsilon_pld",
+        "epsilon_rdp" (max of the ledger and config recomputations), "understated",
+        "tampered", "ratio", "stored", "recomputed": {"ledger", "config"}, "findings":
+        [{"code", "severity", "message"}], "skipped": [{"check", "reason"}], "trusted":
+        [field, ...], "trusted_note", "replay" (None, or {"verified", "performed",
+        "max_abs_diff", "seconds", ...}), "key_id", "sigma" (DP runs), "one_run" (when
+        asked), "adapter_sha256"}``; ε in nats.
 
     Raises:
         UsageError: not a run directory or bundle, unreadable or malformed manifest (naming
@@ -221,7 +275,7 @@ def audit_run(
     out["adapter_sha256"] = m.get("adapter_sha256")
     out["tampered"] = any(f.tampering for f in findings)
     out["findings"] = findings.to_dicts()
-    return out
+    return RunAudit(**out)
 
 
 def _key_id(m: dict) -> str | None:

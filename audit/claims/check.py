@@ -87,15 +87,18 @@ knows or guesses the seed. ``noise_source = "seeded"`` is the error ``noise_repr
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from audit.claims.mistakes import Eps, Mech, explain_shortfall, opacus_sample_rate, reference
 from audit.claims.schema import Claim, load_claim, validate_claim
 from audit.findings import Code, Findings, Severity
+from audit.records import Record
 from fl.privacy.accounting import NEIGHBOURING
 
 __all__ = [
     "Claim",
     "check_claim",
+    "ClaimCheck",
     "load_claim",
     "validate_claim",
     "MATCH_TOLERANCE",
@@ -111,11 +114,37 @@ UNDERSTATE_TOLERANCE = 0.01
 OPACUS_SAMPLE_RATE = getattr(Code, "OPACUS_SAMPLE_RATE", "opacus_sample_rate")
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ClaimCheck(Record):
+    """The result of :func:`check_claim`: the claim's ε recomputed from the mechanism it
+    describes, and the findings that name its mistakes (a read-only dict too, see
+    :mod:`audit.records`)."""
+
+    #: the ε the claim states (nats)
+    claimed_epsilon: float
+    delta: float
+    #: ε recomputed by the PLD and RDP accountants at ``delta`` (nats)
+    epsilon_pld: float
+    epsilon_rdp: float
+    #: ``epsilon_pld`` exceeds the claim by more than 1%
+    understated: bool
+    #: epsilon_pld / claimed_epsilon (inf when σ = 0)
+    ratio: float
+    #: the add/remove relation ε is computed under
+    neighbouring: str
+    #: where the claim says its noise comes from
+    noise_source: str
+    #: :class:`audit.findings.Finding` dicts ``{"code", "severity", "message"}``
+    findings: list[dict]
+    #: the mechanism the ε is computed for, in words
+    mechanism: str
+
+
 def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.4g}"
 
 
-def check_claim(claim: Claim | dict, tol: float = MATCH_TOLERANCE) -> dict:
+def check_claim(claim: Claim | dict, tol: float = MATCH_TOLERANCE) -> ClaimCheck:
     """Recompute ε for a claimed mechanism and name the mistakes that explain a shortfall.
 
     Args:
@@ -123,9 +152,9 @@ def check_claim(claim: Claim | dict, tol: float = MATCH_TOLERANCE) -> dict:
         tol: relative tolerance for "the claimed ε matches the ε of a mistaken accounting".
 
     Returns:
-        ``{"claimed_epsilon", "delta", "epsilon_pld", "epsilon_rdp", "understated", "ratio",
-        "neighbouring", "noise_source", "findings": [{"code", "severity", "message"}],
-        "mechanism"}``: ε in nats at the claimed δ, under the add/remove relation named by
+        a :class:`ClaimCheck`, a read-only dict ``{"claimed_epsilon", "delta",
+        "epsilon_pld", "epsilon_rdp", "understated", "ratio", "neighbouring",
+        "noise_source", "findings": [{"code", "severity", "message"}], "mechanism"}``: ε in nats at the claimed δ, under the add/remove relation named by
         ``neighbouring``; ``understated`` is true when ``epsilon_pld`` exceeds the claim by
         more than 1%; ``ratio`` = epsilon_pld / claimed_epsilon (inf when σ = 0). Findings
         are :class:`audit.findings.Finding` dicts (a code once, its first explanation).
@@ -177,18 +206,18 @@ def check_claim(claim: Claim | dict, tol: float = MATCH_TOLERANCE) -> dict:
             f"reproduces the claimed figure.",
         )
     _noise_and_clipping(c, findings)
-    return {
-        "claimed_epsilon": claimed,
-        "delta": delta,
-        "epsilon_pld": e_pld,
-        "epsilon_rdp": e_rdp,
-        "understated": bool(understated),
-        "ratio": e_pld / claimed,
-        "neighbouring": NEIGHBOURING[c.level],
-        "noise_source": c.noise_source,
-        "findings": extra + findings.to_dicts(),
-        "mechanism": _describe(c, ref),
-    }
+    return ClaimCheck(
+        claimed_epsilon=claimed,
+        delta=delta,
+        epsilon_pld=e_pld,
+        epsilon_rdp=e_rdp,
+        understated=bool(understated),
+        ratio=e_pld / claimed,
+        neighbouring=NEIGHBOURING[c.level],
+        noise_source=c.noise_source,
+        findings=extra + findings.to_dicts(),
+        mechanism=_describe(c, ref),
+    )
 
 
 def _direct_rules(
