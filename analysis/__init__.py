@@ -1,0 +1,46 @@
+"""The noise analyses and the claims behind the figures (``fedlora analyze``).
+
+One module per analysis, each with ``run(...)`` (rows) and ``table(rows)``:
+:mod:`analysis.amplification`, :mod:`analysis.exactness`, :mod:`analysis.hetero`,
+:mod:`analysis.refactorization`; the paper claims checked against measurements
+(:mod:`analysis.claims`, :mod:`analysis.utility_claims`); their output schemas
+(:mod:`analysis.schemas`), statistics (:mod:`analysis.stats`) and figures.
+
+The names below (``__all__``) are imported on first use.
+"""
+
+from importlib import import_module as _import_module
+
+#: public name -> the module that defines it (for a submodule, the module itself); each is
+#: imported on first use, so that importing the package (as ``fedlora --help`` does) stays light
+_EXPORTS = {
+    "amplification": "analysis.amplification",
+    "claims": "analysis.claims",
+    "exactness": "analysis.exactness",
+    "hetero": "analysis.hetero",
+    "refactorization": "analysis.refactorization",
+    "utility_claims": "analysis.utility_claims",
+    "validate": "analysis.schemas",
+    "SchemaError": "analysis.schemas",
+    "SCHEMAS": "analysis.schemas",
+    "mean_ci": "analysis.stats",
+    "paired": "analysis.stats",
+    "t_quantile": "analysis.stats",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = _import_module(module)
+    if module != f"{__name__}.{name}":
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,4 +5,46 @@ folder and key) and gives findings: the files' integrity and seal, the cross-che
 privacy field's copies, ε recomputed from the mechanism that was run (``recompute``), the replay
 of the training under the key (``replay``), and the one-run canary audit of a run's own
 canaries (``audit``).
+
+The replay itself is :func:`audit.bundle.replay.replay` (it shares its module's name, so it is
+not re-exported here). The names below (``__all__``) are imported on first use.
 """
+
+from importlib import import_module as _import_module
+
+#: public name -> the module that defines it (for a submodule, the module itself); each is
+#: imported on first use, so that importing the package (as ``fedlora --help`` does) stays light
+_EXPORTS = {
+    "audit_run": "audit.bundle.audit",
+    "RunAudit": "audit.bundle.audit",
+    "flag_shared_keys": "audit.bundle.audit",
+    "canary_scores": "audit.bundle.audit",
+    "compare_adapters": "audit.bundle.replay",
+    "CUDA_RTOL": "audit.bundle.replay",
+    "audit_privacy": "audit.bundle.recompute",
+    "PrivacyAudit": "audit.bundle.recompute",
+    "ConfigEpsilon": "audit.bundle.recompute",
+    "cross_check": "audit.bundle.crosscheck",
+    "validate_numbers": "audit.bundle.crosscheck",
+    "Participation": "audit.bundle.participation",
+    "Stated": "audit.bundle.participation",
+    "run_conformance": "audit.bundle.conformance",
+    "run_client_conformance": "audit.bundle.client_conformance",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = _import_module(module)
+    if module != f"{__name__}.{name}":
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,4 +5,43 @@ Takes a canary kind and count (or a run's canary observations) and gives canary 
 (``hooks``: plain PyTorch, Opacus, Flower) and scores (``gradient``: white-box gradient canaries;
 ``clients``: canary clients at client level; ``outside``: audit of a training done
 elsewhere).
+
+The names below (``__all__``) are imported on first use.
 """
+
+from importlib import import_module as _import_module
+
+#: public name -> the module that defines it (for a submodule, the module itself); each is
+#: imported on first use, so that importing the package (as ``fedlora --help`` does) stays light
+_EXPORTS = {
+    "CanarySet": "audit.canaries.canary_set",
+    "new_canary_set": "audit.canaries.canary_set",
+    "load_canary_set": "audit.canaries.canary_set",
+    "KINDS": "audit.canaries.canary_set",
+    "GradientCanaryHook": "audit.canaries.hooks",
+    "describe": "audit.canaries.hooks",
+    "write_params": "audit.canaries.hooks",
+    "input_canaries": "audit.canaries.hooks",
+    "write_input_observations": "audit.canaries.hooks",
+    "ClientCanaryHook": "audit.canaries.client_hook",
+    "audit_outside": "audit.canaries.outside",
+    "read_observations": "audit.canaries.outside",
+    "write_observations": "audit.canaries.outside",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = _import_module(module)
+    if module != f"{__name__}.{name}":
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -400,6 +400,7 @@ def _md_section(s: Section, level: int) -> list[str]:
 
 
 def render_markdown(report: Report) -> str:
+    """The report as Markdown text (report.md)."""
     lines = [f"# {report.title}", ""]
     if report.summary:
         lines += [report.summary, ""]

@@ -3,4 +3,38 @@
 Takes a dataset name or local file and gives the examples, their member / non-member / test
 splits and the clients' partitions (``datasets``), causal-LM texts and instruction pairs (``lm``),
 and tokenized tensors with cached frozen-layer features (``tokenized``).
+
+The names below (``__all__``) are imported on first use.
 """
+
+from importlib import import_module as _import_module
+
+#: public name -> the module that defines it (for a submodule, the module itself); each is
+#: imported on first use, so that importing the package (as ``fedlora --help`` does) stays light
+_EXPORTS = {
+    "load_dataset": "fl.data.datasets",
+    "split_dataset": "fl.data.datasets",
+    "partition": "fl.data.datasets",
+    "Split": "fl.data.datasets",
+    "TextDataset": "fl.data.datasets",
+    "DATASETS": "fl.data.datasets",
+    "load_lm_dataset": "fl.data.lm",
+    "TokenizedData": "fl.data.tokenized",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = _import_module(module)
+    if module != f"{__name__}.{name}":
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

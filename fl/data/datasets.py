@@ -188,6 +188,8 @@ def load_local(path: str, text_column: str = "text", label_column: str = "label"
 
 
 def load_dataset(name: str, text_column: str = "text", label_column: str = "label") -> TextDataset:
+    """A dataset by name (``tweets``, ``tweets3``, ``bbc``, ``synthetic``) or a local
+    .csv/.jsonl/.json/.tsv file with ``text_column`` and ``label_column``."""
     if name == "tweets":
         return load_tweets(2)
     if name == "tweets3":

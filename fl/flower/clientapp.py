@@ -182,6 +182,7 @@ def stage_names() -> list[str]:
 
 
 def make_client_app() -> ClientApp:
+    """A Flower ClientApp that handles every stage of the engine's rounds."""
     ca = ClientApp()
     for stage in stage_names():
         ca.train(stage)(handle_stage)

@@ -296,6 +296,7 @@ def simulation_grid(num_supernodes: int, log=print):
 
 
 def shutdown_simulation() -> None:
+    """Close this process's shared simulation session, if one is open."""
     global _SESSION
     if _SESSION is not None:
         _SESSION.close()

@@ -45,7 +45,6 @@ from fl.linalg.aggregate import (
 # check_pairs, client_weights, weighted_concat, qr_q, factors_from_svd: the helpers that
 # fl.privacy.powerdp and the methods share with this package.
 from fl.linalg.core import (
-    Tensor,
     Weights,
     apply_stacked,
     apply_sum,
@@ -113,7 +112,6 @@ __all__ = [
     "largest_principal_angle",
     "rowspace_angle",
     "subspace_iteration",
-    "Tensor",
     "Weights",
     "check_pairs",
     "client_weights",

@@ -39,6 +39,8 @@ class Options:
 
 
 def parse_options(cls: type, raw: dict[str, Any]) -> Any:
+    """An instance of the options dataclass ``cls`` from raw ``--opt`` values, each
+    checked against its field's default type (UsageError naming the option)."""
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(known))
     if unknown:

@@ -24,6 +24,7 @@ _loaded = False
 
 
 def register(cls: type) -> type:
+    """Class decorator: register a Method subclass under its ``name``."""
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"method {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
@@ -45,11 +46,13 @@ def _load_builtins() -> None:
 
 
 def names() -> list[str]:
+    """The registered methods' names, sorted (the built-in ones included)."""
     _load_builtins()
     return sorted(_REGISTRY)
 
 
 def get(name: str) -> type:
+    """The Method class registered as ``name`` (UsageError for an unknown name)."""
     _load_builtins()
     from fl.errors import UsageError
 

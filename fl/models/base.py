@@ -44,6 +44,8 @@ def minilm_path() -> str:
 
 
 def load_tokenizer(model: str):
+    """The tokenizer of ``model``: a local folder's, else MiniLM's (the built-in models
+    share its vocabulary)."""
     from transformers import AutoTokenizer
 
     path = model if os.path.isdir(model) else minilm_path()
@@ -283,6 +285,8 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def resolve_device(device: str) -> torch.device:
+    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` as a torch.device (UsageError when CUDA
+    is asked for and absent)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

@@ -6,4 +6,44 @@ Takes a :class:`fl.run.config.TrainConfig` and gives a run directory: the privac
 :mod:`fl.methods.rounds`), checkpoints and in-flight records
 (``checkpoint``, ``inflight``), and the files a run writes and releases (``rundir``,
 ``manifest``, ``release``, ``integrity``).
+
+The names below (``__all__``) are imported on first use.
 """
+
+from importlib import import_module as _import_module
+
+#: public name -> the module that defines it (for a submodule, the module itself); each is
+#: imported on first use, so that importing the package (as ``fedlora --help`` does) stays light
+_EXPORTS = {
+    "TrainConfig": "fl.run.config",
+    "config_sha256": "fl.run.config",
+    "train": "fl.run.engine",
+    "Engine": "fl.run.engine",
+    "STOP_FILE": "fl.run.engine",
+    "TrainResult": "fl.run.trainer",
+    "read_manifest": "fl.run.rundir",
+    "read_config": "fl.run.rundir",
+    "read_splits": "fl.run.rundir",
+    "read_metrics": "fl.run.rundir",
+    "is_release": "fl.run.rundir",
+    "SCHEMA_VERSION": "fl.run.rundir",
+    "write_release": "fl.run.release",
+    "public_manifest": "fl.run.release",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = _import_module(module)
+    if module != f"{__name__}.{name}":
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
