@@ -19,6 +19,14 @@ batch size), one row per optimizer step that adds noise (a ``BatchMemoryManager`
 step or a skipped step adds none). The batches a canary entered are read in the model's
 forward (the sampler's own decisions: the coins).
 
+**Inclusion bits and the ε lower bound.** Each canary's record enters the dataset with
+probability ``p_include`` = 1/2 (bits from the OS's entropy, drawn before training and
+kept by the auditor); the excluded canaries' coordinates are observed all the same (noise
+only). Canary j's score is the sum of its coordinate over the steps; the one-run bounds
+(:mod:`audit.bounds.one_run`, :mod:`audit.bounds.fdp`) turn the guesses into an ε lower
+bound, valid because each canary is one record added or not (the add/remove relation
+the claim is about). A bound above the claimed ε is a finding.
+
 **The real examples' privacy is unchanged.** (1) Sampling: every record keeps its own
 coin (Poisson) or its place in the permutation (shuffle); the canaries only add records,
 and the q Opacus computes from the grown loader (1/len(loader)) is the q it accounts and
@@ -63,6 +71,8 @@ import torch
 from torch import nn
 
 from audit.bounds.conformance import Block, GroupTest, conformance, implied_noise_factor
+from audit.bounds.fdp import fdp_one_run_bound
+from audit.bounds.one_run import epsilon_one_run
 from audit.bounds.sampling import sampling_test
 from audit.claims.check import check_claim
 from audit.claims.implied import SIGMA_FLOOR, epsilon_of_scaled_claim
@@ -94,18 +104,20 @@ REL_TOL = 1e-6
 
 
 class CanaryDataset(torch.utils.data.Dataset):
-    """The user's dataset and M canary records after it: item i < N is ``(*base[i], -1)``,
-    item N + j is ``(*base[template], j)`` (a real record's features, which the model reads
-    but whose gradient the canary rows do not carry). The last field is the canary id."""
+    """The user's dataset and the included canary records after it: item i < N is
+    ``(*base[i], -1)``, item N + k is ``(*base[template], ids[k])`` (a real record's
+    features, which the model reads but whose gradient the canary rows do not carry). The
+    last field is the canary id; ``ids`` defaults to every canary 0 … m − 1."""
 
-    def __init__(self, base, m: int, template: int = 0) -> None:
+    def __init__(self, base, m: int, template: int = 0, ids=None) -> None:
         if m < 1:
             raise ValueError(f"need at least one canary, got m = {m}")
         self.base, self.m, self.n = base, int(m), len(base)
         self.template = template
+        self.ids = list(range(self.m)) if ids is None else [int(j) for j in ids]
 
     def __len__(self) -> int:
-        return self.n + self.m
+        return self.n + len(self.ids)
 
     def __getitem__(self, i: int):
         if i < 0:
@@ -113,7 +125,7 @@ class CanaryDataset(torch.utils.data.Dataset):
         real = i < self.n
         item = self.base[i if real else self.template]
         item = tuple(item) if isinstance(item, (tuple, list)) else (item,)
-        return (*item, torch.tensor(-1 if real else i - self.n, dtype=torch.long))
+        return (*item, torch.tensor(-1 if real else self.ids[i - self.n], dtype=torch.long))
 
 
 class _Inject(torch.autograd.Function):
@@ -147,7 +159,8 @@ class CanaryBlock(nn.Module):
 
 
 class CanaryModel(nn.Module):
-    """The user's model with the canary block: ``forward(x, cid)``. Rows with ``cid >= 0``
+    """The user's model with the canary block: ``forward(x, cid, **kwargs)`` calls
+    ``model(x, **kwargs)`` (a Hugging Face / PEFT model's output: its ``.logits``). Rows with ``cid >= 0``
     are canaries: their outputs are detached (no gradient reaches the user's parameters)
     and the block adds exactly 0 to every output. Records the canary ids of every training
     forward (the sampler's decisions)."""
@@ -158,8 +171,10 @@ class CanaryModel(nn.Module):
         self.canary = CanaryBlock(m)
         self._seen: list[torch.Tensor] = []
 
-    def forward(self, x, cid: torch.Tensor):
-        out = self.model(x)
+    def forward(self, x, cid: torch.Tensor, **kwargs):
+        out = self.model(x, **kwargs)
+        if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
+            out = out.logits  # a Hugging Face / PEFT model's output
         is_c = (cid >= 0).view(-1, *([1] * (out.dim() - 1)))
         out = torch.where(is_c, out.detach(), out)
         if self.training and torch.is_grad_enabled():
@@ -175,10 +190,25 @@ class SamplerCanaries:
 
     m: int = 64
     gain_factor: float = 100.0
+    #: each canary's record enters the dataset with this probability (its inclusion bit,
+    #: drawn from the OS's entropy unless ``seed`` is given; the excluded canaries'
+    #: coordinates are observed too: the one-run ε lower bound compares the two); 1: all in
+    p_include: float = 0.5
+    seed: int | None = None
     _model: CanaryModel | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        if not 0 < self.p_include <= 1:
+            raise ValueError(f"p_include must be in (0, 1], got {self.p_include}")
+        rng = np.random.default_rng(self.seed)
+        self.included = (
+            np.ones(self.m, dtype=bool)
+            if self.p_include == 1
+            else rng.random(self.m) < self.p_include
+        )
+
     def dataset(self, base, template: int = 0) -> CanaryDataset:
-        return CanaryDataset(base, self.m, template)
+        return CanaryDataset(base, self.m, template, ids=np.flatnonzero(self.included))
 
     def model(self, model: nn.Module) -> CanaryModel:
         self._model = CanaryModel(model, self.m)
@@ -286,6 +316,27 @@ class OpacusAudit:
         }
 
     # --- the audit
+
+    def _lower_bound(self, u: np.ndarray, c: Claim, alpha: float) -> dict | None:
+        """The one-run ε lower bound (Steinke et al. and f-DP, each at α/2; the larger):
+        canary j's score is the sum of its block coordinate over the steps (an included
+        canary adds C each time the sampler draws it, an excluded one never)."""
+        inc = self.canaries.included
+        if inc.all() or not inc.any() or self.canaries.p_include != 0.5:
+            return None  # the bounds assume bits drawn with probability 1/2
+        scores = u.sum(axis=0)
+        st = epsilon_one_run(scores, inc, c.delta, alpha=alpha / 2)
+        fd = fdp_one_run_bound(scores, inc, c.delta, alpha=alpha / 2, family="dp")
+        s_lb, f_lb = float(st["epsilon_lb"]), float(fd["epsilon_lb"])
+        return {
+            "epsilon_lb": max(s_lb, f_lb),
+            "bound": "f-DP" if f_lb > s_lb else "Steinke et al.",
+            "epsilon_lb_steinke": s_lb,
+            "epsilon_lb_fdp": f_lb,
+            "canaries": int(len(inc)),
+            "included": int(inc.sum()),
+            "alpha": alpha,
+        }
 
     def audit(
         self,
@@ -395,9 +446,12 @@ class OpacusAudit:
         extra: list[GroupTest] = []
         samp = None
         if carried:
-            samp = sampling_test([(u, sig_u, q)], permutations=permutations, seed=seed)
+            inc = self.canaries.included
+            samp = sampling_test([(u[:, inc], sig_u, q)], permutations=permutations, seed=seed)
             coin_t = sampling_test(
-                [(ob["coins"].astype(float), sig_u, q)], permutations=permutations, seed=seed
+                [(ob["coins"][:, inc].astype(float), sig_u, q)],
+                permutations=permutations,
+                seed=seed,
             )
             for name, t in (("release", samp), ("sampler", coin_t)):
                 extra.append(
@@ -422,10 +476,10 @@ class OpacusAudit:
             tracks=np.arange(m),
             groups=np.array(["canary"] * m),
             sigma=sig_u,
-            included=np.ones(m, dtype=bool),
+            included=self.canaries.included.copy(),
             coins=coins,
             q=q,
-            p_include=1.0,
+            p_include=self.canaries.p_include,
         )
         conf = conformance([block], alpha=alpha, extra=tuple(extra))
         f, group = implied_noise_factor(conf)
@@ -442,6 +496,22 @@ class OpacusAudit:
                     + ")",
                 }
             )
+        lb = self._lower_bound(u, c, alpha) if carried else None
+        if lb is None:
+            untested.append("ε lower bound (needs included and excluded canaries that carry)")
+        elif lb["epsilon_lb"] > c.claimed_epsilon:
+            findings.append(
+                {
+                    "code": "empirical_exceeds_claim",
+                    "message": f"the one-run ε lower bound {lb['epsilon_lb']:.4g} exceeds the "
+                    f"claimed ε = {c.claimed_epsilon:g}",
+                }
+            )
+        # a white-box diagnostic beside the tests (not in the verdict): the block's clipped
+        # sum before the noise against C_c times the coins read from the forwards
+        clip_error = (
+            float(np.max(np.abs(ob["sums"] / self.clip_c - ob["coins"]))) if carried else None
+        )
         verdict = "fail" if findings else "pass"
         return {
             "library": "opacus",
@@ -454,10 +524,8 @@ class OpacusAudit:
             "recomputed_epsilon_at_least": floored,
             "recomputed": recomputed,
             "accountant_epsilon": eps_acc,
-            "epsilon_lower_bound": None,
-            "epsilon_lower_bound_note": (
-                "not scored: sampler canaries are all included (no inclusion bits)"
-            ),
+            "epsilon_lower_bound": lb["epsilon_lb"] if lb else None,
+            "lower_bound": lb,
             "implied_epsilon": eps_implied,
             "implied_epsilon_at_least": at_least,
             "noise_factor": f,
@@ -465,6 +533,7 @@ class OpacusAudit:
             "conformance": conf.to_dict(),
             "conformance_rejected": rejected,
             "sampling": samp.to_dict() if samp else None,
+            "canary_clip_error": clip_error,
             "untested": untested,
             "findings": findings,
             "verdict": verdict,

@@ -34,10 +34,16 @@ def test_correct_flat_poisson_run_passes():
     # the recomputed ε of the run's mechanism agrees with Opacus's accountant (PRV)
     assert res["recomputed_epsilon"] == pytest.approx(res["accountant_epsilon"], rel=0.02)
     assert res["conformance"]["passed"] and not res["untested"]
+    lb = res["lower_bound"]
+    assert 0 < lb["included"] < lb["canaries"]
+    assert 0 <= res["epsilon_lower_bound"] <= res["claimed_epsilon"]
+    # Opacus clipped each canary that its sampler drew to exactly C on its coordinate
+    assert res["canary_clip_error"] < 1e-5
 
 
 def test_shuffled_batches_accounted_as_poisson_are_flagged_from_the_data():
-    # σ = 0.5, q = 1/11, 64 canaries, 150 steps: the release test's z ≈ sqrt(M·T)·q^1.5/σ² ≈ 11
+    # σ = 0.5, q = 1/11, about 64 included canaries, 150 steps: the release test's
+    # z ≈ sqrt(M·T)·q^1.5/σ² ≈ 11
     res = train_and_audit("flat_shuffle_as_poisson", steps=150, sigma=0.5, permutations=199)
     assert res["verdict"] == "fail" and res["exit_code"] == 1
     codes = {f["code"] for f in res["findings"]}
@@ -56,6 +62,21 @@ def test_per_layer_clipping_carries_the_canaries():
     # the claim's C is the norm of the per-layer norms, which Opacus's noise uses
     assert res["run"]["clipping_norm"] == pytest.approx(1.0 * (5 / 4) ** 0.5)
     assert res["run"]["canary_clip"] == pytest.approx(0.5)
+    assert res["canary_clip_error"] < 1e-5
+
+
+def test_batch_memory_manager_virtual_steps_carry_the_canaries():
+    res = train_and_audit("batch_memory_manager", steps=40, permutations=199)
+    assert res["verdict"] == "pass", res["findings"]
+    assert res["run"]["steps"] == 40  # logical steps (noise added), not physical batches
+    assert res["canary_clip_error"] < 1e-5
+
+
+def test_peft_lora_model_carries_the_canaries():
+    pytest.importorskip("peft")
+    res = train_and_audit("peft_lora", steps=20, permutations=199)
+    assert res["verdict"] == "pass", res["findings"]
+    assert res["canary_clip_error"] < 1e-5
 
 
 def test_ghost_clipping_audits_the_noise_and_names_what_it_does_not_test():
@@ -74,6 +95,17 @@ def test_hand_set_noise_below_the_calibrated_one_is_caught():
     assert "canary:scale" in _rejected(res)
     assert res["noise_factor"] < 0.8  # the run's noise is 0.6 of the claim's
     assert res["implied_epsilon"] > res["claimed_epsilon"]
+
+
+def test_averaged_noise_bug_is_caught_by_the_noise_and_the_lower_bound():
+    res = train_and_audit("averaged_noise", steps=40, permutations=199)
+    codes = {f["code"] for f in res["findings"]}
+    assert {"noise_multiplier_mismatch", "epsilon_understated"} <= codes
+    assert res["recomputed_epsilon_at_least"]  # σ ≈ 0.02: recomputed at the 0.25 floor
+    assert res["accountant_epsilon"] is None
+    assert "canary:scale" in _rejected(res)
+    assert res["noise_factor"] < 0.05
+    assert res["epsilon_lower_bound"] > 1.0  # canaries separate: the release barely noised
 
 
 def _per_sample_reference(model, x, y, cid, clip):
@@ -96,7 +128,9 @@ def test_recorded_canary_block_equals_a_slow_clip_and_noise_reference():
     torch.manual_seed(0)
     x = torch.randn(40, 5)
     y = (x[:, 0] > 0).long()
-    can = SamplerCanaries(m=8)
+    can = SamplerCanaries(m=8, seed=1)
+    inc = can.included
+    assert 0 < inc.sum() < 8  # some canaries in the dataset, some only observed
     ds = can.dataset(TensorDataset(x, y))
     model = can.model(nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2)))
     plain = copy.deepcopy(model)
@@ -116,7 +150,7 @@ def test_recorded_canary_block_equals_a_slow_clip_and_noise_reference():
         noise_generator=gen,
     )
     audit = can.attach(pe, opt, dl)
-    xb, yb, cid = next(iter(dl))  # the whole dataset: 40 real records and the 8 canaries
+    xb, yb, cid = next(iter(dl))  # the whole dataset: 40 real records, the included canaries
     opt.zero_grad()
     nn.CrossEntropyLoss()(model(xb, cid), yb).backward()
     opt.step()
@@ -126,9 +160,9 @@ def test_recorded_canary_block_equals_a_slow_clip_and_noise_reference():
     noise = [torch.normal(0, sigma * clip, size=p.shape, generator=g2) for p in ref]
     ob = audit.observations()
     np.testing.assert_allclose(ob["sums"][0], ref[-1].reshape(-1).numpy(), atol=1e-5)
-    np.testing.assert_allclose(ob["sums"][0], clip * np.ones(8), atol=1e-5)
+    np.testing.assert_allclose(ob["sums"][0], clip * inc, atol=1e-5)
     np.testing.assert_allclose(ob["obs"][0], (ref[-1] + noise[-1]).reshape(-1).numpy(), atol=1e-5)
-    assert ob["coins"][0].all()
+    np.testing.assert_array_equal(ob["coins"][0], inc)
     # the real records' clipped sums are those of the slow reference: the canaries change
     # nothing on the user's parameters
     for p, r in zip(list(model.parameters())[:-1], ref[:-1]):
