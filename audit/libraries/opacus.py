@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from scipy import stats
 from torch import nn
 
 from audit.bounds.conformance import Block, GroupTest, conformance, implied_noise_factor
@@ -236,10 +237,17 @@ class OpacusAudit:
 
     def __init__(self, canaries: SamplerCanaries, privacy_engine, optimizer, data_loader):
         from opacus.data_loader import DPDataLoader
+        from opacus.optimizers.optimizer import DPOptimizer
         from opacus.optimizers.optimizer_fast_gradient_clipping import (
             DPOptimizerFastGradientClipping,
         )
         from opacus.optimizers.perlayeroptimizer import DPPerLayerOptimizer
+
+        if not isinstance(optimizer, (DPOptimizer, DPOptimizerFastGradientClipping)):
+            raise ValueError(
+                f"attach the optimizer make_private returned (a DPOptimizer), got "
+                f"{type(optimizer).__name__}"
+            )
 
         self.canaries, self.engine, self.optimizer = canaries, privacy_engine, optimizer
         self.model = canaries._model
@@ -453,6 +461,33 @@ class OpacusAudit:
                 permutations=permutations,
                 seed=seed,
             )
+            # the rate: under Poisson sampling at q the included canaries' draws are
+            # Binomial(T·n, q) (a shuffled epoch draws each record once per 1/q steps: the
+            # same mean, so this test sees a wrong q, not the shuffle)
+            n_draw = int(T * inc.sum())
+            k_draw = int(ob["coins"][:, inc].sum())
+            if n_draw:
+                p_rate = float(stats.binomtest(k_draw, n_draw, q).pvalue)
+                extra.append(
+                    GroupTest(
+                        group="sampling:rate",
+                        test="binomial",
+                        terms=n_draw,
+                        statistic=k_draw / (n_draw * q),
+                        log10_p=math.log10(max(p_rate, 1e-300)),
+                        note="the included canaries' draws against Binomial(T·n, q)",
+                    )
+                )
+                if k_draw == 0 and n_draw * q > 5:
+                    findings.append(
+                        {
+                            "code": "canaries_never_drawn",
+                            "message": f"no included canary entered a training forward in {T} "
+                            f"steps (expected {n_draw * q:.0f} draws): train on the loader "
+                            "make_private returned, built over SamplerCanaries.dataset(...), "
+                            "and call model(x, cid) in train mode",
+                        }
+                    )
             for name, t in (("release", samp), ("sampler", coin_t)):
                 extra.append(
                     GroupTest(

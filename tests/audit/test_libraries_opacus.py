@@ -44,11 +44,12 @@ def test_correct_flat_poisson_run_passes():
 def test_shuffled_batches_accounted_as_poisson_are_flagged_from_the_data():
     # σ = 0.5, q = 1/11, about 64 included canaries, 150 steps: the release test's
     # z ≈ sqrt(M·T)·q^1.5/σ² ≈ 11
-    res = train_and_audit("flat_shuffle_as_poisson", steps=150, sigma=0.5, permutations=199)
+    res = train_and_audit("flat_shuffle_as_poisson", steps=150, sigma=0.5, permutations=999)
     assert res["verdict"] == "fail" and res["exit_code"] == 1
     codes = {f["code"] for f in res["findings"]}
     assert {"sampling_mismatch", "epsilon_understated"} <= codes
-    # detected from the release alone (the noisy canary block), not only from the loader type
+    # detected from the release alone (the noisy canary block), not only from the loader type;
+    # 999 permutations: the smallest p is 2/1000, below Holm's α/6 for the six tests
     rej = _rejected(res)
     assert "sampling:release:exchangeable" in rej
     assert "sampling:sampler:exchangeable" in rej
@@ -169,3 +170,45 @@ def test_recorded_canary_block_equals_a_slow_clip_and_noise_reference():
         assert p.summed_grad is None or torch.allclose(p.summed_grad, r, atol=1e-5)
     for p, r, z in zip(opt.params[:-1], ref[:-1], noise[:-1]):
         torch.testing.assert_close(p.grad * opt.expected_batch_size, r + z, atol=1e-4, rtol=1e-4)
+
+
+def test_a_training_loop_that_skips_the_canaries_is_named():
+    """A slip in using the hook (training on the user's own loader, without the canary
+    records) is detected from the data and named, not passed."""
+    from opacus import PrivacyEngine
+
+    torch.manual_seed(0)
+    x = torch.randn(200, 5)
+    y = (x[:, 0] > 0).long()
+    can = SamplerCanaries(m=32, seed=0)
+    model = can.model(nn.Sequential(nn.Linear(5, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pe = PrivacyEngine(accountant="rdp")
+    dl = DataLoader(can.dataset(TensorDataset(x, y)), batch_size=20)
+    model, opt, dl = pe.make_private(
+        module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0
+    )
+    audit = can.attach(pe, opt, dl)
+    own = DataLoader(TensorDataset(x, y), batch_size=20, shuffle=True)  # the slip
+    for _ in range(3):
+        for xb, yb in own:
+            opt.zero_grad()
+            cid = torch.full((len(xb),), -1, dtype=torch.long)
+            nn.CrossEntropyLoss()(model(xb, cid), yb).backward()
+            opt.step()
+    res = audit.audit(
+        dict(level="sample", noise_multiplier=1.0, sampling="poisson", rounds=1,
+             steps_per_round=30, sample_rate=1 / len(dl), claimed_epsilon=50.0, delta=1e-5,
+             clipping_norm=1.0),
+        permutations=99,
+    )  # fmt: skip
+    assert res["verdict"] == "fail"
+    assert "canaries_never_drawn" in {f["code"] for f in res["findings"]}
+    assert "sampling:rate:binomial" in set(res["conformance"]["rejected"])
+
+
+def test_attach_refuses_an_optimizer_make_private_did_not_return():
+    can = SamplerCanaries(m=4, seed=0)
+    model = can.model(nn.Linear(3, 2))
+    with pytest.raises(ValueError, match="make_private returned"):
+        can.attach(None, torch.optim.SGD(model.parameters(), lr=0.1), None)
