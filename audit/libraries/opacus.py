@@ -7,7 +7,7 @@ of ``make_private(poisson_sampling=True)``, the user's shuffled ``DataLoader`` w
 record's gradient lives on a coordinate of its own: :class:`CanaryModel` wraps the
 user's model with a canary block, a bias-free ``nn.Linear(M, 1)`` whose input is the
 one-hot of the record's canary id (all zeros for a real record) and whose output is forced
-to zero in the forward pass while its backward injects a constant ``gain`` (≫ C). So,
+to zero in the forward pass while its backward puts in a constant ``gain`` (≫ C). So,
 per sample, the canary block's gradient is ``gain·n·e_j`` for canary j (Opacus multiplies
 the backprops by the batch size n under ``loss_reduction="mean"``) and exactly 0 for every
 real record; the canary's model rows are detached, so a canary's gradient on the user's
@@ -46,7 +46,7 @@ which now counts canaries), not the privacy.
 shuffled batches, ``BatchMemoryManager`` and ``make_private_with_epsilon`` carry the
 canaries all the way (sampling test, conformance with the coins: scale, freshness,
 clipping). Ghost ("fast gradient") clipping does not: it clips by reweighting the loss
-in a second backward pass, and a gradient injected independently of the loss is not
+in a second backward pass, and a gradient put in independently of the loss is not
 reweighted, so the canary block is run with ``gain = 0`` — it receives Opacus's noise only
 — and the audit tests the noise (scale, freshness) and the claim, not the sampling nor the
 clipping (named in the result's ``untested``).
@@ -95,7 +95,7 @@ MODES = {
     "per_layer": "sampling, clipping (the canary block's own norm), noise in units of that norm",
     "ghost": (
         "noise only (scale, freshness): ghost clipping reweights the loss in a second backward "
-        "pass, which a gradient injected apart from the loss does not follow, so the canaries "
+        "pass, which a gradient put in apart from the loss does not follow, so the canaries "
         "carry no contribution (gain 0) and neither the sampling nor the clipping is tested"
     ),
 }
@@ -504,7 +504,7 @@ class OpacusAudit:
             coins = None
             untested += [
                 "sampling (ghost clipping: the canaries carry no contribution)",
-                "clipping (ghost clipping reweights the loss, not an injected gradient)",
+                "clipping (ghost clipping reweights the loss, not a gradient put in by the block)",
             ]
         block = Block(
             u=u,
