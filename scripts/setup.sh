@@ -9,6 +9,12 @@ fi
 # torch first, pinned, so nothing pulls a CUDA build.
 .venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
+# The pfl extra (library audits) in the same environment, --no-deps: pfl 0.6.0's metadata pins
+# dp-accounting<0.6 and the toolkit pins 0.6.0, which changes none of the modules pfl imports;
+# tests/benchmarks/test_accountants.py is the judge.
+PFL_EXTRA=$(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["pfl"]))')
+# shellcheck disable=SC2086  # one word per pin
+.venv/bin/python -m pip install -q --no-deps -c constraints.txt $PFL_EXTRA
 # Headless Chromium for the report's browser test (tests/audit/test_report_browser.py):
 # the Debian package, where apt-get and root are available; the test skips otherwise.
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
