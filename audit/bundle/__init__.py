@@ -4,7 +4,7 @@ Takes what a run released (manifest, adapter, metrics, and, for the operator, th
 folder and key) and gives findings: the files' integrity and seal, the cross-checks between a
 privacy field's copies, ε recomputed from the mechanism that was run (``recompute``), the replay
 of the training under the key (``replay``), and the one-run canary audit of a run's own
-canaries (``audit``).
+canaries (``one_run``, called by ``audit``).
 
 The replay itself is :func:`audit.bundle.replay.replay` (it shares its module's name, so it is
 not re-exported here). The names below (``__all__``) are imported on first use.
@@ -18,7 +18,8 @@ _EXPORTS = {
     "audit_run": "audit.bundle.audit",
     "RunAudit": "audit.bundle.audit",
     "flag_shared_keys": "audit.bundle.audit",
-    "canary_scores": "audit.bundle.audit",
+    "canary_scores": "audit.bundle.one_run",
+    "claim_check": "audit.bundle.one_run",
     "compare_adapters": "audit.bundle.replay",
     "CUDA_RTOL": "audit.bundle.replay",
     "audit_privacy": "audit.bundle.recompute",

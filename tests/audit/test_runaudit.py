@@ -11,7 +11,8 @@ import shutil
 import numpy as np
 import pytest
 
-from audit.bundle.audit import audit_run, canary_scores
+from audit.bundle.audit import audit_run
+from audit.bundle.one_run import canary_scores
 from fl.errors import UsageError
 from fl.privacy.accounting import epsilon
 
@@ -236,7 +237,7 @@ def test_one_run_claim_check_at_client_level_allows_replace_one_client():
     at sample level the same bound exceeds the claim."""
     from audit.bounds.fdp import fdp_one_run_bound
     from audit.bounds.one_run import epsilon_one_run
-    from audit.bundle.audit import claim_check
+    from audit.bundle.one_run import claim_check
 
     rng = np.random.default_rng(0)
     inc = rng.random(1000) < 0.5
