@@ -3,7 +3,8 @@
 Takes a canary kind and count (or a run's canary observations) and gives canary sets
 (``canary_set``: new, load, verify), hooks that put canaries into an outside training
 (``hooks``: plain PyTorch, Opacus, Flower) and scores (``gradient``: white-box gradient canaries;
-``clients``: canary clients at client level; ``outside``: audit of a training done
+``clients``: canary clients at client level; ``observations``: the hooks' files; ``outside`` and
+``outside_conformance``: audit of a training done
 elsewhere).
 
 The names below (``__all__``) are imported on first use.
@@ -25,8 +26,8 @@ _EXPORTS = {
     "write_input_observations": "audit.canaries.hooks",
     "ClientCanaryHook": "audit.canaries.client_hook",
     "audit_outside": "audit.canaries.outside",
-    "read_observations": "audit.canaries.outside",
-    "write_observations": "audit.canaries.outside",
+    "read_observations": "audit.canaries.observations",
+    "write_observations": "audit.canaries.observations",
 }
 
 __all__ = list(_EXPORTS)

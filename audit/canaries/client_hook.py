@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from audit.canaries import canary_set as CS
-from audit.canaries import outside as O
+from audit.canaries import observations as OB
 from audit.canaries.draw import client_canaries
 from fl.errors import UsageError
 
@@ -143,7 +143,7 @@ class ClientCanaryHook:
         }
 
     def write_observations(self, path) -> Path:
-        return O.write_observations(path, self.observations())
+        return OB.write_observations(path, self.observations())
 
     # ---------------------------------------------------------------- Flower
     def attach_flower(self, dp_strategy):

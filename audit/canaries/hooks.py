@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from audit.canaries import canary_set as CS
-from audit.canaries import outside as O
+from audit.canaries import observations as OB
 from audit.canaries.client_hook import ClientCanaryHook
 from audit.canaries.draw import clean_name, group_of_name
 from fl.errors import UsageError
@@ -342,7 +342,7 @@ class GradientCanaryHook:
         return out
 
     def write_observations(self, path) -> Path:
-        return O.write_observations(path, self.observations())
+        return OB.write_observations(path, self.observations())
 
 
 # --------------------------------------------------------------------------- input
@@ -368,4 +368,4 @@ def write_input_observations(path, folder, *, losses=None, scores=None) -> Path:
     v = np.asarray(v, dtype=np.float64).reshape(-1)
     if v.shape != (cs.count,):
         raise ValueError(f"expected {cs.count} values, got {v.shape}")
-    return O.write_observations(path, {"kind": "input", "set_sha256": cs.sha256, name: v})
+    return OB.write_observations(path, {"kind": "input", "set_sha256": cs.sha256, name: v})

@@ -38,56 +38,21 @@ loss per canary after training: nothing per step to test.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
 
 import numpy as np
 
 from audit.canaries.canary_set import CanarySet, load_canary_set
+from audit.canaries.observations import OBS_FORMAT, read_observations, write_observations
+from audit.canaries.outside_conformance import (
+    claim_clip,
+    client_block,
+    gradient_block,
+    gradient_coins,
+    obs_array,
+    outside_conformance,
+)
 from fl.errors import UsageError
-
-OBS_FORMAT = "fedlora-canary-observations/1"
-
-
-def write_observations(path, fields: dict) -> Path:
-    """Write an observation file (``.npz``; ``.json`` also accepted by the reader)."""
-    p = Path(path)
-    arrays = {k: np.asarray(v) for k, v in {"format": OBS_FORMAT, **fields}.items()}
-    if p.suffix == ".json":
-        doc = {k: (v.tolist() if v.ndim else v.item()) for k, v in arrays.items()}
-        from fl.io import atomic_write_json
-
-        atomic_write_json(p, doc)
-        return p
-    if p.suffix != ".npz":
-        p = p.with_suffix(p.suffix + ".npz") if p.suffix else p.with_suffix(".npz")
-    tmp = p.with_name(f".{p.stem}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, p)
-    return p
-
-
-def read_observations(path) -> dict:
-    """An observation file as a dict of numpy arrays / Python scalars (``.npz`` or JSON)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"--observations: file not found: {p}")
-    try:
-        if p.suffix == ".json":
-            raw = json.loads(p.read_text(encoding="utf-8"))
-            if not isinstance(raw, dict):
-                raise ValueError("not an object")
-            doc = {k: np.asarray(v) for k, v in raw.items()}
-        else:
-            with np.load(p, allow_pickle=False) as z:
-                doc = {k: z[k] for k in z.files}
-    except Exception as exc:  # any unreadable file (bad zip, pickle, JSON, encoding)
-        raise UsageError(f"--observations: cannot read {p} ({type(exc).__name__}: {exc})") from None
-    if str(doc.get("format", "")) != OBS_FORMAT:
-        raise UsageError(f"--observations: {p} is not an observation file ({OBS_FORMAT})")
-    return doc
 
 
 def _scalar(obs: dict, key: str, where: str) -> float:
@@ -100,21 +65,6 @@ def _scalar(obs: dict, key: str, where: str) -> float:
     if not math.isfinite(v):
         raise UsageError(f"{where}: field {key!r} is not finite ({v})")
     return v
-
-
-def _array(obs: dict, key: str, shape: tuple, where: str) -> np.ndarray:
-    if key not in obs:
-        raise UsageError(f"{where}: field {key!r} missing")
-    try:
-        a = np.asarray(obs[key], dtype=np.float64)
-    except (TypeError, ValueError):
-        raise UsageError(f"{where}: field {key!r} is not numeric") from None
-    if a.ndim != len(shape) or any(s is not None and a.shape[i] != s for i, s in enumerate(shape)):
-        want = "×".join("T" if s is None else str(s) for s in shape)
-        raise UsageError(f"{where}: field {key!r} has shape {a.shape}, expected {want}")
-    if not np.isfinite(a).all():
-        raise UsageError(f"{where}: field {key!r} holds non-finite values")
-    return a
 
 
 def _same(a: float, b: float, rel: float = 1e-6) -> bool:
@@ -229,7 +179,7 @@ def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -
     from audit.claims.mistakes import opacus_sample_rate
 
     m = cs.count
-    x = _array(obs, "obs", (None, m), where)
+    x = obs_array(obs, "obs", (None, m), where)
     if x.shape[0] < 1:
         raise UsageError(f"{where}: no steps observed")
     sigma = _scalar(obs, "sigma", where)
@@ -291,7 +241,7 @@ def _input_scores(cs: CanarySet, obs: dict, where: str) -> tuple:
     have = [k for k in ("score", "loss") if k in obs]
     if len(have) != 1:
         raise UsageError(f"{where}: give exactly one of the fields 'score' and 'loss' (per canary)")
-    a = _array(obs, have[0], (m,), where)
+    a = obs_array(obs, have[0], (m,), where)
     return (a if have[0] == "score" else -a), {
         "score": "the observation's score"
         if have[0] == "score"
@@ -301,12 +251,12 @@ def _input_scores(cs: CanarySet, obs: dict, where: str) -> tuple:
 
 def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> tuple:
     m = cs.count
-    inner = _array(obs, "inner", (None, m), where)
+    inner = obs_array(obs, "inner", (None, m), where)
     t = inner.shape[0]
     if t < 1:
         raise UsageError(f"{where}: no rounds observed")
-    norms = _array(obs, "norms", (t,), where)
-    final_inner = _array(obs, "final_inner", (m,), where)
+    norms = obs_array(obs, "norms", (t,), where)
+    final_inner = obs_array(obs, "final_inner", (m,), where)
     final_norm = _scalar(obs, "final_norm", where)
     sigma, clip = _scalar(obs, "sigma", where), _scalar(obs, "clip", where)
     per_round = _scalar(obs, "clients_per_round", where)
@@ -352,201 +302,6 @@ def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> 
         "rate": float(sp["rate"]),
         "directions": sp["directions"],
     }
-
-
-# --------------------------------------------------------------------------- conformance
-
-
-def gradient_coins(key, steps: int, m: int, q: float) -> np.ndarray:
-    """(steps, M) bool: the Poisson coins :class:`audit.canaries.hooks.GradientCanaryHook`
-    drew, drawn again from the set's key: step t's from the stream
-    ``(COIN_STREAM, t)``, one Bernoulli(q) per canary, included or not (the hook's
-    ``_sampled``). The auditor draws them itself rather than trust a record of them."""
-    from audit.canaries.canary_set import COIN_STREAM
-    from fl.privacy import rng as R
-
-    out = np.zeros((steps, m), dtype=bool)
-    for t in range(steps):
-        out[t] = R.bernoulli_mask(key.stream(COIN_STREAM, t), m, q).numpy().astype(bool)
-    return out
-
-
-def _claim_clip(cs: CanarySet, claim) -> float:
-    """C of the tests: the claim's clipping norm (checked equal to the set's and the
-    file's), else the set's."""
-    return float(claim.clipping_norm) if claim.clipping_norm is not None else float(cs.spec["clip"])
-
-
-def _gradient_block(cs: CanarySet, raw: dict, claim):
-    """The observations of a gradient canary set as one conformance block (one local
-    training, steps in order): u = the privatized sum at each canary's coordinate / C,
-    σ the claim's, the coins re-drawn from the set's key (None without the key). Returns
-    (block, how the coins were had)."""
-    from audit.bounds.conformance import Block
-
-    x, q = raw["x"], raw["q"]
-    sp = cs.spec
-    group = {p["name"]: p["group"] for p in sp["params"]}
-    groups = np.array([group[c["param"]] for c in sp["coordinates"]])
-    if cs.key is not None:
-        coins, how = gradient_coins(cs.key, x.shape[0], cs.count, q), "re-drawn from the set's key"
-    else:
-        coins, how = None, "unknown: the set's key is not at hand (give --key FILE)"
-    block = Block(
-        u=x / _claim_clip(cs, claim),
-        tracks=np.arange(cs.count),
-        groups=groups,
-        sigma=claim.noise_multiplier,
-        included=np.asarray(cs.included, dtype=bool),
-        coins=coins,
-        q=q,
-        order=(0,),
-    )
-    return block, how
-
-
-def _orthonormal_directions(cs: CanarySet) -> bool:
-    """Whether the canary clients' directions are exactly orthogonal unit vectors (disjoint
-    supports, ±1/√k entries), checked on the file: their noise projections are then
-    independent N(0, (σC/m)²), which the tests need."""
-    d = cs.directions
-    if d.get("mode") != "disjoint":
-        return False
-    sup, sig = np.asarray(d["support"]), np.asarray(d["signs"], dtype=np.float64)
-    if sup.ndim != 2 or sup.shape != sig.shape or sup.shape[0] != cs.count:
-        return False
-    if np.unique(sup).size != sup.size or sup.min() < 0 or sup.max() >= int(cs.spec["dim"]):
-        return False
-    return bool(np.allclose(np.sqrt((sig**2).sum(axis=1)), 1.0, rtol=1e-9, atol=0))
-
-
-def _client_block(cs: CanarySet, obs: dict, claim, where: str):
-    """The canary clients' observations as one conformance block: u = ⟨ĉ_j, Δ_r⟩·m/C (the
-    released update Δ_r = (clipped sum + canaries + N(0, σ²C²I)) / m projected on canary
-    j's unit direction, so the noise is N(0, σ²) and an included canary adds 1), σ and m
-    the claim's; coins: every round (q = 1), or re-drawn from the key per round. Returns
-    (block or None, how the coins were had, why not tested)."""
-    from audit.bounds.conformance import Block
-
-    if not _orthonormal_directions(cs):
-        return (
-            None,
-            "",
-            "the canary clients' directions are isotropic (M > d), not orthogonal: their "
-            "noise projections are correlated, and the tests need independent ones",
-        )
-    inner = _array(obs, "inner", (None, cs.count), where)
-    sp = cs.spec
-    m_round = claim.clients_per_round
-    coins, how, q = None, "", 1.0
-    if sp["participation"] == "every_round":
-        coins, how = np.ones(inner.shape, dtype=bool), "every round (every-round participation)"
-    else:
-        q = float(sp["rate"])
-        rounds = None
-        if "rounds" in obs:
-            r = np.asarray(obs["rounds"])
-            if r.shape == (inner.shape[0],) and np.issubdtype(r.dtype, np.integer):
-                rounds = r.astype(np.int64)
-        if cs.key is None:
-            how = "unknown: the set's key is not at hand (give --key FILE)"
-        elif rounds is None:
-            how = "unknown: the observation file records no round numbers ('rounds')"
-        else:
-            from audit.canaries.draw import client_canaries
-
-            cc, bits, _ = client_canaries(
-                cs.key, cs.count, float(sp["clip"]), int(sp["dim"]), "poisson", q
-            )
-            # taking_part gives coin AND bit; the tests read an excluded canary's coin only
-            # together with its bit, so this is the coins as far as they are used
-            coins = np.zeros(inner.shape, dtype=bool)
-            for t, r in enumerate(rounds.tolist()):
-                coins[t, cc.taking_part(int(r))] = True
-            how = "re-drawn from the set's key (the hook's participation coins)"
-    block = Block(
-        u=inner * m_round / _claim_clip(cs, claim),
-        tracks=np.arange(cs.count),
-        groups=np.full(cs.count, "clients"),
-        sigma=claim.noise_multiplier,
-        included=np.asarray(cs.included, dtype=bool),
-        coins=coins,
-        q=q,
-        order=(0,),
-    )
-    return block, how, None
-
-
-def _claim_mechanism(c, checked: dict):
-    """The mechanism the claim check computed the recomputed ε for: the reference, or
-    Opacus's rate when the check read the claim with it (finding ``opacus_sample_rate``)."""
-    from audit.claims.mistakes import Mech, opacus_sample_rate, reference
-
-    ref = reference(c)
-    q_op = opacus_sample_rate(c)
-    if q_op is not None and any(f.get("code") == "opacus_sample_rate" for f in checked["findings"]):
-        return Mech(True, q_op, ref.count)
-    return ref
-
-
-def _conformance(
-    block, how: str, clip: float, c, checked: dict, alpha: float, findings: list
-) -> dict:
-    """The conformance tests of one block against the claim, the noise-implied ε of the
-    claim's mechanism, and a ``mechanism_mismatch`` finding per rejected test."""
-    from audit.bounds.conformance import MIN_LOG10_P, TESTS, conformance, implied_noise_factor
-    from audit.claims.implied import epsilon_of_scaled_claim
-    from audit.findings import Code
-
-    res = conformance([block], alpha=alpha)
-    factor, group = implied_noise_factor(res)
-    mech = _claim_mechanism(c, checked)
-    eps_implied, at_least = epsilon_of_scaled_claim(mech, c.noise_multiplier, factor, c.delta)
-    for t in res.rejected:
-        p_text = f"p < 1e{MIN_LOG10_P:.0f}" if t.log10_p <= MIN_LOG10_P else f"p = {t.p_value:.3g}"
-        ratio = (
-            f"observed/claimed noise {t.ratio:.3g} [{t.ratio_ci[0]:.3g}, {t.ratio_ci[1]:.3g}]"
-            if t.ratio is not None
-            else "the canaries' coins pull the innovations up (statistic "
-            f"{t.statistic:.4g} over {t.terms} terms)"
-        )
-        findings.append(
-            {
-                "code": str(Code.MECHANISM_MISMATCH),
-                "severity": "error",
-                "message": f"Group {t.group}, {t.test} test ({TESTS[t.test]}): rejected at "
-                f"family-wise α = {alpha:g} (Holm), {p_text}; {ratio}, tested "
-                f"against the claim's σ = {c.noise_multiplier:g}. The training does not "
-                "implement the mechanism its claim describes.",
-            }
-        )
-    out = res.to_dict()
-    out.update(
-        {
-            "performed": True,
-            "sigma": c.noise_multiplier,
-            "sigma_from": "the claim (noise_multiplier); never the observation file's",
-            "clip": clip,
-            "coins": how,
-            "steps": int(np.asarray(block.u).shape[0]),
-            "implied_factor": factor,
-            "implied_factor_group": group,
-            "implied_epsilon": eps_implied,
-            "implied_epsilon_at_least": at_least,
-            "implied_mechanism": f"{mech.count} "
-            + (
-                f"Poisson-subsampled Gaussian step(s) at q = {mech.q:.4g}"
-                if mech.poisson and mech.q < 1
-                else "plain Gaussian step(s)"
-            )
-            + f", noise multiplier σ × {factor:.4g}"
-            + (f" / {mech.sens} (sensitivity {mech.sens}C)" if mech.sens != 1 else ""),
-            "implied_note": "the claim's mechanism with σ times the worst group's upper "
-            "confidence bound on the observed noise factor (capped at 1): conditional on the "
-            "noise being Gaussian at the observed scale; not a certified bound",
-        }
-    )
-    return out
 
 
 def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_file=None) -> dict:
@@ -598,7 +353,7 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
             own.append(f)
     if cs.kind == "gradient":
         scores, info, raw = _gradient_scores(cs, obs, c, where, notes)
-        block, how = _gradient_block(cs, raw, c)
+        block, how = gradient_block(cs, raw, c)
     elif cs.kind == "input":
         scores, info = _input_scores(cs, obs, where)
         not_tested = (
@@ -616,11 +371,11 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
             }
         info["statistic"] = "all_iterates"
         info["score"] = STATISTICS["all_iterates"]
-        block, how, not_tested = _client_block(cs, obs, c, where)
+        block, how, not_tested = client_block(cs, obs, c, where)
     if block is not None and not c.noise_multiplier > 0:
         block, not_tested = None, "the claim's σ is 0: it claims no noise to test"
     if block is not None:
-        conf = _conformance(block, how, _claim_clip(cs, c), c, checked, alpha, own)
+        conf = outside_conformance(block, how, claim_clip(cs, c), c, checked, alpha, own)
         if conf["skipped"]:
             notes.append(
                 "conformance: the clipping test is skipped (the canaries' coins are "

@@ -1,4 +1,6 @@
-"""Opacus audited end to end: sampler canaries that take Opacus's own path.
+"""Over 500 lines on purpose: one library's integration, whose canary dataset, canary block, model wrapper, optimizer hook and audit share the records the hook keeps; the statistics it calls live in audit.bounds.
+
+Opacus audited end to end: sampler canaries that take Opacus's own path.
 
 **What travels.** M canary records are appended to the user's dataset
 (:class:`CanaryDataset`), so Opacus's own sampler draws them: the Poisson ``DPDataLoader``

@@ -1,4 +1,6 @@
-"""Canary clients for client-level DP: a one-run empirical privacy estimate (Andrew et al.
+"""Over 500 lines on purpose: one concept, the CanaryClients set, whose draw, participation coins, dense and factored directions, contributions and observation file share its state (split, each half would reach into the other's).
+
+Canary clients for client-level DP: a one-run empirical privacy estimate (Andrew et al.
 2024, "One-shot empirical privacy estimation for federated learning").
 
 ``fedlora train --dp-level client --canary-clients M`` (default 0: nothing here runs).

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from audit.canaries import canary_set as CS
+from audit.canaries import observations as OB
 from audit.canaries import outside as O
 from audit.canaries.draw import group_of_name
 from pipeline.cli import main
@@ -172,7 +173,7 @@ def _obs(tmp_path, cs, **kw):
     f = dict(kind="gradient", set_sha256=cs.sha256, obs=np.zeros((4, cs.count)), sigma=2.0,
              clip=1.0, q=0.5)  # fmt: skip
     f.update(kw)
-    return O.write_observations(tmp_path / "obs.npz", f)
+    return OB.write_observations(tmp_path / "obs.npz", f)
 
 
 @pytest.mark.parametrize(

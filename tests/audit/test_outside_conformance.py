@@ -15,6 +15,7 @@ import pytest
 from audit.bounds.conformance import Block, conformance
 from audit.canaries import canary_set as CS
 from audit.canaries import outside as O
+from audit.canaries import outside_conformance as OC
 from audit.claims.check import check_claim
 from audit.claims.implied import epsilon_of_scaled_claim, epsilon_of_scaled_events
 from pipeline.cli import main
@@ -369,7 +370,7 @@ def test_implied_epsilon_of_the_claim_at_factor_one_is_the_recomputed(claim):
     base = dict(level="sample", rounds=1, claimed_epsilon=50.0, delta=1e-5, clipping_norm=1.0)
     c = Claim.from_dict({**base, **claim})
     checked = check_claim(c)
-    mech = O._claim_mechanism(c, checked)
+    mech = OC.claim_mechanism(c, checked)
     eps, at_least = epsilon_of_scaled_claim(mech, c.noise_multiplier, 1.0, c.delta)
     assert eps == checked["epsilon_pld"] and not at_least
     half, _ = epsilon_of_scaled_claim(mech, c.noise_multiplier, 0.5, c.delta)

@@ -1,0 +1,219 @@
+"""The conformance tests of a training done elsewhere (``fedlora audit --canaries``): the
+hooks' observations as :class:`audit.bounds.conformance.Block`s in units of the CLAIM's C and
+σ (never the file's), the gradient canaries' coins re-drawn from the set's key, the canary
+clients' projections where their directions are orthonormal, and the noise-implied ε of the
+claim's mechanism (:mod:`audit.claims.implied`). Used by :func:`audit.canaries.outside.audit_outside`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from audit.canaries.canary_set import CanarySet
+from fl.errors import UsageError
+
+
+def obs_array(obs: dict, key: str, shape: tuple, where: str) -> np.ndarray:
+    if key not in obs:
+        raise UsageError(f"{where}: field {key!r} missing")
+    try:
+        a = np.asarray(obs[key], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise UsageError(f"{where}: field {key!r} is not numeric") from None
+    if a.ndim != len(shape) or any(s is not None and a.shape[i] != s for i, s in enumerate(shape)):
+        want = "×".join("T" if s is None else str(s) for s in shape)
+        raise UsageError(f"{where}: field {key!r} has shape {a.shape}, expected {want}")
+    if not np.isfinite(a).all():
+        raise UsageError(f"{where}: field {key!r} holds non-finite values")
+    return a
+
+
+def gradient_coins(key, steps: int, m: int, q: float) -> np.ndarray:
+    """(steps, M) bool: the Poisson coins :class:`audit.canaries.hooks.GradientCanaryHook`
+    drew, drawn again from the set's key: step t's from the stream
+    ``(COIN_STREAM, t)``, one Bernoulli(q) per canary, included or not (the hook's
+    ``_sampled``). The auditor draws them itself rather than trust a record of them."""
+    from audit.canaries.canary_set import COIN_STREAM
+    from fl.privacy import rng as R
+
+    out = np.zeros((steps, m), dtype=bool)
+    for t in range(steps):
+        out[t] = R.bernoulli_mask(key.stream(COIN_STREAM, t), m, q).numpy().astype(bool)
+    return out
+
+
+def claim_clip(cs: CanarySet, claim) -> float:
+    """C of the tests: the claim's clipping norm (checked equal to the set's and the
+    file's), else the set's."""
+    return float(claim.clipping_norm) if claim.clipping_norm is not None else float(cs.spec["clip"])
+
+
+def gradient_block(cs: CanarySet, raw: dict, claim):
+    """The observations of a gradient canary set as one conformance block (one local
+    training, steps in order): u = the privatized sum at each canary's coordinate / C,
+    σ the claim's, the coins re-drawn from the set's key (None without the key). Returns
+    (block, how the coins were had)."""
+    from audit.bounds.conformance import Block
+
+    x, q = raw["x"], raw["q"]
+    sp = cs.spec
+    group = {p["name"]: p["group"] for p in sp["params"]}
+    groups = np.array([group[c["param"]] for c in sp["coordinates"]])
+    if cs.key is not None:
+        coins, how = gradient_coins(cs.key, x.shape[0], cs.count, q), "re-drawn from the set's key"
+    else:
+        coins, how = None, "unknown: the set's key is not at hand (give --key FILE)"
+    block = Block(
+        u=x / claim_clip(cs, claim),
+        tracks=np.arange(cs.count),
+        groups=groups,
+        sigma=claim.noise_multiplier,
+        included=np.asarray(cs.included, dtype=bool),
+        coins=coins,
+        q=q,
+        order=(0,),
+    )
+    return block, how
+
+
+def orthonormal_directions(cs: CanarySet) -> bool:
+    """Whether the canary clients' directions are exactly orthogonal unit vectors (disjoint
+    supports, ±1/√k entries), checked on the file: their noise projections are then
+    independent N(0, (σC/m)²), which the tests need."""
+    d = cs.directions
+    if d.get("mode") != "disjoint":
+        return False
+    sup, sig = np.asarray(d["support"]), np.asarray(d["signs"], dtype=np.float64)
+    if sup.ndim != 2 or sup.shape != sig.shape or sup.shape[0] != cs.count:
+        return False
+    if np.unique(sup).size != sup.size or sup.min() < 0 or sup.max() >= int(cs.spec["dim"]):
+        return False
+    return bool(np.allclose(np.sqrt((sig**2).sum(axis=1)), 1.0, rtol=1e-9, atol=0))
+
+
+def client_block(cs: CanarySet, obs: dict, claim, where: str):
+    """The canary clients' observations as one conformance block: u = ⟨ĉ_j, Δ_r⟩·m/C (the
+    released update Δ_r = (clipped sum + canaries + N(0, σ²C²I)) / m projected on canary
+    j's unit direction, so the noise is N(0, σ²) and an included canary adds 1), σ and m
+    the claim's; coins: every round (q = 1), or re-drawn from the key per round. Returns
+    (block or None, how the coins were had, why not tested)."""
+    from audit.bounds.conformance import Block
+
+    if not orthonormal_directions(cs):
+        return (
+            None,
+            "",
+            "the canary clients' directions are isotropic (M > d), not orthogonal: their "
+            "noise projections are correlated, and the tests need independent ones",
+        )
+    inner = obs_array(obs, "inner", (None, cs.count), where)
+    sp = cs.spec
+    m_round = claim.clients_per_round
+    coins, how, q = None, "", 1.0
+    if sp["participation"] == "every_round":
+        coins, how = np.ones(inner.shape, dtype=bool), "every round (every-round participation)"
+    else:
+        q = float(sp["rate"])
+        rounds = None
+        if "rounds" in obs:
+            r = np.asarray(obs["rounds"])
+            if r.shape == (inner.shape[0],) and np.issubdtype(r.dtype, np.integer):
+                rounds = r.astype(np.int64)
+        if cs.key is None:
+            how = "unknown: the set's key is not at hand (give --key FILE)"
+        elif rounds is None:
+            how = "unknown: the observation file records no round numbers ('rounds')"
+        else:
+            from audit.canaries.draw import client_canaries
+
+            cc, bits, _ = client_canaries(
+                cs.key, cs.count, float(sp["clip"]), int(sp["dim"]), "poisson", q
+            )
+            # taking_part gives coin AND bit; the tests read an excluded canary's coin only
+            # together with its bit, so this is the coins as far as they are used
+            coins = np.zeros(inner.shape, dtype=bool)
+            for t, r in enumerate(rounds.tolist()):
+                coins[t, cc.taking_part(int(r))] = True
+            how = "re-drawn from the set's key (the hook's participation coins)"
+    block = Block(
+        u=inner * m_round / claim_clip(cs, claim),
+        tracks=np.arange(cs.count),
+        groups=np.full(cs.count, "clients"),
+        sigma=claim.noise_multiplier,
+        included=np.asarray(cs.included, dtype=bool),
+        coins=coins,
+        q=q,
+        order=(0,),
+    )
+    return block, how, None
+
+
+def claim_mechanism(c, checked: dict):
+    """The mechanism the claim check computed the recomputed ε for: the reference, or
+    Opacus's rate when the check read the claim with it (finding ``opacus_sample_rate``)."""
+    from audit.claims.mistakes import Mech, opacus_sample_rate, reference
+
+    ref = reference(c)
+    q_op = opacus_sample_rate(c)
+    if q_op is not None and any(f.get("code") == "opacus_sample_rate" for f in checked["findings"]):
+        return Mech(True, q_op, ref.count)
+    return ref
+
+
+def outside_conformance(
+    block, how: str, clip: float, c, checked: dict, alpha: float, findings: list
+) -> dict:
+    """The conformance tests of one block against the claim, the noise-implied ε of the
+    claim's mechanism, and a ``mechanism_mismatch`` finding per rejected test."""
+    from audit.bounds.conformance import MIN_LOG10_P, TESTS, conformance, implied_noise_factor
+    from audit.claims.implied import epsilon_of_scaled_claim
+    from audit.findings import Code
+
+    res = conformance([block], alpha=alpha)
+    factor, group = implied_noise_factor(res)
+    mech = claim_mechanism(c, checked)
+    eps_implied, at_least = epsilon_of_scaled_claim(mech, c.noise_multiplier, factor, c.delta)
+    for t in res.rejected:
+        p_text = f"p < 1e{MIN_LOG10_P:.0f}" if t.log10_p <= MIN_LOG10_P else f"p = {t.p_value:.3g}"
+        ratio = (
+            f"observed/claimed noise {t.ratio:.3g} [{t.ratio_ci[0]:.3g}, {t.ratio_ci[1]:.3g}]"
+            if t.ratio is not None
+            else "the canaries' coins pull the innovations up (statistic "
+            f"{t.statistic:.4g} over {t.terms} terms)"
+        )
+        findings.append(
+            {
+                "code": str(Code.MECHANISM_MISMATCH),
+                "severity": "error",
+                "message": f"Group {t.group}, {t.test} test ({TESTS[t.test]}): rejected at "
+                f"family-wise α = {alpha:g} (Holm), {p_text}; {ratio}, tested "
+                f"against the claim's σ = {c.noise_multiplier:g}. The training does not "
+                "implement the mechanism its claim describes.",
+            }
+        )
+    out = res.to_dict()
+    out.update(
+        {
+            "performed": True,
+            "sigma": c.noise_multiplier,
+            "sigma_from": "the claim (noise_multiplier); never the observation file's",
+            "clip": clip,
+            "coins": how,
+            "steps": int(np.asarray(block.u).shape[0]),
+            "implied_factor": factor,
+            "implied_factor_group": group,
+            "implied_epsilon": eps_implied,
+            "implied_epsilon_at_least": at_least,
+            "implied_mechanism": f"{mech.count} "
+            + (
+                f"Poisson-subsampled Gaussian step(s) at q = {mech.q:.4g}"
+                if mech.poisson and mech.q < 1
+                else "plain Gaussian step(s)"
+            )
+            + f", noise multiplier σ × {factor:.4g}"
+            + (f" / {mech.sens} (sensitivity {mech.sens}C)" if mech.sens != 1 else ""),
+            "implied_note": "the claim's mechanism with σ times the worst group's upper "
+            "confidence bound on the observed noise factor (capped at 1): conditional on the "
+            "noise being Gaussian at the observed scale; not a certified bound",
+        }
+    )
+    return out
