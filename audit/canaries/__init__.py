@@ -10,7 +10,7 @@ elsewhere).
 The names below (``__all__``) are imported on first use.
 """
 
-from importlib import import_module as _import_module
+from fl.lazy import lazy_exports
 
 #: public name -> the module that defines it (for a submodule, the module itself); each is
 #: imported on first use, so that importing the package (as ``fedlora --help`` does) stays light
@@ -32,17 +32,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = _import_module(module)
-    if module != f"{__name__}.{name}":
-        value = getattr(value, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
