@@ -304,7 +304,7 @@ def conformance(
                 has = np.where(first, True, inc) & (ev > 0) & (ev < 1)
             for g in np.unique(groups):
                 sel = groups == g
-                a = acc.setdefault(g, _Acc())
+                a = acc.setdefault(str(g), _Acc())
                 a.q_scale += float(np.sum(e[sel] ** 2)) / sig2
                 a.n_scale += int(sel.sum())
                 if t > 0:
