@@ -786,7 +786,7 @@ def _meta(argv: list[str], grid: dict, accountants: Iterable[Accountant]) -> dic
             return ""
 
     return {
-        "command": "OMP_NUM_THREADS=1 python -m benchmarks.auditing.accountants " + " ".join(argv),
+        "command": " ".join(["OMP_NUM_THREADS=1 python -m benchmarks.auditing.accountants", *argv]),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git("rev-parse", "HEAD").strip() or "?",
         "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip()),
@@ -815,9 +815,11 @@ def _meta(argv: list[str], grid: dict, accountants: Iterable[Accountant]) -> dic
 
 def _write(out: Path, meta: dict, rows: list[dict]) -> None:
     summary = summarize(rows)
-    doc = {**meta, "summary": summary, "cells": rows}
+    head = json.dumps({**meta, "summary": summary}, indent=1, allow_nan=True)
+    # one line per cell: a readable diff when a rerun changes some
+    cells_text = ",\n".join("  " + json.dumps(r, allow_nan=True) for r in rows)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(doc, indent=1, allow_nan=True) + "\n")
+    (out / "results.json").write_text(f'{head[:-2]},\n "cells": [\n{cells_text}\n ]\n}}\n')
     (out / "table.md").write_text(table(meta, summary))
 
 
