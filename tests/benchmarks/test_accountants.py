@@ -15,14 +15,17 @@ from scipy import optimize
 from scipy.stats import norm
 
 from benchmarks.auditing import accountants as A
+from benchmarks.auditing import accountants_core as AC
+from benchmarks.auditing import accountants_libraries as AL
+from benchmarks.auditing import accountants_table as AT
 
 
 def _need_pfl():
     """pfl is the optional ``pfl`` extra: CI installs it (scripts/setup.sh), so there a missing
     pfl fails; elsewhere the test is skipped with the line naming the extra."""
     try:
-        A.require_extra("pfl")
-    except A.MissingExtra as exc:
+        AC.require_extra("pfl")
+    except AC.MissingExtra as exc:
         if os.environ.get("CI"):
             pytest.fail(str(exc))
         pytest.skip(str(exc))
@@ -51,46 +54,46 @@ def test_reference_at_q1_is_the_exact_gaussian(sigma, delta):
     from fl.privacy.accounting import epsilon
 
     exact = _gaussian_eps(sigma, delta)
-    ref = A.reference(sigma, 1.0, 1, (delta,))
+    ref = AC.reference(sigma, 1.0, 1, (delta,))
     assert ref.method == "exact"
     assert ref.pessimistic[delta] == pytest.approx(exact, rel=1e-7, abs=1e-9)
-    hi = pld.from_gaussian_mechanism(sigma, value_discretization_interval=A.H_REF)
+    hi = pld.from_gaussian_mechanism(sigma, value_discretization_interval=AC.H_REF)
     lo = pld.from_gaussian_mechanism(
         sigma,
         pessimistic_estimate=False,
         use_connect_dots=False,
-        value_discretization_interval=A.H_REF,
+        value_discretization_interval=AC.H_REF,
     )
     e_hi, e_lo = hi.get_epsilon_for_delta(delta), lo.get_epsilon_for_delta(delta)
     assert e_lo - 1e-9 <= exact <= e_hi + 1e-9
-    assert e_hi - e_lo <= 2 * A.H_REF
-    assert exact - 1e-9 <= epsilon(sigma, 1.0, 1, delta) <= exact + 2 * A.H_REF
+    assert e_hi - e_lo <= 2 * AC.H_REF
+    assert exact - 1e-9 <= epsilon(sigma, 1.0, 1, delta) <= exact + 2 * AC.H_REF
     # composition at q = 1 is one Gaussian of σ/√steps: the reference uses exactly that
-    assert A.reference(sigma, 1.0, 16, (delta,)).pessimistic[delta] == pytest.approx(
+    assert AC.reference(sigma, 1.0, 16, (delta,)).pessimistic[delta] == pytest.approx(
         _gaussian_eps(sigma / 4, delta), rel=1e-7
     )
 
 
 def test_reference_brackets_and_the_toolkit_headline():
     delta = 1e-5
-    ref = A.reference(2.0, 0.01, 10, (delta,))
-    assert ref.method == "pld" and ref.h_pessimistic == ref.h_optimistic == A.H_REF
+    ref = AC.reference(2.0, 0.01, 10, (delta,))
+    assert ref.method == "pld" and ref.h_pessimistic == ref.h_optimistic == AC.H_REF
     lo, hi = ref.optimistic[delta], ref.pessimistic[delta]
-    assert 0 < lo <= hi <= lo + 10 * A.H_REF  # drift ≤ steps·h
+    assert 0 < lo <= hi <= lo + 10 * AC.H_REF  # drift ≤ steps·h
     from fl.privacy.accounting import epsilon
 
     assert epsilon(2.0, 0.01, 10, delta) == pytest.approx(hi, rel=1e-9)
 
 
 def test_verdict_criterion():
-    v = A.verdict(0.9, pessimistic=1.0, optimistic=0.95)
+    v = AC.verdict(0.9, pessimistic=1.0, optimistic=0.95)
     assert v["finding"] and v["ratio"] == pytest.approx(0.9)
-    assert not A.verdict(0.9495, 1.0, 0.95)["finding"]  # within REL_TOL of the lower bound
-    v = A.verdict(0.97, 1.0, 0.95)
+    assert not AC.verdict(0.9495, 1.0, 0.95)["finding"]  # within REL_TOL of the lower bound
+    v = AC.verdict(0.97, 1.0, 0.95)
     assert not v["finding"] and v["unresolved"]
-    v = A.verdict(2.0, 1.0, 0.95)
+    v = AC.verdict(2.0, 1.0, 0.95)
     assert not v["finding"] and not v["unresolved"] and v["ratio"] == pytest.approx(2.0)
-    assert A.verdict(0.1, 0.0, 0.0)["ratio"] is None
+    assert AC.verdict(0.1, 0.0, 0.0)["ratio"] is None
 
 
 def _by_key(rows):
@@ -103,7 +106,7 @@ def test_every_accountant_on_a_few_cells():
     rows = A.compare(2.0, 0.01, 10, delta) + A.compare(1.0, 1.0, 1, delta)
     rows += A.compare(2.0, 0.1, 1, delta)
     got = _by_key(rows)
-    assert {(lib, name) for lib, name, *_ in got} == {(a.library, a.name) for a in A.ACCOUNTANTS}
+    assert {(lib, name) for lib, name, *_ in got} == {(a.library, a.name) for a in AL.ACCOUNTANTS}
     for cell in [(2.0, 0.01, 10), (1.0, 1.0, 1), (2.0, 0.1, 1)]:
         for lib, name in [
             ("opacus", "rdp"),
@@ -141,11 +144,11 @@ def test_pfl_constructor_gives_the_benchmarks_figures():
     from pfl.privacy import PLDPrivacyAccountant, PRVPrivacyAccountant, RDPPrivacyAccountant
 
     sigma, q, steps, deltas = 2.0, 0.01, 10, (1e-5, 1e-9)
-    ref = A.reference(sigma, q, steps, deltas)
+    ref = AC.reference(sigma, q, steps, deltas)
     for cls, run in [
-        (PLDPrivacyAccountant, A.pfl_pld),
-        (PRVPrivacyAccountant, A.pfl_prv),
-        (RDPPrivacyAccountant, A.pfl_rdp),
+        (PLDPrivacyAccountant, AL.pfl_pld),
+        (PRVPrivacyAccountant, AL.pfl_prv),
+        (RDPPrivacyAccountant, AL.pfl_rdp),
     ]:
         bench = [o["epsilon"] for o in run(sigma, q, steps, deltas, ref)]
         direct = [cls(steps, q, "gaussian", noise_parameter=sigma, delta=d).epsilon for d in deltas]
@@ -153,12 +156,12 @@ def test_pfl_constructor_gives_the_benchmarks_figures():
 
 
 def test_refused_and_skipped_cells_are_recorded_not_crashed():
-    accs = [a for a in A.ACCOUNTANTS if a.key in ("opacus/gdp", "opacus/prv")]
+    accs = [a for a in AL.ACCOUNTANTS if a.key in ("opacus/gdp", "opacus/prv")]
 
     def broken(*_):
         raise RuntimeError("cannot build")
 
-    accs.append(A.Accountant("broken", "x", broken, lambda: "0"))
+    accs.append(AL.Accountant("broken", "x", broken, lambda: "0"))
     # σ = 0.5, q = 1, 10 000 steps: ε ≈ 2·10⁴
     rows = _by_key(A.compare(0.5, 1.0, 10_000, (1e-5,), accs))
     gdp = rows[("opacus", "gdp", 0.5, 1.0, 10_000)]
@@ -168,7 +171,7 @@ def test_refused_and_skipped_cells_are_recorded_not_crashed():
     assert prv["status"] == "skipped" and "cap" in prv["reason"], prv
     bad = rows[("broken", "x", 0.5, 1.0, 10_000)]
     assert bad["status"] == "refused" and "cannot build" in bad["reason"]
-    summary = {(s["library"], s["accountant"]): s for s in A.summarize(list(rows.values()))}
+    summary = {(s["library"], s["accountant"]): s for s in AT.summarize(list(rows.values()))}
     assert summary[("opacus", "gdp")]["refused"] == 1
     assert summary[("opacus", "prv")]["skipped"] == 1
 
@@ -177,12 +180,12 @@ def test_missing_extra_gives_one_line_naming_the_extra(monkeypatch):
     for mod in [m for m in sys.modules if m == "pfl" or m.startswith("pfl.")]:
         monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setitem(sys.modules, "pfl", None)  # import pfl -> ImportError
-    with pytest.raises(A.MissingExtra) as info:
-        A.require_extra("pfl")
+    with pytest.raises(AC.MissingExtra) as info:
+        AC.require_extra("pfl")
     msg = str(info.value)
     assert "\n" not in msg and "[pfl]" in msg and "setup.sh" in msg and "pfl==0.6.0" in msg
-    assert msg == A.missing_extra_message("pfl")
-    pfl_accs = [a for a in A.ACCOUNTANTS if a.library == "pfl"]
+    assert msg == AC.missing_extra_message("pfl")
+    pfl_accs = [a for a in AL.ACCOUNTANTS if a.library == "pfl"]
     rows = A.compare(2.0, 1.0, 1, (1e-5,), pfl_accs)
     assert [r["status"] for r in rows] == ["skipped"] * 3
     assert all(r["reason"] == msg for r in rows)
@@ -198,7 +201,7 @@ def test_localdp_mod_adds_the_noise_the_benchmark_says(monkeypatch):
     for attr in ("_run_id", "_node_id", "_task_id"):  # a Message needs a task identity
         monkeypatch.setattr(TaskIdentity, attr, 1, raising=False)
     n, sigma, delta = 200_000, 1.5, 1e-5
-    eps = A.localdp_claimed_epsilon(sigma, delta)
+    eps = AL.localdp_claimed_epsilon(sigma, delta)
     sent = ArrayRecord({"w": Array(np.zeros(n))})
     msg = Message(RecordDict({"arrays": sent}), dst_node_id=0, message_type="train")
     ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
@@ -215,7 +218,7 @@ def test_localdp_mod_adds_the_noise_the_benchmark_says(monkeypatch):
 
 def test_main_writes_results_and_table(tmp_path, monkeypatch):
     monkeypatch.setitem(
-        A.GRIDS, "quick", dict(sigmas=(2.0,), qs=(1.0,), steps=(1,), deltas=(1e-5,))
+        AC.GRIDS, "quick", dict(sigmas=(2.0,), qs=(1.0,), steps=(1,), deltas=(1e-5,))
     )
     keys = "opacus/rdp,flwr/localdp,fedlora-audit/pld"
     assert A.main(["--quick", "--out", str(tmp_path), "--only", keys]) == 0
@@ -243,7 +246,7 @@ def test_the_extra_is_one_list_everywhere():
 
     root = Path(__file__).resolve().parents[2]
     extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert tuple(extra["pfl"]) == A.EXTRAS["pfl"][1]
+    assert tuple(extra["pfl"]) == AC.EXTRAS["pfl"][1]
     pins = set((root / "constraints.txt").read_text().split())
-    assert set(A.EXTRAS["pfl"][1]) <= pins
+    assert set(AC.EXTRAS["pfl"][1]) <= pins
     assert 'optional-dependencies"]["pfl"]' in (root / "scripts" / "setup.sh").read_text()
