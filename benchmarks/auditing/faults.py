@@ -38,8 +38,9 @@ Settings (:data:`SETTINGS`; q = batch / members per client):
   (q = 0.05) and 2 rounds × 50 steps (5 000 gradient canaries, 400 sampler canaries per
   client).
 
-Grids (``--grid``; :data:`GRIDS`): ``full`` the committed table, ``quick`` one short run per
-new setting (the harness test), ``timing`` one run of each setting (prints train_s and
+Grids (``--grid``; :data:`GRIDS`): ``full`` the committed table; ``minilm-power`` the power
+curve at the default preset (10 seeds per factor; its own ``--out``); ``quick`` one short run
+per new setting (the harness test); ``timing`` one run of each setting (prints train_s and
 audit_s). ``--budget-min`` stops launching cells once the wall time passes it (what was
 skipped is listed in results.json); the grid is ordered so that the stated targets come first.
 The tables (``faults_table.py``): per cell the flag rate with its Clopper–Pearson 95 %
@@ -369,7 +370,18 @@ def grid_timing() -> list[dict]:
     return g
 
 
-GRIDS = {"full": grid_full, "quick": grid_quick, "timing": grid_timing}
+def grid_minilm_power() -> list[dict]:
+    """The power curve at the default preset (minilm/tweets, q = 0.32, ε = 3), 10 seeds per
+    noise factor, from 0.95 down until one is flagged in >= 9/10 (about 1 min a run)."""
+    return [power("minilm", 3.0, 10, fs=(0.95, 0.9, 0.8))]
+
+
+GRIDS = {
+    "full": grid_full,
+    "quick": grid_quick,
+    "timing": grid_timing,
+    "minilm-power": grid_minilm_power,
+}
 
 
 def _meta(argv: list[str], grid: str) -> dict:
