@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         doc = FT.document(rows, meta, skipped, round(time.time() - t_start, 1), SETTINGS)
-        (outdir / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (outdir / "results.json").write_text(FT.dumps(doc))
         (outdir / "table.md").write_text(FT.markdown(doc))
 
     try:

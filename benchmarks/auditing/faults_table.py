@@ -217,6 +217,26 @@ def document(rows, meta, skipped, wall_s, settings) -> dict:
     }
 
 
+def dumps(doc: dict) -> str:
+    """results.json: the summaries indented, one line per run (the file stays small)."""
+    import json
+
+    head = {k: v for k, v in doc.items() if k != "runs"}
+    text = json.dumps(head, indent=1, ensure_ascii=False)
+
+    def rnd(v):  # 6 significant digits per run (the summaries keep full precision)
+        if isinstance(v, float) and math.isfinite(v):
+            return float(f"{v:.6g}")
+        if isinstance(v, dict):
+            return {k: rnd(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [rnd(x) for x in v]
+        return v
+
+    runs = ",\n".join("  " + json.dumps(rnd(r), ensure_ascii=False) for r in doc.get("runs", []))
+    return text[:-2] + ',\n "runs": [\n' + runs + "\n ]\n}\n"
+
+
 def _f(v, nd=2) -> str:
     if v is None:
         return "–"
@@ -282,6 +302,41 @@ def _sep() -> str:
     return "|" + "---|" * (HEAD.count("|") - 1)
 
 
+#: what the full grid's table says beside its numbers (why each blind spot is blind)
+NOTES = [
+    "## Reading the table",
+    "",
+    "- **The default preset's power curve** with 10 seeds per factor is a run of its own: "
+    "`python -m benchmarks.auditing.faults --grid minilm-power --out "
+    "benchmarks/results/faults/minilm-power` (`minilm-power/table.md`); the minilm cells "
+    "here have 2 seeds (1 at q = 0.05).",
+    "- **fixed_batches is invisible to the gradient canaries**: the auditor draws their "
+    "coins itself from the key (Poisson), while under the fault the trainer places each "
+    "canary in a slot of the shuffle. The canary's real contributions then fall at steps the "
+    "auditor does not subtract, which only adds variation to the innovations (the scale "
+    "and freshness tests reject too *little* variation) and pulls the clipping statistic "
+    "down; the noise is as claimed and every contribution is at most C. Only the sampler "
+    "canaries' permutation test can see it, and only when a local training holds more than "
+    "one epoch of L = round(1/q) steps: at q = 0.05 (50 steps, L = 20) the cycled batches "
+    "show in the phase statistic; at q = 1 the fixed batch is the whole client, exactly "
+    "Poisson's (no fault); at q = 0.25 a local training is 4 steps, one epoch, nothing "
+    "cycles; at q = 0.01 it is 50 steps, half an epoch of L = 100: each record appears at "
+    "most once, which Poisson sampling also does with probability 0.91.",
+    "- **Noise factors close to 1**: the scale test resolves about sqrt(2/N) in the "
+    "variance per group (N = steps × canaries of the group): with 8 steps per client "
+    "(q = 1, 0.25) f = 0.98 is at the edge; with 100 steps (q ≤ 0.05) f = 0.99 is flagged.",
+    "- **no_clip's implied ε equals the claim**: the implied ε reads the noise only (the "
+    "noise is as claimed); the clipping test flags the run.",
+    "- **empirical_exceeds_claim** (the one-run bound) alone misses most faults at ε ≥ 3 "
+    "and at q < 1 (counts per cell in the ε_lb>claim column): the conformance tests carry "
+    "the detection.",
+    "- **Client level**: FedPower's release is a noisy power iteration, not a Gaussian on "
+    "the clipped sum; its conformance is 'not tested' and its canary clients give the "
+    "one-run bound only. Noise reused *across clients* is not planted and cannot be seen "
+    "(each canary lives in one client).",
+]
+
+
 def markdown(doc: dict) -> str:
     meta = doc["meta"]
     S = list(doc["summary"].values())
@@ -300,7 +355,17 @@ def markdown(doc: dict) -> str:
         f"- machine: {meta['machine']}",
         f"- date: {meta['date']}; commit {meta['commit'][:12]}"
         + (" (with uncommitted changes by others in the checkout)" if meta.get("dirty") else ""),
+        f"- source: {meta.get('source', 'git checkout')}",
         f"- wall time: {meta['wall_s'] / 60:.1f} min; runs: {len(doc['runs'])}",
+        "- settings: tiny-bert/synthetic, 3 clients, LoRA rank 16 on every layer, 2 000 "
+        "gradient canaries, δ = 1e-5; q = 1 and 0.25: 80 members per client, batches of 80 / "
+        "20, 2 rounds × 4 steps; q = 0.05: 160 members, batches of 8, 2 × 50 steps; q = 0.01: "
+        "300 members, batches of 3, 2 × 50 steps. 400 sampler canaries per client in the "
+        "correct runs, `fixed_batches` and every minilm run; the noise faults' runs carry "
+        "none (their power is the gradient canaries'). Client level: 3 clients of 20, 3 "
+        "rounds, C = 0.5, rank 64, 4 000 canary clients. minilm: the default preset "
+        "(`pipeline.job.PRESETS['default']`, 5 000 gradient canaries). Fault seeds 0..n−1, "
+        "correct runs secret seeds, every run a fresh secret noise key.",
         "- flagged = `mechanism_mismatch` (conformance test rejected, Holm at α = 0.05) OR "
         "`empirical_exceeds_claim` (one-run certified ε_lb above the recomputed ε); both counted.",
         "- implied ε: the ledger's ε with σ times the worst group's upper confidence bound on "
@@ -421,6 +486,8 @@ def markdown(doc: dict) -> str:
             f"{_d(_dist(r['train_s'] for r in rs), 1)} | "
             f"{_d(_dist(r['audit_s'] for r in rs), 2)} |"
         )
+    if meta.get("grid") == "full":
+        lines += ["", *NOTES]
     if doc["skipped"]:
         lines += ["", f"Skipped (over the time budget): {len(doc['skipped'])} grid items:", ""]
         for it in doc["skipped"]:
@@ -433,3 +500,28 @@ def _q(S, setting) -> str:
         if s["setting"] == setting:
             return f"{s['q']:g}"
     return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.auditing.faults_table RESULTS.json``: recompute the summaries
+    from the runs and write the table beside it (table.md)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path((sys.argv[1:] if argv is None else argv)[0])
+    old = json.loads(path.read_text())
+    doc = document(
+        old["runs"],
+        old["meta"],
+        old.get("skipped", []),
+        old["meta"]["wall_s"],
+        old["settings"]["per_setting"],
+    )
+    path.write_text(dumps(doc))
+    (path.parent / "table.md").write_text(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
