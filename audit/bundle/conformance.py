@@ -193,6 +193,8 @@ def run_conformance(
     res = conformance(blocks, alpha=alpha, extra=(samp,) if samp is not None else ())
     factor, group = implied_noise_factor(res)
     eps_implied, at_least = implied_epsilon(manifest, factor, delta)
+    if not blocks:  # no observation of the noise (sampler canaries only): nothing implied
+        factor, group, eps_implied, at_least = None, None, None, False
     for t in res.rejected:
         if t.test == "sampling":
             ratio = f"{t.note}; count dispersion {samp_res['count_dispersion']:.3g} (Poisson: 1)"

@@ -215,6 +215,11 @@ def one_run_audit(
         res["implied_epsilon"] = res["conformance"]["implied_epsilon"]
     else:
         res["score"] = "-loss (nats) under the released adapter"
+        from audit.bundle.conformance import run_conformance
+        from fl.privacy import sampler_canaries as SC
+
+        if SC.read_observations(run):  # sampler canaries beside input canaries: the sampling
+            res["conformance"] = run_conformance(run, m, None, alpha, delta, findings)
     res["n_included"] = int(included.sum())
     res["fdp"] = fdp_summary(scores, included, delta, alpha)
     eps_claim = out.get("epsilon_pld")

@@ -117,3 +117,27 @@ def test_sampler_canaries_are_refused_where_they_cannot_be_placed():
         tiny_config(dp_level="client", epsilon=3.0, sampler_canaries=10).validate()
     with pytest.raises(UsageError, match="sampler_canaries must be >= 0"):
         tiny_config(epsilon=3.0, sampler_canaries=-1).validate()
+
+
+def test_sampler_canaries_beside_input_canaries_are_tested(tmp_path):
+    """A run with input canaries (no white-box noise observations) still gets the sampling
+    test, and no noise-implied ε (nothing observed the noise)."""
+    from audit.bundle.audit import audit_run
+    from fl.run.engine import train
+
+    cfg = tiny_config(
+        epsilon=3.0,
+        batch_size=20,
+        local_steps=12,
+        sampler_canaries=400,
+        canaries=20,
+        canary_kind="mislabel",
+        inject_fault="fixed_batches",
+    )
+    # a fixed key: with input canaries the rows are not a multiple of the batch, so the
+    # cycled schedule's epoch is 4 or 5 steps depending on the draw, and the test (which
+    # folds by round(1/q) = 4) sees only the first (the closing note says so)
+    train(cfg, tmp_path / "run", quiet=True, noise_key=R.NoiseKey(bytes(range(32))))
+    c = audit_run(tmp_path / "run", one_run=True)["one_run"]["conformance"]
+    assert "sampler:sampling" in c["rejected"], c["sampling"]
+    assert c["implied_epsilon"] is None and c["blocks"] == 0
