@@ -98,12 +98,13 @@ def register(sub) -> None:
     r = sub.add_parser(
         "report",
         help="write report.html and report.md for runs, bundles, foreign adapters' attacks "
-        "and claim audits",
+        "claim audits and DP libraries' audits",
         description="Write one self-contained report.html and its twin report.md (verdict "
         "table, runs, noise analyses, membership inference, empirical privacy, claims check, "
         "environment, reproduce commands) for fedlora run directories and release bundles, "
         "and for what an outside user has: the --out folder of `fedlora attack --adapter ...` "
-        "and the saved output of `fedlora audit --claim FILE --json`. Different releases "
+        "and the saved output of `fedlora audit --claim FILE --json`, and DP libraries' audits "
+        "(--library-audit). Different releases "
         "that share a noise key are flagged (key_shared).",
     )
     r.add_argument(
@@ -133,6 +134,16 @@ def register(sub) -> None:
         metavar="FILE",
         help="saved output of `fedlora audit --claim FILE --json`; the i-th belongs to the "
         "i-th --attack-dir; repeatable",
+    )
+    r.add_argument(
+        "--library-audit",
+        action="append",
+        dest="library_audits",
+        metavar="DIR",
+        help="a folder (or file) of DP libraries' audits (audit.libraries: per-run JSON "
+        "written by audit.libraries.results.save_result, or the benchmark's results.json, "
+        "e.g. benchmarks/results/libraries); shown in a 'Library audits' section after the "
+        "verdict and counted in the headline; repeatable",
     )
     r.add_argument(
         "--analyses", metavar="DIR", help="folder with analysis results (NAME/NAME.json + figures)"
@@ -423,6 +434,7 @@ def cmd_report(args) -> int:
         claims=claims,
         attack_dirs=args.attack_dirs,
         claim_audits=args.claim_audits,
+        library_audits=args.library_audits,
     )
     print(f"report: {s['html']}")
     print(f"markdown: {s['markdown']}")

@@ -60,6 +60,7 @@ from audit.report.figures import (
     accuracy_series,
     roc_figure,
 )
+from audit.report.libraries import library_headline, library_section, read_all
 from audit.report.lm import client_section, lm_section
 from audit.report.verdict import CHANCE_BALANCED
 from audit.report.verdict_table import (  # noqa: F401 (VERDICT_COLUMNS, run_verdict re-exported)
@@ -179,6 +180,7 @@ def build_report(
     title: str = "fedlora-audit report",
     attack_dirs: list[str] | None = None,
     claim_audits: list[str] | None = None,
+    library_audits: list[str] | None = None,
 ) -> dict:
     """Write report.html and report.md into ``out``; returns a summary dict (the
     numbers the report shows, for tests and for `fedlora run`'s final summary).
@@ -188,11 +190,19 @@ def build_report(
     folders of ``fedlora attack --adapter ...`` (attacks.json, scores.npz, ROC figures),
     and ``claim_audits``, files holding the JSON of ``fedlora audit --claim FILE --json``;
     the i-th claim audit and the i-th attack folder make one row (the same adapter), extra
-    ones a row each."""
+    ones a row each.
+
+    ``library_audits``: folders (or files) of DP libraries' audits (:mod:`audit.libraries`:
+    per-run JSON files or the benchmark's results.json), shown in a "Library audits"
+    section after the runs' verdict and counted in the headline
+    (:mod:`audit.report.libraries`)."""
     outp = Path(out)
     rows = []
-    if not run_dirs and not attack_dirs and not claim_audits:
-        raise UsageError("give run directories, attack folders or claim audits to report on")
+    if not run_dirs and not attack_dirs and not claim_audits and not library_audits:
+        raise UsageError(
+            "give run directories, attack folders, claim audits or library audits to report on"
+        )
+    libs = read_all(library_audits) if library_audits else None
     for d in run_dirs:  # read every input before anything is written
         p = Path(d)
         if not (p / rundir.MANIFEST).is_file():
@@ -218,7 +228,13 @@ def build_report(
     report = Report(title, datetime.now(UTC).isoformat(timespec="seconds"))
     summary: dict = {"runs": [], "sections": list(SECTIONS), "missing": []}
     report.sections.append(verdict_section(rows, figdir, summary))
+    if not rows:
+        report.sections[-1].missing = "no run directories, bundles or foreign adapters given."
+    if libs is not None:
+        report.sections.append(library_section(libs, summary))
     report.sections.append(_runs_section(rows, figdir, summary))
+    if not rows:
+        report.sections[-1].missing = "no run directories, bundles or foreign adapters given."
     report.sections.append(analyses_section(analyses_dir, figdir))
     report.sections.append(_attacks_section(rows, figdir, summary))
     # optional: only when a run is a causal LM / has a client-level attack
@@ -229,11 +245,19 @@ def build_report(
     cmds = list(commands or [])
     for r in rows:
         cmds += r["commands"] if "commands" in r else [train_command(r["config"], r["path"])]
-    report.section("Reproduce").add(CodeBlock("\n".join(cmds), "bash"))
+    cmds += libs["commands"] if libs is not None else []
+    repro = report.section("Reproduce")
+    if cmds:
+        repro.add(CodeBlock("\n".join(cmds), "bash"))
+    else:
+        repro.missing = "no command recorded for these inputs."
     assert [s.title for s in report.sections if s.title in SECTIONS] == list(SECTIONS)
     summary["sections"] = [s.title for s in report.sections]
     summary["missing"] = report.missing
-    report.summary = summary["headline"] = headline(rows)
+    head = headline(rows) if rows else ""
+    if libs is not None:
+        head = (head.rstrip(".") + " · " if head else "") + library_headline(libs["rows"]) + "."
+    report.summary = summary["headline"] = head
 
     atomic_write_text(outp / "report.html", render_html(report, outp))
     atomic_write_text(outp / "report.md", render_markdown(report))
