@@ -1,0 +1,498 @@
+"""Opacus inside the Hugging Face ``Trainer``, audited end to end: :class:`OpacusAuditCallback`.
+
+The recipe people use for DP fine-tuning of a PEFT adapter with the ``Trainer``: Opacus's
+``PrivacyEngine.make_private`` turns the model, the optimizer and the train ``DataLoader``
+into a ``GradSampleModule``, a ``DPOptimizer`` and a Poisson ``DPDataLoader``; the
+``Trainer`` is handed the DP optimizer (``optimizers=(dp_optimizer, None)``) and the Poisson
+loader (``get_train_dataloader`` overridden: :class:`OpacusTrainer`). The callback puts the
+sampler canaries of :mod:`audit.libraries.opacus` on that path and audits the run at the
+end of training (or on demand, :meth:`OpacusAuditCallback.run_audit`):
+
+* **the records.** :class:`CanaryRecords` appends the included canary records to the
+  user's dataset of dict records (``input_ids``, ``attention_mask``, ``labels``); each
+  record carries a ``canary_id`` column (-1 for a real record), which the collator stacks
+  and the ``Trainer`` passes to the model's forward as a keyword. So Opacus's own sampler
+  (the ``DPDataLoader``) draws them, and the Trainer's loop (its gradient accumulation,
+  its ``optimizer.step``) carries them.
+* **the model.** :class:`CanaryClassifier` is what ``make_private`` wraps: the user's
+  sequence classifier inside :class:`audit.libraries.opacus.CanaryModel` (the canary
+  block, forward output 0, constant per-sample gradient), returning a
+  ``SequenceClassifierOutput`` with the mean cross-entropy (Opacus's
+  ``loss_reduction="mean"``), so the ``Trainer``'s ``compute_loss`` reads ``outputs["loss"]``.
+* **the observation.** :class:`audit.libraries.opacus.OpacusAudit` reads the canary
+  block's privatized sum right after Opacus's ``add_noise`` (one row per noised optimizer
+  step) and the coins from the forwards; the callback reads in addition how many
+  micro-batches each noised step summed and how often a canary entered one step twice.
+
+**``remove_unused_columns``.** The ``Trainer`` keeps only the columns named in its model's
+``forward`` signature (``Trainer._set_signature_columns_if_needed``); the model it is given
+is Opacus's ``GradSampleModule``, whose ``forward(*args, **kwargs)`` names none, so with
+``remove_unused_columns=True`` every column but the labels is dropped from a loader the
+``Trainer`` builds (``RemoveColumnsCollator``), the canary id included. The recipe's train
+loader is the ``DPDataLoader`` (the ``Trainer`` does not touch its collator); set
+``remove_unused_columns=False`` for the evaluation loaders. A training forward without
+the ``canary_id`` column raises an error naming this.
+
+**What the ``Trainer`` adds to the mechanism** (checked at ``on_train_begin`` and in the
+data; each a finding, exit 1):
+
+* *its own loader*: without the ``get_train_dataloader`` override the ``Trainer`` builds a
+  shuffled ``DataLoader`` (``RandomSampler``, fixed batch) over the train dataset and never
+  iterates Opacus's Poisson loader, while Opacus's accountant still accounts Poisson at
+  q = 1/len(Poisson loader): ``trainer_loader_not_poisson`` and the run's sampling is
+  ``shuffle`` (the claim check then names ``sampling_mismatch``);
+* *gradient accumulation*: with ``gradient_accumulation_steps = k > 1`` the ``Trainer``
+  runs k forward/backward passes before one ``optimizer.step()``; Opacus keeps the k
+  micro-batches' per-sample gradients as a list, clips each, sums them, adds the noise
+  once and accounts the step as one Poisson draw at rate k·q
+  (``opacus/accountants/accountant.py: sample_rate * optim.accumulated_iterations``). But
+  the k micro-batches are k independent Poisson draws: a record enters a step
+  Binomial(k, q) times and adds up to k·C, which a Poisson(k·q) draw with sensitivity C
+  does not cover. ``gradient_accumulation`` names it, with the ε of the mechanism that
+  ran (a mixture of Gaussians over the Binomial(k, q) counts, composed over the steps,
+  dp-accounting PLD, add/remove); ``canary_drawn_twice_in_a_step`` is the same seen in
+  the data (the sampler's coins);
+* *an optimizer that is not Opacus's*: training would add no noise; the callback refuses
+  to start (a ``ValueError`` at ``on_train_begin``).
+
+**What the audit does not cover** (listed in ``untested`` / ``outside_releases``): the
+``Trainer`` logs the training loss and ``grad_norm`` — the norm of the accumulated
+non-private gradient ``p.grad`` before Opacus overwrites it with the noised one — and the
+final ``train_loss``; these are statistics of the private batches outside Opacus's
+mechanism, not covered by any claim about the trained model (set
+``logging_strategy="no"`` for a release whose logs are published).
+
+The audit dict is :meth:`audit.libraries.opacus.OpacusAudit.audit`'s, plus ``trainer``
+(what the ``Trainer`` ran) and ``outside_releases``; it is written to
+``<output_dir>/library_audit.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+from audit.claims.implied import SIGMA_FLOOR
+from audit.libraries.opacus import OpacusAudit, SamplerCanaries
+
+__all__ = [
+    "COLUMN",
+    "FILENAME",
+    "CanaryClassifier",
+    "CanaryRecords",
+    "DPZeroGrad",
+    "OpacusAuditCallback",
+    "OpacusTrainer",
+    "accumulation_epsilon",
+]
+
+#: the column (and forward keyword) that carries the canary id
+COLUMN = "canary_id"
+#: the audit's file in the Trainer's output_dir
+FILENAME = "library_audit.json"
+
+logger = logging.getLogger(__name__)
+
+
+class CanaryRecords(torch.utils.data.Dataset):
+    """The user's dataset of dict records and the included canary records after it, each
+    with a ``canary_id`` column (-1 for a real record): the order and ids of
+    :meth:`SamplerCanaries.dataset` (a canary record copies record ``template``'s inputs)."""
+
+    def __init__(self, base, canaries: SamplerCanaries, template: int = 0) -> None:
+        if len(base) == 0:
+            raise ValueError("the train dataset is empty")
+        first = base[0]
+        if not isinstance(first, dict):
+            raise ValueError(
+                "CanaryRecords needs dict records (input_ids, attention_mask, labels, as the "
+                f"Trainer's collators take them), got {type(first).__name__}"
+            )
+        if COLUMN in first:
+            raise ValueError(f"the dataset already has a {COLUMN!r} column")
+        self._inner = canaries.dataset(base, template)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getitem__(self, i: int) -> dict:
+        item, cid = self._inner[i]
+        return {**item, COLUMN: cid}
+
+
+class CanaryClassifier(nn.Module):
+    """What ``make_private`` wraps: the user's sequence classifier (a Hugging Face / PEFT
+    model) with the canary block (:class:`audit.libraries.opacus.CanaryModel`, made by
+    ``canaries.model``). ``forward(input_ids, attention_mask, token_type_ids, labels,
+    canary_id)`` returns a ``SequenceClassifierOutput`` whose loss is the batch's mean
+    cross-entropy (Opacus's ``loss_reduction="mean"``; the Trainer's
+    ``num_items_in_batch`` is ignored: Opacus needs each record's own gradient)."""
+
+    def __init__(self, model: nn.Module, canaries: SamplerCanaries) -> None:
+        super().__init__()
+        self.canaried = canaries.model(model)
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        labels=None,
+        canary_id=None,
+        **kwargs,
+    ):
+        kwargs.pop("num_items_in_batch", None)
+        if input_ids is None:
+            raise ValueError(
+                "no input_ids reached the model: with remove_unused_columns=True the Trainer "
+                "keeps only the columns named in its model's forward signature, and Opacus's "
+                "GradSampleModule names none (forward(*args, **kwargs)); set "
+                "remove_unused_columns=False"
+            )
+        if canary_id is None:
+            if self.training and torch.is_grad_enabled():
+                raise ValueError(
+                    f"a training batch without the {COLUMN!r} column: train on the loader "
+                    "make_private returned over CanaryRecords (OpacusTrainer), and set "
+                    "remove_unused_columns=False (the Trainer drops columns its model's "
+                    "forward signature does not name, and Opacus's GradSampleModule names none)"
+                )
+            canary_id = torch.full((input_ids.shape[0],), -1, dtype=torch.long)
+        canary_id = canary_id.to(input_ids.device).view(-1)
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        logits = self.canaried(input_ids, canary_id, **kwargs)
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels.view(-1))
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+class DPZeroGrad(TrainerCallback):
+    """Clears the DP optimizer after each optimizer step. The Trainer calls only
+    ``model.zero_grad()`` after ``optimizer.step()``, which clears Opacus's ``grad_sample``
+    but not the DPOptimizer's ``summed_grad``; Opacus then refuses the next step ("Gradients
+    haven't been cleared since the last optimizer step")."""
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kw):
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        return control
+
+
+class OpacusTrainer(Trainer):
+    """A ``Trainer`` that trains on Opacus's ``DPDataLoader`` (``train_dataloader``: what
+    ``make_private`` returned) instead of building a shuffled loader of its own, and clears
+    the DP optimizer after each step (:class:`DPZeroGrad`)."""
+
+    def __init__(self, *args, train_dataloader=None, **kwargs) -> None:
+        if train_dataloader is None:
+            raise ValueError(
+                "OpacusTrainer needs train_dataloader= (the loader make_private returned)"
+            )
+        super().__init__(*args, **kwargs)
+        self._dp_loader = train_dataloader
+        self.add_callback(DPZeroGrad())
+
+    def get_train_dataloader(self):
+        return self._dp_loader
+
+
+def _unwrap_optimizer(opt):
+    """The chain of ``.optimizer`` wrappers (accelerate's AcceleratedOptimizer, …)."""
+    seen = []
+    while opt is not None and all(opt is not s for s in seen):
+        seen.append(opt)
+        opt = getattr(opt, "optimizer", None)
+    return seen
+
+
+def accumulation_epsilon(
+    sigma: float, q: float, k: int, steps: int, delta: float, discretization: float = 1e-3
+) -> float:
+    """ε (add/remove, dp-accounting PLD, pessimistic) of ``steps`` noised steps each summing
+    ``k`` independent Poisson(q) micro-batches: a record enters a step Binomial(k, q) times
+    and adds that many C's, so one step is a mixture of Gaussians of std σ at sensitivities
+    0 … k (in units of C) with Binomial(k, q) weights. k = 1 is the Poisson subsampled
+    Gaussian."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from scipy import stats
+
+    if not (sigma > 0 and 0 < q <= 1 and k >= 1 and steps >= 1 and 0 < delta < 1):
+        raise ValueError(
+            f"need σ > 0, 0 < q ≤ 1, k ≥ 1, steps ≥ 1, 0 < δ < 1; got σ = {sigma}, q = {q}, "
+            f"k = {k}, steps = {steps}, δ = {delta}"
+        )
+    sens = list(range(k + 1))
+    probs = [float(p) for p in stats.binom.pmf(sens, k, q)]
+    one = pld_lib.from_mixture_gaussian_mechanism(
+        sigma,
+        [float(s) for s in sens],
+        probs,
+        value_discretization_interval=discretization,
+    )
+    return float(one.self_compose(int(steps)).get_epsilon_for_delta(delta))
+
+
+class OpacusAuditCallback(TrainerCallback):
+    """Audits an Opacus training run by the Hugging Face ``Trainer`` (module doc).
+
+    Build it after ``make_private`` on what it returned (the ``PrivacyEngine``, the
+    ``DPOptimizer``, the ``DPDataLoader``) and pass it in ``callbacks=[...]``. At the end of
+    training it audits the run against ``claim`` (sample-level claim fields; default: the
+    claim the ``PrivacyEngine`` makes — its σ, C, q = the loader's sample rate, the
+    Trainer's optimizer steps, Poisson sampling and its accountant's ε at ``delta``), writes
+    the audit dict to ``<output_dir>/library_audit.json`` and logs the verdict; ``result``
+    holds the dict."""
+
+    def __init__(
+        self,
+        canaries: SamplerCanaries,
+        privacy_engine,
+        optimizer,
+        data_loader,
+        *,
+        claim: dict | None = None,
+        delta: float = 1e-5,
+        alpha: float = 0.05,
+        permutations: int = 999,
+        seed: int | None = None,
+        audit_on_train_end: bool = True,
+    ) -> None:
+        self.audit_state: OpacusAudit = canaries.attach(privacy_engine, optimizer, data_loader)
+        self.canaries, self.engine, self.optimizer = canaries, privacy_engine, optimizer
+        self.data_loader = data_loader
+        self.claim, self.delta = claim, float(delta)
+        self.alpha, self.permutations, self.seed = alpha, permutations, seed
+        self.audit_on_train_end = audit_on_train_end
+        self.sigma0 = float(optimizer.noise_multiplier)
+        self.clip0 = float(optimizer.max_grad_norm)
+        self.q0 = float(getattr(data_loader, "sample_rate", 1.0 / len(data_loader)))
+        self.result: dict | None = None
+        self.trainer: dict = {}
+        self.micro_batches: list[int] = []
+        self.multiplicity: list[int] = []
+        self._begun = False
+        model = self.audit_state.model
+        inner = optimizer.add_noise  # OpacusAudit's wrapper of Opacus's add_noise
+
+        def add_noise():
+            # before OpacusAudit reads (and clears) the forwards' canary ids: how many
+            # micro-batches this noised step sums and the most times one canary entered it
+            self.micro_batches.append(int(optimizer.accumulated_iterations))
+            ids = [c for c in model._seen if len(c)]
+            most = int(np.bincount(torch.cat(ids).numpy()).max()) if ids else 0
+            self.multiplicity.append(most)
+            inner()
+
+        optimizer.add_noise = add_noise
+
+    # --- the Trainer's events
+
+    def on_train_begin(
+        self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kw
+    ):
+        from opacus.data_loader import DPDataLoader
+
+        chain = _unwrap_optimizer(optimizer)
+        if optimizer is not None and all(o is not self.optimizer for o in chain):
+            raise ValueError(
+                "the Trainer steps an optimizer that is not the DPOptimizer make_private "
+                f"returned ({type(chain[-1]).__name__}): it would add no noise. Pass "
+                "optimizers=(dp_optimizer, None) to the Trainer"
+            )
+        k = int(args.gradient_accumulation_steps)
+        if k > 1 and getattr(model, "grad_accumulation_allowed", True) is False:
+            raise ValueError(
+                f"gradient_accumulation_steps = {k} with Opacus's Poisson sampling: each "
+                "micro-batch is its own Poisson draw, so one noised step would sum k draws (a "
+                "record up to k times, up to k·C) that Opacus accounts as one draw at rate k·q; "
+                "Opacus forbids it (its GradSampleModule raises at the second backward). Use "
+                "gradient_accumulation_steps=1 with a larger Poisson batch, or Opacus's "
+                "BatchMemoryManager for physical batches"
+            )
+        loader = train_dataloader
+        own = loader is not None and loader is not self.data_loader
+        poisson = isinstance(loader, DPDataLoader) if loader is not None else True
+        self.trainer = {
+            "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+            "trainer_built_loader": bool(own),
+            "loader": type(loader).__name__ if loader is not None else None,
+            "loader_batches": len(loader) if loader is not None else None,
+            "remove_unused_columns": bool(args.remove_unused_columns),
+            "max_grad_norm": float(args.max_grad_norm or 0.0),
+            "logging_strategy": str(getattr(args.logging_strategy, "value", args.logging_strategy)),
+            "output_dir": str(args.output_dir),
+        }
+        if own:
+            # the run's sampling is what the Trainer's loader drew (OpacusAudit reads it)
+            self.audit_state.poisson = poisson
+            self.audit_state.loader_len = len(loader)
+            self.audit_state.dataset_size = len(loader.dataset)
+            self.trainer["loader_batch_size"] = int(args.train_batch_size)
+        self._begun = True
+        return control
+
+    def on_train_end(self, args, state, control, **kw):
+        if self.audit_on_train_end:
+            self.run_audit(args.output_dir, trainer_steps=state.global_step, state=state)
+        return control
+
+    # --- the audit
+
+    def default_claim(self, steps: int) -> dict:
+        """The claim the PrivacyEngine makes for this run: σ and C as ``make_private`` set
+        them, q = the Poisson loader's sample rate, ``steps`` noised steps, Poisson sampling
+        and its accountant's ε at ``delta``."""
+        if self.sigma0 < SIGMA_FLOOR:
+            raise ValueError(
+                f"σ = {self.sigma0:.3g} < {SIGMA_FLOOR}: Opacus's accountant is not asked at so "
+                "small a σ (its grids grow past memory); give the claim explicitly (claim=...)"
+            )
+        return {
+            "level": "sample",
+            "noise_multiplier": self.sigma0,
+            "clipping_norm": self.clip0,
+            "sampling": "poisson",
+            "sample_rate": self.q0,
+            "steps_per_round": int(steps),
+            "rounds": 1,
+            "claimed_epsilon": float(self.engine.get_epsilon(self.delta)),
+            "delta": self.delta,
+            "accounting": "composed",
+        }
+
+    def run_audit(self, output_dir=None, *, trainer_steps: int | None = None, state=None) -> dict:
+        """Audit the run so far against the claim; write ``library_audit.json`` into
+        ``output_dir`` (when given) and log the verdict. Returns the audit dict."""
+        a = self.audit_state
+        steps = int(trainer_steps if trainer_steps is not None else len(a.obs))
+        claim = self.claim if self.claim is not None else self.default_claim(steps)
+        res = a.audit(claim, alpha=self.alpha, permutations=self.permutations, seed=self.seed)
+        findings, untested = res["findings"], res["untested"]
+        tr = dict(self.trainer)
+        k_args = tr.get("gradient_accumulation_steps", 1)
+        micro = sorted(set(self.micro_batches))
+        tr["optimizer_steps"] = steps
+        tr["noised_steps"] = len(a.obs)
+        tr["micro_batches_per_noised_step"] = micro[0] if len(micro) == 1 else micro
+        twice = int(sum(m > 1 for m in self.multiplicity))
+        tr["steps_with_a_canary_drawn_twice"] = twice
+        if not self._begun:
+            untested.append(
+                "the Trainer's configuration (the callback saw no on_train_begin: pass it in "
+                "Trainer(callbacks=[...]))"
+            )
+        if tr.get("trainer_built_loader") and not a.poisson:
+            findings.append(
+                {
+                    "code": "trainer_loader_not_poisson",
+                    "message": f"the Trainer trained on a loader it built ({tr['loader']}, "
+                    f"{tr['loader_batches']} shuffled batches of {tr.get('loader_batch_size')}) "
+                    "and never iterated Opacus's Poisson DPDataLoader, which Opacus's "
+                    "accountant accounts (override get_train_dataloader: OpacusTrainer)",
+                }
+            )
+        k_run = max(micro) if micro else 1
+        if k_args > 1 or k_run > 1:
+            k = max(k_args, k_run)
+            q = float(np.max(res["run"]["sample_rate"]))
+            q_micro = q / k_run if k_run > 1 else q
+            sigma = float(np.max(res["run"]["noise_multiplier"]))
+            try:
+                eps_ga = accumulation_epsilon(
+                    max(sigma, SIGMA_FLOOR), q_micro, k, len(a.obs), self.delta
+                )
+            except Exception as exc:  # the PLD's own limits
+                eps_ga = None
+                untested.append(f"the ε of the accumulated mechanism was not computed ({exc})")
+            tr["accumulation_epsilon"] = eps_ga
+            tr["accumulation_epsilon_at_least"] = sigma < SIGMA_FLOOR
+            findings.append(
+                {
+                    "code": "gradient_accumulation",
+                    "message": f"gradient_accumulation_steps = {k}: each noised step sums {k} "
+                    f"independent Poisson batches (q = {q_micro:.4g} each) and Opacus accounts "
+                    f"it as one Poisson draw at q = {k_run}·{q_micro:.4g} with sensitivity C; "
+                    f"a record enters a step Binomial({k}, q) times (up to {k}·C), whose ε is "
+                    + (
+                        f"{'≥ ' if sigma < SIGMA_FLOOR else ''}{eps_ga:.4g}"
+                        if eps_ga is not None
+                        else "not computed"
+                    )
+                    + f" (claimed {res['claimed_epsilon']:.4g}); use "
+                    "gradient_accumulation_steps=1 and Opacus's BatchMemoryManager for "
+                    "virtual steps",
+                }
+            )
+        if twice:
+            findings.append(
+                {
+                    "code": "canary_drawn_twice_in_a_step",
+                    "message": f"in {twice} of {len(a.obs)} noised steps a canary record entered "
+                    "more than one micro-batch of the same step (the sampler's coins): its "
+                    "contribution to that step was more than C",
+                }
+            )
+        res["outside_releases"] = self._outside_releases(state)
+        if res["outside_releases"]:
+            untested.append(
+                "the Trainer's logs ("
+                + ", ".join(sorted({r["key"] for r in res["outside_releases"]}))
+                + "): statistics of the private batches outside Opacus's mechanism, not "
+                "covered by the claim nor audited"
+            )
+        res["library"] = "opacus (transformers Trainer)"
+        res["trainer"] = tr
+        res["verdict"] = "fail" if findings else "pass"
+        res["exit_code"] = 0 if res["verdict"] == "pass" else 1
+        self.result = res
+        if output_dir is not None:
+            out = Path(output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / FILENAME).write_text(json.dumps(_jsonable(res), indent=1) + "\n")
+        msg = (
+            f"library audit: {res['verdict']} (claimed ε = {res['claimed_epsilon']:.4g}, "
+            f"recomputed ε = {res['recomputed_epsilon']:.4g}, noise factor "
+            f"{res['noise_factor']:.3g}); findings: "
+            + (", ".join(f["code"] for f in findings) or "none")
+        )
+        (logger.warning if findings else logger.info)(msg)
+        return res
+
+    @staticmethod
+    def _outside_releases(state) -> list[dict]:
+        """What the Trainer logged from the private batches (its log history)."""
+        if state is None:
+            return []
+        out = []
+        for key in ("loss", "grad_norm", "train_loss"):
+            n = sum(1 for h in state.log_history if key in h)
+            if n:
+                out.append({"key": key, "entries": n})
+        return out
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, (np.bool_,)):
+        return bool(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        v = float(x)
+        return v if math.isfinite(v) else str(v)
+    return x
