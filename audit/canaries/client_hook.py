@@ -157,6 +157,13 @@ class ClientCanaryHook:
         - ``configure_train`` records the round's global arrays, ``aggregate_train``
           observes the released arrays minus them.
         """
+        if not hasattr(dp_strategy, "configure_train") and hasattr(dp_strategy, "configure_fit"):
+            raise UsageError(
+                f"attach_flower wires a Message API strategy (flwr.serverapp.strategy); "
+                f"{type(dp_strategy).__name__} is a legacy flwr.server.strategy one (configure_fit"
+                "/aggregate_fit): audit a legacy Flower DP training with "
+                "audit.libraries.flower.audit_flower, which drives its rounds with canary clients"
+            )
         for a in ("strategy", "noise_multiplier", "clipping_norm", "num_sampled_clients"):
             if not hasattr(dp_strategy, a):
                 raise UsageError(

@@ -1,0 +1,566 @@
+"""The audit of a Flower run with canary clients (:mod:`audit.libraries.flower`).
+
+**Units.** Central DP (the four wrappers): round t's released canary block, minus the block
+before the round, times m/C_t (m the wrapper's ``num_sampled_clients``, C_t the clip the
+round's updates were clipped at) is u_t: a drawn, included canary adds m·w_j (1 when the
+aggregation weighs the m clients equally, as the wrapper's noise σ·C/m assumes), the noise
+is N(0, σ_run²·(C_noise,t/C_t)²). :func:`audit.bounds.conformance.conformance` tests it
+against the CLAIMED σ (scale, freshness, and the clipping test, which sees a weight above
+1/m like a clip above C), with the coins = which canary nodes Flower's sampler drew.
+``LocalDpMod``: each canary reply as the server receives it, minus the global block, over C.
+
+**The mechanism the run used**, field by field against the claim (a mismatch is a finding):
+σ, C (fixed clipping), m, the cohort sizes, the rounds, and the sampling: Flower draws a
+fixed count without replacement (``random.sample``: flwr 1.42 serverapp/strategy/
+strategy_utils.py:181, server/client_manager.py), i.e. a fixed cohort (``fixed_batch``),
+never Poisson. Its ε is recomputed with :func:`audit.claims.check.check_claim` (add/remove:
+a fixed cohort is a plain Gaussian at σ/2 per round). What the run did beyond its
+parameters changes that ε, and the recomputed ε is the ε of what it did:
+
+* weights: the weights the inner aggregation read from the replies; the largest real
+  client's worst case weight in a cohort (with the m − 1 smallest others) is a·(1/m): its
+  ε is that of multiplier σ/a (``unequal_weights``);
+* adaptive clipping: Flower adds the round's noise at the clip it updated after the round
+  (C_{t+1}), so round t's multiplier is σ_Δ·C_{t+1}/C_t; the clipped-count release has
+  multiplier σ_b (``clipped_count_stddev``, sensitivity 1). The run's ε composes both
+  exactly (plain Gaussians: μ-GDP).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from scipy import stats
+
+from audit.bounds.conformance import Block, GroupTest, conformance, implied_noise_factor
+from audit.bounds.fdp import fdp_one_run_bound
+from audit.bounds.hypothesis import gdp_epsilon
+from audit.bounds.one_run import epsilon_one_run
+from audit.bounds.sampling import sampling_test
+from audit.claims.check import check_claim
+from audit.claims.implied import epsilon_of_scaled_claim
+from audit.claims.mistakes import reference
+from audit.claims.schema import Claim, validate_claim
+
+__all__ = ["audit_run", "check_claim_fields", "worst_weight"]
+
+REL_TOL = 1e-6
+
+
+def check_claim_fields(claim) -> Claim:
+    """The claim, validated (a schema error is a usage error); Flower's wrappers and
+    ``LocalDpMod`` protect clients: the claim must be client level."""
+    c = validate_claim(claim)
+    if c.level != "client":
+        raise ValueError(
+            f"a Flower DP claim is about clients (level 'client'), got level {c.level!r}"
+        )
+    return c
+
+
+def worst_weight(sizes, m: int) -> float:
+    """a = m·w of the largest client in the cohort that weighs it most (it and the m − 1
+    smallest others), under weighting by size; 1 when every size is equal."""
+    s = np.sort(np.asarray(list(sizes), dtype=np.float64))
+    if s.size == 0 or m <= 1:
+        return 1.0
+    m = min(m, s.size)
+    return float(m * s[-1] / (s[-1] + s[: m - 1].sum()))
+
+
+def _finding(code: str, message: str) -> dict:
+    return {"code": code, "message": message}
+
+
+def _lower_bound(scores: np.ndarray, inc: np.ndarray, p: float, delta: float, alpha: float):
+    if inc.all() or not inc.any() or p != 0.5:
+        return None
+    st = epsilon_one_run(scores, inc, delta, alpha=alpha / 2)
+    fd = fdp_one_run_bound(scores, inc, delta, alpha=alpha / 2, family="dp")
+    s_lb, f_lb = float(st["epsilon_lb"]), float(fd["epsilon_lb"])
+    return {
+        "epsilon_lb": max(s_lb, f_lb),
+        "bound": "f-DP" if f_lb > s_lb else "Steinke et al.",
+        "epsilon_lb_steinke": s_lb,
+        "epsilon_lb_fdp": f_lb,
+        "canaries": int(len(inc)),
+        "included": int(inc.sum()),
+        "alpha": alpha,
+    }
+
+
+def _check_fields(c: Claim, checks, findings: list) -> None:
+    for name, claimed, ran in checks:
+        if claimed is None or ran is None:
+            continue
+        if abs(claimed - ran) > REL_TOL * max(abs(ran), 1e-300):
+            findings.append(
+                _finding(
+                    f"{name}_mismatch",
+                    f"the claim's {name} = {claimed:.6g} but the run used {ran:.6g}",
+                )
+            )
+
+
+def audit_run(run, claim, *, alpha: float = 0.05, permutations: int = 999, seed=None) -> dict:
+    """The claim check, the conformance tests, the sampling tests, the one-run bound and
+    the implied ε of ``run`` (a :class:`audit.libraries.flower.FlowerRun` that ran)."""
+    t0 = time.time()
+    c = check_claim_fields(claim)
+    recs = [r for r in run.records if r.after is not None]
+    if len(recs) < 2:
+        raise ValueError(f"the run released {len(recs)} round(s); the audit needs at least 2")
+    if run.mode == "local_dp":
+        out = _audit_local(run, recs, c, alpha)
+    else:
+        out = _audit_central(run, recs, c, alpha, permutations, seed)
+    out["audit_seconds"] = time.time() - t0
+    return out
+
+
+def _result(run, c, run_mech, findings, untested, conf, lb, **kw) -> dict:
+    rejected = [f"{t.group}:{t.test}" for t in conf.rejected]
+    for t in conf.rejected:
+        findings.append(
+            _finding(
+                "conformance_rejected",
+                f"{t.group}:{t.test} rejected (p = {10**t.log10_p:.3g}"
+                + (f", observed/claimed noise {t.ratio:.3f}" if t.ratio else "")
+                + ")",
+            )
+        )
+    if lb is None:
+        untested.append("ε lower bound (needs inclusion bits drawn with p = 1/2, both values seen)")
+    elif lb["epsilon_lb"] > c.claimed_epsilon:
+        findings.append(
+            _finding(
+                "empirical_exceeds_claim",
+                f"the one-run ε lower bound {lb['epsilon_lb']:.4g} exceeds the claimed "
+                f"ε = {c.claimed_epsilon:g}",
+            )
+        )
+    verdict = "fail" if findings else "pass"
+    return {
+        "library": "flower",
+        "mode": f"{run.api}:{run.mode}",
+        "run": run_mech,
+        "claim": c.to_dict(),
+        "claimed_epsilon": c.claimed_epsilon,
+        "delta": c.delta,
+        **kw,
+        "epsilon_lower_bound": lb["epsilon_lb"] if lb else None,
+        "lower_bound": lb,
+        "conformance": conf.to_dict(),
+        "conformance_rejected": rejected,
+        "untested": untested,
+        "findings": findings,
+        "verdict": verdict,
+        "exit_code": 0 if verdict == "pass" else 1,
+    }
+
+
+def _sampling_extra(u, coins, inc, sig_u, q, permutations, seed):
+    extra: list[GroupTest] = []
+    samp = sampling_test([(u[:, inc], sig_u, q)], permutations=permutations, seed=seed)
+    coin_t = sampling_test(
+        [(coins[:, inc].astype(float), sig_u, q)], permutations=permutations, seed=seed
+    )
+    n_draw, k_draw = int(coins.shape[0] * inc.sum()), int(coins[:, inc].sum())
+    if n_draw:
+        # a fixed cohort draws a node with probability q each round (the count over rounds
+        # is Binomial(T, q) per node; summed over nodes less spread: conservative)
+        p_rate = float(stats.binomtest(k_draw, n_draw, q).pvalue)
+        extra.append(
+            GroupTest(
+                group="sampling:rate",
+                test="binomial",
+                terms=n_draw,
+                statistic=k_draw / (n_draw * q),
+                log10_p=math.log10(max(p_rate, 1e-300)),
+                note="the included canaries' draws against Binomial(T·n, q)",
+            )
+        )
+    for name, t in (("release", samp), ("sampler", coin_t)):
+        extra.append(
+            GroupTest(
+                group=f"sampling:{name}",
+                test="exchangeable",
+                terms=t.canaries * t.steps,
+                statistic=t.z_window,
+                log10_p=math.log10(t.p_value),
+                note="permutation test: cohorts drawn afresh each round are exchangeable",
+            )
+        )
+    return samp, extra
+
+
+def _audit_central(run, recs, c, alpha, permutations, seed) -> dict:
+    s = run.strategy
+    findings: list[dict] = []
+    untested: list[str] = []
+    M, K = run.canaries.m, run.k
+    pool = K + M
+    m = int(s.num_sampled_clients)
+    T = len(recs)
+    adaptive = run.mode.endswith("adaptive")
+    clips = np.array([r.clip for r in recs])
+    nclips = np.array([r.noise_clip for r in recs])
+    sig_lib = float(recs[-1].sigma)
+    sigma_b = float(getattr(s, "clipped_count_stddev", 0.0) or 0.0)
+    if adaptive and sig_lib > 0:
+        # the σ the user gave: Flower split it into σ_Δ (updates) and σ_b (count)
+        # (flwr 1.42 supercore/differential_privacy.py:129-166)
+        sig_user = (sig_lib**-2 + (2 * sigma_b) ** -2) ** -0.5
+    else:
+        sig_user = sig_lib
+    cohorts = [len(r.cohort) for r in recs]
+    node_idx = {n: j for j, n in enumerate(run.canary_nodes)}
+    coins = np.zeros((T, M), dtype=bool)
+    for t, r in enumerate(recs):
+        for n in r.cohort:
+            if n in node_idx:
+                coins[t, node_idx[n]] = True
+    # the weights the inner aggregation read (white box) and what they make of a client
+    a_run, a_canary = 1.0, []
+    for r in recs:
+        tot = sum(w for _, w in r.weights)
+        for n, w in r.weights:
+            a = m * w / tot if tot > 0 else math.inf
+            a_run = max(a_run, a)
+            if n in node_idx:
+                a_canary.append(a)
+    real_sizes = list(run.real_sizes.values())
+    fedavg = type(run.inner).__name__ in ("FedAvg",)
+    a_worst = max(worst_weight(real_sizes, m), 1.0) if fedavg else max(a_run, 1.0)
+    run_mech = {
+        "api": run.api,
+        "noise_multiplier": sig_user,
+        "noise_multiplier_updates": sig_lib,
+        "clipped_count_stddev": sigma_b if adaptive else None,
+        "clipping_norm": float(clips[0]) if not adaptive else clips.tolist(),
+        "noise_clipping_norm": None if not adaptive else nclips.tolist(),
+        "clients_per_round": m,
+        "cohort_sizes": sorted(set(cohorts)),
+        "rounds": T,
+        "nodes": pool,
+        "real_clients": K,
+        "canaries": M,
+        "sample_rate": m / pool,
+        "sampling": "fixed_batch",
+        "inner_strategy": type(run.inner).__name__,
+        "weight_max": a_run,
+        "weight_worst_case": a_worst,
+        "real_client_sizes": sorted(real_sizes),
+    }
+    checks = [
+        ("noise_multiplier", c.noise_multiplier, sig_user),
+        ("clients_per_round", c.clients_per_round, m),
+        ("rounds", c.rounds * c.steps_per_round, T),
+    ]
+    if not adaptive and c.clipping_norm is not None:
+        checks.append(("clipping_norm", c.clipping_norm, float(clips[0])))
+    _check_fields(c, checks, findings)
+    if any(k != m for k in cohorts):
+        findings.append(
+            _finding(
+                "cohort_size_mismatch",
+                f"Flower drew cohorts of {sorted(set(cohorts))} clients but the wrapper's "
+                f"noise σ·C/m is for m = {m} (num_sampled_clients; the sampler draws "
+                f"max(int(nodes·fraction), min) of the {pool} nodes)",
+            )
+        )
+    if c.sampling != "fixed_batch" and c.sampling != "shuffle":
+        findings.append(
+            _finding(
+                "sampling_mismatch",
+                f"the claim's sampling is {c.sampling!r} but Flower draws a fixed count of "
+                f"{m} of {pool} nodes without replacement each round (random.sample)",
+            )
+        )
+    # the run's own mechanism and its ε
+    run_claim = Claim(
+        level="client",
+        noise_multiplier=sig_user,
+        sampling="fixed_batch",
+        rounds=T,
+        clients_per_round=m,
+        total_clients=pool,
+        clipping_norm=float(clips[0]),
+        claimed_epsilon=c.claimed_epsilon,
+        delta=c.delta,
+        accounting="composed",
+    )
+    rec_plain = check_claim(run_claim)
+    sens = reference(run_claim).sens
+    if adaptive:
+        sig_t = sig_lib * nclips / clips
+        mu2 = float(np.sum((sens * a_worst / sig_t) ** 2))
+        if sigma_b > 0:
+            mu2 += T / sigma_b**2
+        else:
+            mu2 = math.inf
+        eps_run = gdp_epsilon(math.sqrt(mu2), c.delta) if math.isfinite(mu2) else math.inf
+        mech = (
+            f"{T} rounds: a fixed cohort's update release (multiplier σ_Δ·C_noise/C_t, "
+            f"sensitivity {sens}) and the clipped-count release (σ_b = {sigma_b:.4g}), μ-GDP"
+        )
+        low = sig_t < sig_lib * (1 - 1e-9)
+        if low.any():
+            findings.append(
+                _finding(
+                    "noise_at_next_clip",
+                    f"Flower clipped round t's updates at C_t but noised them at the clip it "
+                    f"had just updated, C_(t+1) (dp_adaptive_clipping.py): in {int(low.sum())} "
+                    f"of {T} rounds the noise was below σ·C_t/m, down to "
+                    f"{float(np.min(sig_t / sig_lib)):.3f}× (multiplier "
+                    f"{float(np.min(sig_t)):.4g} instead of {sig_lib:.4g}); ε of the run "
+                    f"{eps_run:.4g}",
+                )
+            )
+        untested.append(
+            "the clipped-count release: its noise (σ_b) lives in the server's state and is "
+            "not observed; its cost enters the recomputed ε from Flower's own σ_b"
+        )
+    else:
+        eps_run = (
+            rec_plain["epsilon_pld"]
+            if a_worst <= 1 + 1e-9
+            else check_claim({**run_claim.to_dict(), "noise_multiplier": sig_user / a_worst})[
+                "epsilon_pld"
+            ]
+        )
+        mech = rec_plain["mechanism"] + (
+            f"; the largest client weighs a = {a_worst:.4g} × 1/m" if a_worst > 1 + 1e-9 else ""
+        )
+    if a_worst > 1 + 1e-9 or a_run > 1 + 1e-9:
+        findings.append(
+            _finding(
+                "unequal_weights",
+                f"{type(run.inner).__name__} weighs clients by the num_examples they report "
+                f"(sizes {min(real_sizes):g}…{max(real_sizes):g}): a client's weight is "
+                f"n_k/Σn, not 1/m, up to {a_run:.3f}/m in this run and {a_worst:.3f}/m for the "
+                f"largest client in its worst cohort, while the noise σ·C/m is for 1/m; the "
+                f"largest client's ε is {eps_run:.4g} (claimed {c.claimed_epsilon:g})",
+            )
+        )
+    if eps_run > c.claimed_epsilon * 1.01:
+        findings.append(
+            _finding(
+                "epsilon_understated",
+                f"the claimed ε = {c.claimed_epsilon:.4g} is below the ε = {eps_run:.4g} of "
+                f"the mechanism the run used ({mech})",
+            )
+        )
+    # Flower's own accountant (Message API fixed clipping with accountant=...)
+    acc = getattr(s, "accountant", None)
+    eps_acc, acc_note = None, None
+    if acc is not None:
+        eps_acc = float(acc.get_epsilon(c.delta))
+        acc_note = (
+            f"Flower's accountant ({acc.config.sampling_method.value}, "
+            f"{acc.config.neighboring_relation.value}, {acc.num_releases} releases of a "
+            f"Gaussian at σ = {sig_lib:g}, RDP): ε = {eps_acc:.4g}; recomputed (a fixed cohort "
+            f"under add/remove: an added client can displace another, σ/2 per round): "
+            f"{rec_plain['epsilon_pld']:.4g}"
+        )
+    else:
+        untested.append("Flower's accountant (not enabled: accountant=None or legacy API)")
+    # the canary block in units of C_t/m
+    before = np.array([r.before for r in recs])
+    after = np.array([r.after for r in recs])
+    u = (after - before) * (m / clips[:, None])
+    inc = run.canaries.included
+    q = m / pool
+    sig_u = c.noise_multiplier
+    samp, extra = _sampling_extra(u, coins, inc, sig_u, q, permutations, seed)
+    block = Block(
+        u=u,
+        tracks=np.arange(M),
+        groups=np.array(["canary"] * M),
+        sigma=sig_u,
+        included=inc.copy(),
+        coins=coins,
+        q=q,
+        p_include=run.canaries.p_include,
+    )
+    conf = conformance([block], alpha=alpha, extra=tuple(extra))
+    f, group = implied_noise_factor(conf)
+    eps_implied, at_least = epsilon_of_scaled_claim(
+        reference(run_claim), c.noise_multiplier, f, c.delta
+    )
+    sel, noise_only = coins & inc[None, :], ~coins
+    contrib = None
+    if sel.any():
+        est = float(u[sel].mean())
+        sd = float(u[noise_only].std()) if noise_only.sum() > 1 else sig_u
+        half = 1.96 * sd / math.sqrt(sel.sum())
+        contrib = {
+            "estimate": est,
+            "ci95": [est - half, est + half],
+            "expected_under_claim": 1.0,
+            "weights_applied": [float(np.min(a_canary)), float(np.max(a_canary))]
+            if a_canary
+            else None,
+            "note": "an included canary's contribution per draw, in units of C/m",
+        }
+        if contrib["ci95"][0] > 2.0:
+            hint = (
+                f"; a {run.mode.replace('_', '-side ', 1)} wrapper leaves the clipping to the "
+                "ClientApp: put flwr's "
+                + ("fixedclipping_mod" if run.mode == "client_fixed" else "adaptiveclipping_mod")
+                + " among its mods"
+                if run.mode.startswith("client")
+                else ""
+            )
+            findings.append(
+                _finding(
+                    "canary_not_clipped",
+                    f"an included canary adds {est:.3g} × C/m per draw (95% CI "
+                    f"[{contrib['ci95'][0]:.3g}, {contrib['ci95'][1]:.3g}]), not 1: its update "
+                    f"({run.canaries.gain_factor:g}·C) reached the aggregate unclipped" + hint,
+                )
+            )
+    lb = _lower_bound(u.sum(axis=0), inc, run.canaries.p_include, c.delta, alpha)
+    return _result(
+        run,
+        c,
+        run_mech,
+        findings,
+        untested,
+        conf,
+        lb,
+        recomputed_epsilon=eps_run,
+        recomputed_epsilon_at_least=False,
+        recomputed={"mechanism": mech, "epsilon_equal_weights": rec_plain["epsilon_pld"]},
+        accountant_epsilon=eps_acc,
+        accountant_note=acc_note,
+        implied_epsilon=eps_implied,
+        implied_epsilon_at_least=at_least,
+        noise_factor=f,
+        noise_factor_group=group,
+        sampling=samp.to_dict(),
+        canary_contribution=contrib,
+    )
+
+
+def _ldp_block(u, tracks, bits, c, run, order) -> Block:
+    return Block(
+        u=u,
+        tracks=tracks,
+        groups=np.array(["canary"] * len(tracks)),
+        sigma=c.noise_multiplier,
+        included=np.asarray(bits, dtype=bool).copy(),
+        coins=np.ones_like(u, dtype=bool),
+        q=1.0,
+        p_include=run.canaries.p_include,
+        order=(order,),
+    )
+
+
+def _audit_local(run, recs, c, alpha) -> dict:
+    """LocalDpMod: each canary reply, as the server receives it, against the mod's (ε, δ)."""
+    lm = run.local
+    findings: list[dict] = []
+    untested: list[str] = []
+    C = float(lm.clipping_norm)
+    std = float(lm.sensitivity * math.sqrt(2 * math.log(1.25 / lm.delta)) / lm.epsilon)
+    M = run.canaries.m
+    inc = run.canaries.included
+    rows: dict[int, list[float]] = {j: [] for j in range(M)}
+    for r in recs:
+        for j, blk in sorted(r.canary_replies.items()):
+            rows[j].append(float(blk[j] - r.before[j]) / C)
+    releases = max((len(v) for v in rows.values()), default=0)
+    run_mech = {
+        "api": run.api,
+        "clipping_norm": C,
+        "sensitivity": float(lm.sensitivity),
+        "mod_epsilon": float(lm.epsilon),
+        "mod_delta": float(lm.delta),
+        "noise_std": std,
+        "noise_multiplier": std / C,
+        "rounds": len(recs),
+        "canary_releases_max": releases,
+    }
+    _check_fields(
+        c,
+        [
+            ("noise_multiplier", c.noise_multiplier, std / C),
+            ("claimed_epsilon", c.claimed_epsilon, float(lm.epsilon)),
+            ("delta", c.delta, float(lm.delta)),
+        ],
+        findings,
+    )
+    # one release: two clipped updates differ by up to 2C (any two inputs of a client)
+    eps_2c = gdp_epsilon(2 * C / std, c.delta)
+    eps_mod = gdp_epsilon(float(lm.sensitivity) / std, c.delta)
+    if eps_2c > c.claimed_epsilon * 1.01:
+        findings.append(
+            _finding(
+                "epsilon_understated",
+                f"one LocalDpMod release (noise std {std:.4g}, clip C = {C:g}) is "
+                f"ε = {eps_2c:.4g} at δ = {c.delta:g} for two updates 2C apart (any two inputs "
+                f"of a client), above the claimed ε = {c.claimed_epsilon:g}; the mod's "
+                f"calibration s·sqrt(2 ln(1.25/δ))/ε uses sensitivity s = {lm.sensitivity:g}"
+                + (" < 2C" if lm.sensitivity < 2 * C else "")
+                + (" and holds for ε ≤ 1 only" if lm.epsilon > 1 else ""),
+            )
+        )
+    # Blocks: (1) the first two replies of every canary that replied twice, one row each
+    # (the freshness test compares a client's consecutive releases: a reused draw cancels);
+    # (2) every other reply on a track of its own, one row (no earlier residual to predict
+    # it from: a canary's few replies would make a noisy predictor and inflate the
+    # observed noise, which only the data-pooled shrinkage of (1) keeps small)
+    blocks = []
+    two = [j for j in range(M) if len(rows[j]) >= 2]
+    if two:
+        u = np.array([[rows[j][0] for j in two], [rows[j][1] for j in two]])
+        blocks.append(_ldp_block(u, np.array(two), inc[two], c, run, 0))
+    rest, tracks, bits = [], [], []
+    for j in range(M):
+        for k, x in enumerate(rows[j]):
+            if j in two and k < 2:
+                continue
+            rest.append(x)
+            tracks.append(M * (k + 1) + j)
+            bits.append(inc[j])
+    if rest:
+        blocks.append(_ldp_block(np.array([rest]), np.array(tracks), np.array(bits), c, run, 1))
+    if not blocks:
+        raise ValueError("no canary client was drawn: nothing to audit (more rounds or canaries)")
+    conf = conformance(blocks, alpha=alpha)
+    f, group = implied_noise_factor(conf)
+    eps_implied = gdp_epsilon(2 / (c.noise_multiplier * f), c.delta)
+    seen = np.array([bool(rows[j]) for j in range(M)])
+    first = np.array([rows[j][0] if rows[j] else 0.0 for j in range(M)])
+    lb = _lower_bound(first[seen], inc[seen], run.canaries.p_include, c.delta, alpha)
+    untested += [
+        "the central aggregate (no central DP claim with LocalDpMod alone)",
+        "composition of a client's releases over rounds (the mod claims (ε, δ) per release; "
+        f"a client here released up to {releases} times)",
+    ]
+    return _result(
+        run,
+        c,
+        run_mech,
+        findings,
+        untested,
+        conf,
+        lb,
+        recomputed_epsilon=eps_2c,
+        recomputed_epsilon_at_least=False,
+        recomputed={
+            "mechanism": f"one Gaussian release, std {std:.4g}, sensitivity 2C = {2 * C:g}",
+            "epsilon_at_mod_sensitivity": eps_mod,
+        },
+        accountant_epsilon=float(lm.epsilon),
+        accountant_note="LocalDpMod's own (ε, δ) per release (classic Gaussian calibration)",
+        implied_epsilon=eps_implied,
+        implied_epsilon_at_least=False,
+        noise_factor=f,
+        noise_factor_group=group,
+        sampling=None,
+        canary_contribution=None,
+    )

@@ -1,0 +1,326 @@
+"""Flower's DP paths audited end to end: the cases of the library benchmark (#43).
+
+``python -m benchmarks.auditing.libraries_flower [--quick]`` prints one line per case.
+Each case trains logistic regression (numpy) on synthetic data: 10 clients, 20 rounds
+(10 with ``quick``), 16 canary clients, cohorts of m = 6 of the 26 nodes, in this process.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+#: (mode, kind, what)
+CASES = [
+    (
+        "legacy_server_fixed",
+        "correct",
+        "legacy DifferentialPrivacyServerSideFixedClipping + FedAvg, equal client sizes",
+    ),
+    (
+        "legacy_client_fixed",
+        "correct",
+        "legacy DifferentialPrivacyClientSideFixedClipping + fixedclipping_mod",
+    ),
+    (
+        "message_server_fixed",
+        "correct",
+        "Message API server-side fixed clipping, Flower's RDP accountant on",
+    ),
+    (
+        "message_client_fixed",
+        "correct",
+        "Message API client-side fixed clipping + fixedclipping_mod",
+    ),
+    (
+        "legacy_server_adaptive",
+        "correct",
+        "legacy server-side adaptive clipping, C rising (updates below C)",
+    ),
+    ("message_client_adaptive", "correct", "Message API client-side adaptive clipping, C rising"),
+    (
+        "message_local_dp",
+        "correct",
+        "Message API LocalDpMod (C = 1, sensitivity 2C, ε = 1, δ = 1e-5)",
+    ),
+    (
+        "legacy_unequal_weights",
+        "misuse",
+        "legacy server-side fixed + FedAvg, client sizes 20…400 (weights n_k/Σn)",
+    ),
+    ("sigma_halved", "misuse", "the strategy built with σ/2 after the claim said σ"),
+    (
+        "seeded_clients",
+        "misuse",
+        "clients call np.random.seed(0) in train: the server's noise repeats each round",
+    ),
+    (
+        "adaptive_shrinking",
+        "misuse",
+        "adaptive clipping whose C falls: Flower noises at C_(t+1) < C_t",
+    ),
+    (
+        "client_side_without_mod",
+        "misuse",
+        "Message API client-side fixed clipping, fixedclipping_mod left out",
+    ),
+    (
+        "claims_flower_epsilon",
+        "misuse",
+        "the claim states the ε of Flower's accountant (σ per round, no displacement)",
+    ),
+    (
+        "local_dp_sensitivity",
+        "misuse",
+        "LocalDpMod given sensitivity = C and ε = 4 (classic calibration off its range)",
+    ),
+]
+
+#: (misuse, reason no audit of the release can see it)
+UNDETECTABLE = [
+    (
+        "the clipped-count noise of adaptive clipping set below Flower's σ_b",
+        "the noised count stays in the server's state; only the next clip is released, and one "
+        "scalar per round is too little to test a noise scale",
+    ),
+    (
+        "a client that reports a false num_examples to raise its weight",
+        "the canaries see the weight their own reports get; a real client's inflated report "
+        "weighs the real data, which the block does not carry (the white-box weights show it)",
+    ),
+    (
+        "noise drawn from a generator an adversary can seed (e.g. a fixed np.random.seed at start)",
+        "one fresh-looking Gaussian draw per round is what the release shows either way; only "
+        "a seed that repeats within the run shows (the seeded_clients case)",
+    ),
+]
+
+K, M, ROUNDS, DIM = 10, 16, 20, 8
+
+
+def _data(sizes, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=DIM)
+    out = []
+    for n in sizes:
+        x = rng.normal(size=(n, DIM))
+        y = (x @ w + 0.5 * rng.normal(size=n) > 0).astype(np.float64)
+        out.append((x, y))
+    return out
+
+
+def _sgd(arrays, x, y, seed_each=False):
+    if seed_each:
+        np.random.seed(0)  # the misuse: resets the process's global generator
+    w, b = arrays[0].astype(np.float64).copy(), arrays[1].astype(np.float64).copy()
+    for _ in range(2):
+        p = 1 / (1 + np.exp(-(x @ w + b[0])))
+        w -= 0.5 * x.T @ (p - y) / len(y)
+        b -= 0.5 * np.mean(p - y)
+    return [w, b]
+
+
+def _legacy_client_fn(data, seed_each=False):
+    from flwr.client import NumPyClient
+
+    class C(NumPyClient):
+        def __init__(self, i):
+            self.i = i
+
+        def fit(self, parameters, config):
+            x, y = data[self.i]
+            return _sgd(parameters, x, y, seed_each), len(y), {}
+
+    return lambda ctx: C(int(ctx.node_config["partition-id"])).to_client()
+
+
+def _message_train(data, seed_each=False):
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+    def train(msg, ctx):
+        x, y = data[int(ctx.node_config["partition-id"])]
+        (akey,) = list(msg.content.array_records)
+        new = _sgd(msg.content[akey].to_numpy_ndarrays(), x, y, seed_each)
+        rec = ArrayRecord({k: Array(v) for k, v in zip(msg.content[akey].keys(), new, strict=True)})
+        return Message(
+            RecordDict({"arrays": rec, "metrics": MetricRecord({"num-examples": len(y)})}),
+            reply_to=msg,
+        )
+
+    return train
+
+
+def claim_for(sigma, rounds, m=6, clip=None, total=K, delta=1e-5, eps=None) -> dict:
+    """A client-level claim of a fixed cohort of m; its ε is the one check_claim recomputes
+    for it (an honest claim) unless ``eps`` is given."""
+    from audit.claims.check import check_claim
+
+    c = {
+        "level": "client",
+        "noise_multiplier": sigma,
+        "sampling": "fixed_batch",
+        "rounds": rounds,
+        "clients_per_round": m,
+        "total_clients": total,
+        "claimed_epsilon": 1.0,
+        "delta": delta,
+        "noise_source": "csprng",
+    }
+    if clip is not None:
+        c["clipping_norm"] = clip
+    c["claimed_epsilon"] = eps if eps is not None else float(check_claim(c)["epsilon_pld"])
+    return c
+
+
+def build(mode: str, quick: bool = False, seed: int = 0) -> dict:
+    """The strategy, the clients and the claim of one case (keyword arguments of
+    :func:`audit.libraries.flower.audit_flower`)."""
+    import flwr.client.mod as lmod
+    import flwr.clientapp.mod as mmod
+    import flwr.server.strategy as ls
+    import flwr.serverapp.strategy as ms
+
+    rounds = 10 if quick else ROUNDS
+    m, pool = 6, K + M
+    sigma, clip = 1.0, 0.5
+    sizes = (
+        [200] * K
+        if mode != "legacy_unequal_weights"
+        else [20, 30, 40, 50, 60, 80, 100, 150, 250, 400]
+    )
+    data = _data(sizes, seed)
+    legacy = mode.startswith("legacy") or mode in (
+        "sigma_halved",
+        "seeded_clients",
+        "adaptive_shrinking",
+    )
+    seed_each = mode == "seeded_clients"
+    frac = m / pool
+    if legacy:
+        inner = ls.FedAvg(
+            fraction_fit=frac, min_fit_clients=m, min_available_clients=m, fraction_evaluate=0.0
+        )
+    else:
+        inner = ms.FedAvg(
+            fraction_train=frac, min_train_nodes=m, min_available_nodes=m, fraction_evaluate=0.0
+        )
+    lib = ls if legacy else ms
+    mods: list = []
+    claim = claim_for(sigma, rounds, m, clip)
+    if mode in ("legacy_server_fixed", "legacy_unequal_weights", "seeded_clients"):
+        strategy = lib.DifferentialPrivacyServerSideFixedClipping(inner, sigma, clip, m)
+    elif mode == "sigma_halved":
+        strategy = lib.DifferentialPrivacyServerSideFixedClipping(inner, sigma / 2, clip, m)
+    elif mode in ("legacy_client_fixed", "message_client_fixed", "client_side_without_mod"):
+        strategy = lib.DifferentialPrivacyClientSideFixedClipping(inner, sigma, clip, m)
+        if mode != "client_side_without_mod":
+            mods = [lmod.fixedclipping_mod if legacy else mmod.fixedclipping_mod]
+    elif mode in ("message_server_fixed", "claims_flower_epsilon"):
+        from flwr.supercore.privacy_accounting import (
+            NeighboringRelation,
+            PrivacyConfig,
+            SamplingMethod,
+        )
+        from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+
+        acc = RdpAccountant(
+            PrivacyConfig(
+                target_delta=1e-5,
+                population_size=pool,
+                neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                sampling_method=SamplingMethod.NO_AMPLIFICATION,
+            )
+        )
+        strategy = ms.DifferentialPrivacyServerSideFixedClipping(
+            inner, sigma, clip, m, accountant=acc
+        )
+        if mode == "claims_flower_epsilon":  # what Flower's accountant will say after the run
+            from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
+
+            probe = RdpAccountant(acc.config)
+            probe.compose(GaussianPrivacyEvent(sigma, m, pool), rounds)
+            claim = claim_for(sigma, rounds, m, clip, eps=probe.get_epsilon(1e-5))
+    elif mode in ("legacy_server_adaptive", "adaptive_shrinking", "message_client_adaptive"):
+        # rising: C starts above the updates' norms and the target quantile is high (few
+        # clipped, C grows every round); shrinking: C far below the norms (all clipped)
+        rising = mode != "adaptive_shrinking"
+        cls = (
+            lib.DifferentialPrivacyClientSideAdaptiveClipping
+            if mode == "message_client_adaptive"
+            else lib.DifferentialPrivacyServerSideAdaptiveClipping
+        )
+        strategy = cls(
+            inner,
+            sigma,
+            m,
+            initial_clipping_norm=20.0 if rising else 0.05,
+            target_clipped_quantile=0.9 if rising else 0.5,
+            clipped_count_stddev=1.0,
+        )
+        if mode == "message_client_adaptive":
+            mods = [mmod.adaptiveclipping_mod]
+        claim = claim_for(sigma, rounds, m)
+    elif mode in ("message_local_dp", "local_dp_sensitivity"):
+        strategy = inner
+        if mode == "message_local_dp":
+            mod = mmod.LocalDpMod(clipping_norm=1.0, sensitivity=2.0, epsilon=1.0, delta=1e-5)
+        else:
+            mod = mmod.LocalDpMod(clipping_norm=1.0, sensitivity=1.0, epsilon=4.0, delta=1e-5)
+        mods = [mod]
+        std = mod.sensitivity * np.sqrt(2 * np.log(1.25 / mod.delta)) / mod.epsilon
+        claim = claim_for(std / mod.clipping_norm, 1, m, eps=mod.epsilon)
+    else:
+        raise ValueError(f"unknown case {mode!r}; known: {[c[0] for c in CASES]}")
+    kw = (
+        {"client_fn": _legacy_client_fn(data, seed_each)}
+        if legacy
+        else {"train": _message_train(data, seed_each)}
+    )
+    return {
+        "strategy": strategy,
+        "mods": mods,
+        "num_clients": K,
+        "initial_arrays": [np.zeros(DIM), np.zeros(1)],
+        "rounds": rounds,
+        "claim": claim,
+        **kw,
+    }
+
+
+def run_case(mode: str, seed: int = 0, quick: bool = False, permutations: int = 999) -> dict:
+    """One case: the audit's dict plus ``case``, ``wall_s``, ``version``."""
+    import flwr
+
+    from audit.libraries.flower import FlowerCanaries, audit_flower
+
+    t0 = time.time()
+    kw = build(mode, quick=quick, seed=seed)
+    res = audit_flower(
+        **kw,
+        canaries=FlowerCanaries(m=M, seed=seed),
+        seed=seed,
+        permutations=permutations,
+    )
+    return {**res, "case": mode, "wall_s": time.time() - t0, "version": flwr.__version__}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    quick = "--quick" in argv
+    for mode, kind, _what in CASES:
+        r = run_case(mode, quick=quick)
+        ratio = r["conformance"]["tests"][0].get("observed_over_claimed")
+        print(
+            f"{mode:26s} {kind:8s} {r['verdict']:4s} ε claim {r['claimed_epsilon']:.3g} "
+            f"recomputed {r['recomputed_epsilon']:.3g} lb {r['epsilon_lower_bound']} "
+            f"noise obs/claimed {ratio:.3f} findings {[f['code'] for f in r['findings']]} "
+            f"{r['wall_s']:.1f}s",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

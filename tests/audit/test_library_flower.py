@@ -1,0 +1,181 @@
+"""audit.libraries.flower: canary clients that travel Flower's own DP path (#43).
+
+Each training is logistic regression (numpy) on synthetic data, 10 clients + 16 canary
+clients, cohorts of 6, in this process (no Ray): well under a second each."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+pytest.importorskip("dp_accounting")
+
+from audit.bounds.hypothesis import gdp_epsilon  # noqa: E402
+from audit.libraries.flower import FlowerCanaries, FlowerRun, audit_flower  # noqa: E402
+from audit.libraries.flower_audit import worst_weight  # noqa: E402
+from benchmarks.auditing.libraries_flower import CASES, M, build, run_case  # noqa: E402
+
+
+def _codes(res: dict) -> set[str]:
+    return {f["code"] for f in res["findings"]}
+
+
+def _scale(res: dict) -> dict:
+    return next(t for t in res["conformance"]["tests"] if t["test"] == "scale")
+
+
+@pytest.mark.parametrize(
+    "mode", ["legacy_server_fixed", "message_server_fixed", "message_client_fixed"]
+)
+def test_correct_fixed_clipping_passes_on_both_apis(mode):
+    res = run_case(mode, quick=True, permutations=199)
+    assert res["verdict"] == "pass" and res["exit_code"] == 0, res["findings"]
+    assert res["library"] == "flower" and res["mode"].endswith(mode.split("_", 1)[1])
+    run = res["run"]
+    assert run["clients_per_round"] == 6 and run["cohort_sizes"] == [6]
+    assert run["nodes"] == 10 + M and run["sampling"] == "fixed_batch"
+    # a fixed cohort of 6 under add/remove: 10 plain Gaussians at σ/2, μ = 2·√10/σ
+    assert res["recomputed_epsilon"] == pytest.approx(gdp_epsilon(2 * math.sqrt(10), 1e-5))
+    assert 0.8 < _scale(res)["observed_over_claimed"] < 1.25
+    # an included canary adds C/m per draw: the aggregation weighed it 1/m
+    ci = res["canary_contribution"]["ci95"]
+    assert ci[0] < 1 < ci[1]
+    assert res["canary_contribution"]["weights_applied"] == pytest.approx([1.0, 1.0])
+
+
+def test_message_api_accountant_is_reported_beside_the_recomputed_epsilon():
+    res = run_case("message_server_fixed", quick=True, permutations=199)
+    # Flower's RDP accountant composes 10 Gaussians at σ (no-amplification, add/remove);
+    # a fixed cohort lets an added client displace another: σ/2 per round, larger ε
+    mu_flower = math.sqrt(10) / 1.0
+    assert res["accountant_epsilon"] >= gdp_epsilon(mu_flower, 1e-5)
+    assert res["accountant_epsilon"] < res["recomputed_epsilon"]
+    assert "no-amplification" in res["accountant_note"]
+    claimed = run_case("claims_flower_epsilon", quick=True, permutations=199)
+    assert claimed["claimed_epsilon"] == pytest.approx(res["accountant_epsilon"])
+    assert "epsilon_understated" in _codes(claimed) and claimed["exit_code"] == 1
+
+
+def test_unequal_client_sizes_are_flagged_with_the_largest_clients_epsilon():
+    res = run_case("legacy_unequal_weights", quick=True, permutations=199)
+    assert res["verdict"] == "fail" and res["exit_code"] == 1
+    assert {"unequal_weights", "epsilon_understated"} <= _codes(res)
+    # sizes 20…400, m = 6: the 400-client with the five smallest weighs 6·400/600 = 4 × 1/m
+    assert res["run"]["weight_worst_case"] == pytest.approx(4.0)
+    assert res["recomputed_epsilon"] == pytest.approx(gdp_epsilon(2 * 4 * math.sqrt(10), 1e-5))
+    assert res["recomputed_epsilon"] > 5 * res["claimed_epsilon"]
+    # the weights the aggregation applied to the canaries (they report the largest size)
+    assert res["canary_contribution"]["weights_applied"][1] > 1.2
+
+
+def test_worst_weight_closed_form():
+    assert worst_weight([5, 5, 5, 5], 3) == pytest.approx(1.0)
+    assert worst_weight([1, 2, 3, 10], 2) == pytest.approx(2 * 10 / 11)
+    assert worst_weight([1, 2, 3, 10], 4) == pytest.approx(4 * 10 / 16)
+
+
+def test_sigma_halved_after_the_claim_is_flagged_from_the_data():
+    res = run_case("sigma_halved", quick=True, permutations=199)
+    assert res["exit_code"] == 1
+    assert {"noise_multiplier_mismatch", "epsilon_understated", "conformance_rejected"} <= _codes(
+        res
+    )
+    scale = _scale(res)
+    assert scale["rejected"] and 0.4 < scale["observed_over_claimed"] < 0.6
+    assert res["noise_factor"] < 0.7
+
+
+def test_noise_repeated_by_seeded_clients_is_caught_by_the_freshness_test():
+    res = run_case("seeded_clients", quick=True, permutations=199)
+    assert res["exit_code"] == 1
+    assert "canary:fresh" in res["conformance_rejected"]
+
+
+def test_adaptive_clipping_records_the_clip_per_round():
+    ok = run_case("legacy_server_adaptive", quick=True, permutations=199)
+    assert ok["verdict"] == "pass", ok["findings"]
+    clips, noise = np.array(ok["run"]["clipping_norm"]), np.array(ok["run"]["noise_clipping_norm"])
+    assert len(clips) == 10 and (np.diff(clips) > 0).all()  # C rising
+    assert np.allclose(noise[:-1], clips[1:])  # the noise used the next round's clip
+    assert any("clipped-count" in u for u in ok["untested"])
+    bad = run_case("adaptive_shrinking", quick=True, permutations=199)
+    assert "noise_at_next_clip" in _codes(bad) and bad["exit_code"] == 1
+
+
+def test_local_dp_mod_checked_against_its_own_epsilon():
+    ok = run_case("message_local_dp", quick=True, permutations=199)
+    assert ok["verdict"] == "pass", ok["findings"]
+    std = 2.0 * math.sqrt(2 * math.log(1.25e5))  # sensitivity 2, ε = 1
+    assert ok["run"]["noise_std"] == pytest.approx(std)
+    assert ok["recomputed_epsilon"] == pytest.approx(gdp_epsilon(2 / std, 1e-5))
+    bad = run_case("local_dp_sensitivity", quick=True, permutations=199)
+    assert "epsilon_understated" in _codes(bad)
+    assert bad["recomputed_epsilon"] > 1.5 * bad["claimed_epsilon"]
+
+
+def test_client_side_wrapper_without_its_mod_is_named_from_the_data():
+    res = run_case("client_side_without_mod", quick=True, permutations=199)
+    assert "canary_not_clipped" in _codes(res)
+    assert "fixedclipping_mod" in next(
+        f["message"] for f in res["findings"] if f["code"] == "canary_not_clipped"
+    )
+
+
+def test_cases_are_listed_once():
+    names = [c[0] for c in CASES]
+    assert len(names) == len(set(names))
+    assert {k for _, k, _ in CASES} == {"correct", "misuse"}
+
+
+# --- misuse of the call: clear errors
+
+
+def _kw(mode="legacy_server_fixed"):
+    return build(mode, quick=True)
+
+
+def test_a_strategy_without_dp_is_refused():
+    import flwr.server.strategy as ls
+
+    kw = _kw()
+    kw["strategy"] = ls.FedAvg()
+    with pytest.raises(ValueError, match="not a Flower DP wrapper"):
+        audit_flower(**kw)
+
+
+def test_wrong_client_kind_and_bad_arguments_are_refused():
+    kw = _kw()
+    claim = kw.pop("claim")
+    train = build("message_server_fixed", quick=True)["train"]
+    with pytest.raises(ValueError, match="needs client_fn, not train"):
+        FlowerRun(**{**kw, "client_fn": None, "train": train})
+    with pytest.raises(ValueError, match="rounds must be an int >= 2"):
+        FlowerRun(**{**kw, "rounds": 1})
+    with pytest.raises(ValueError, match="floating point"):
+        FlowerRun(**{**kw, "initial_arrays": [np.zeros(3, dtype=int)]})
+    with pytest.raises(ValueError, match="FlowerCanaries.m"):
+        FlowerCanaries(m=1)
+    with pytest.raises(RuntimeError, match="call run"):
+        FlowerRun(**kw).audit(claim)
+    with pytest.raises(ValueError, match="level 'client'"):
+        audit_flower(
+            **kw,
+            claim={**claim, "level": "sample", "steps_per_round": 1, "sample_rate": 0.1},
+        )
+
+
+def test_attach_flower_on_a_legacy_strategy_names_the_library_audit(tmp_path):
+    import flwr.server.strategy as ls
+
+    from audit.canaries import canary_set as CS
+    from audit.canaries.client_hook import ClientCanaryHook
+    from fl.errors import UsageError
+
+    out = CS.new_canary_set("client", 4, tmp_path / "set", clip=0.5, dim=10)
+    hook = ClientCanaryHook.load(out)
+    dp = ls.DifferentialPrivacyServerSideFixedClipping(ls.FedAvg(), 1.0, 0.5, 3)
+    with pytest.raises(UsageError, match="audit.libraries.flower"):
+        hook.attach_flower(dp)
