@@ -78,6 +78,9 @@ class Code(StrEnum):
     #: a conformance test rejects the claimed mechanism: the noise at some group is below
     #: the claimed N(0, σ²C²), not fresh, or a canary added more than C
     MECHANISM_MISMATCH = "mechanism_mismatch"
+    #: a conformance test rejects at the warning level (Holm α = 0.05) but not at the
+    #: verdict's (0.001): weak evidence, reported, the verdict unchanged
+    CONFORMANCE_WEAK = "conformance_weak"
     # --- tampering: the run's files contradict each other or the replay
     #: σ = 0: no privacy
     NOISE_NOT_APPLIED = "noise_not_applied"
@@ -153,6 +156,7 @@ _SEVERITY = {
     Code.MANIFEST_UNSEALED: Severity.WARNING,
     Code.EPSILON_OVERSTATED: Severity.WARNING,
     Code.OPACUS_SAMPLE_RATE: Severity.WARNING,
+    Code.CONFORMANCE_WEAK: Severity.WARNING,
 }
 
 #: the codes that mean tampering, as strings too (``"replay_mismatch" in TAMPER_CODES``)

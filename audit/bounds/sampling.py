@@ -28,12 +28,28 @@ statistic
 
     B = Σ_j Σ_{φ < L} (Σ_e (u_{eL+φ,j} − ū_j))²    (the series folded by phase)
 
-is large under it. Each is compared with its distribution under independent random
-permutations of each series' steps (Monte Carlo, P permutations; p_A = (1 + #{A_perm ≤ A}) /
-(1 + P), p_B = (1 + #{B_perm ≥ B}) / (1 + P)), and the two are joined by Bonferroni
-(p = min(1, 2·min(p_A, p_B))). The test is exact: under the null the observed series is one
-more draw from the permutation distribution, so P(p ≤ α) ≤ α for any σ, q, number of
-canaries and data.
+is large under it. A trainer's epoch is ceil(n/B) batches, not always round(1/q) (B =
+round(q·n)): each statistic is computed at L = ⌊1/q⌋, ⌊1/q⌋ + 1 and ⌊1/q⌋ + 2 (per local
+training; clipped to [2, T]), six statistics in all. Each is standardised by the mean and
+spread of its values over a pilot of 200 random permutations (independent permutations of
+each series' steps), and the test statistic is the largest of −z_A and z_B over the
+windows: one statistic, so the scan over windows costs no multiplicity correction (the
+permutation distribution of the maximum accounts for it). The pilot does not break
+exactness: a uniformly permuted copy of the data is a uniform draw from the data's orbit
+whatever the observed order, so the standardisation is independent of the observed
+statistic's rank among the permuted ones.
+
+**The p-value.** Sequential Monte Carlo (Besag & Clifford, 1991): permutations are drawn
+in growing chunks until the h-th exceedance (a permuted maximum at least the observed one;
+h = ``stop_after``, 20) at permutation L, p = h / L; when fewer than h exceedances occur in
+the P permutations (``permutations``, at most 19 999), p = (1 + g)/(1 + P), g the
+exceedances. Both are valid p-values (P(p ≤ α) ≤ α under the null). Under the null the
+test stops after about h·(1 + ln(P/h)) permutations on average (a few hundred); a schedule
+that is not Poisson runs all P and reaches p = 1/(1 + P) = 5·10⁻⁵, below the threshold
+the conformance family's Holm step needs at α = 0.001 (10⁻⁴ with ten tests,
+:mod:`audit.bounds.conformance`). ``stop_after=None`` runs all P (a fixed Monte Carlo test).
+The test is exact: under the null the observed series is one more draw from the permutation
+distribution, so P(p ≤ α) ≤ α for any σ, q, number of canaries and data.
 
 Power grows with the number of canaries M, the steps T and q: roughly z ≈ sqrt(M·T)·q^{3/2}/σ²;
 at q = 0.01 a record is drawn about T·q times in all, and how it was drawn barely shows.
@@ -53,11 +69,14 @@ __all__ = ["SamplingTest", "sampling_test"]
 
 @dataclass(frozen=True)
 class SamplingTest:
-    """The permutation test's outcome over every local training: the two statistics (each
-    standardised by its permutations' spread: ``z_window`` negative and ``z_phase`` positive
-    under a shuffled or cycled schedule), their p-values and the joint one, the window
-    (steps), and the count dispersion (observed variance of the per-canary sums minus the
-    noise's, over Binomial's Tq(1−q): about 1 under Poisson sampling)."""
+    """The permutation test's outcome over every local training: the window statistic's
+    smallest z and the phase statistic's largest over the windows tried (each standardised
+    by the pilot permutations: ``z_window`` negative and ``z_phase`` positive under a
+    shuffled or cycled schedule), their Monte Carlo p-values over the permutations drawn
+    (descriptive), the test's p-value (``p_value``, the maximum statistic's, exact), the
+    permutations drawn, the window (steps) of the largest z, and the count dispersion
+    (observed variance of the per-canary sums minus the noise's, over Binomial's Tq(1−q):
+    about 1 under Poisson sampling)."""
 
     z_window: float
     z_phase: float
@@ -69,6 +88,9 @@ class SamplingTest:
     steps: int
     window: int
     count_dispersion: float | None
+    max_permutations: int = 0
+    stop_after: int | None = None
+    statistics: int = 2
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -101,22 +123,37 @@ def _phase_stat(x: np.ndarray, L: int) -> np.ndarray:
     return np.einsum("...pm,...pm->...", f, f)
 
 
+#: window offsets tried: L = ⌊1/q⌋ + k (module doc)
+OFFSETS = (0, 1, 2)
+#: permutations that standardise the statistics (module doc)
+PILOT = 200
+
+
+def _windows(q: float, T: int) -> list[int]:
+    base = int(math.floor(1 / q + 1e-9))
+    return [max(2, min(T, base + k)) for k in OFFSETS]
+
+
 def sampling_test(
     blocks: list[tuple[np.ndarray, float, float]],
-    permutations: int = 999,
+    permutations: int = 19_999,
     seed: int | None = None,
+    stop_after: int | None = 20,
 ) -> SamplingTest:
     """The permutation test over ``blocks`` of (u (T, M) in units of C, σ, q): one per local
-    training. The permutations come from a generator seeded with ``seed`` (None: the OS's
-    entropy); the p-value is exact for any seed."""
+    training. ``permutations``: at most this many; ``stop_after``: the exceedances after
+    which the test stops (sequential Monte Carlo; None: all ``permutations``). The
+    permutations come from a generator seeded with ``seed`` (None: the OS's entropy); the
+    p-value is exact for any seed (module doc)."""
     if permutations < 19:
         raise ValueError(f"permutations must be at least 19, got {permutations}")
+    if stop_after is not None and stop_after < 1:
+        raise ValueError(f"stop_after must be >= 1 or None, got {stop_after}")
     rng = np.random.default_rng(seed)
-    obs_w = obs_p = 0.0
-    perm_w = np.zeros(permutations)
-    perm_p = np.zeros(permutations)
+    S = 2 * len(OFFSETS)  # (window, phase) per offset
+    obs = np.zeros(S)
+    data = []  # (x centred, windows)
     canaries = steps = 0
-    window = 0
     disp_num = disp_den = 0.0
     for u, sigma, q in blocks:
         u = np.asarray(u, dtype=np.float64)
@@ -129,42 +166,69 @@ def sampling_test(
         T, M = u.shape
         if T < 2 or M == 0:
             continue
-        L = max(2, min(T, int(round(1 / q))))
+        Ls = _windows(q, T)
         x = u - u.mean(axis=0, keepdims=True)
-        obs_w += float(_window_stat(x, L))
-        obs_p += float(_phase_stat(x, L))
-        # independent permutations of each series' steps, in chunks to bound memory
-        chunk = max(1, int(2e7 // max(1, T * M)))
-        for s in range(0, permutations, chunk):
-            n = min(chunk, permutations - s)
-            idx = np.argsort(rng.random((n, T, M)), axis=1)
-            xp = np.take_along_axis(np.broadcast_to(x, (n, T, M)), idx, axis=1)
-            perm_w[s : s + n] += _window_stat(xp, L)
-            perm_p[s : s + n] += _phase_stat(xp, L)
+        for k, L in enumerate(Ls):
+            obs[2 * k] += float(_window_stat(x, L))
+            obs[2 * k + 1] += float(_phase_stat(x, L))
+        data.append((x, Ls))
         canaries += M
         steps = max(steps, T)
-        window = max(window, L)
         # per-canary sums: Var = Var(count) + Tσ² under the null; Binomial gives Tq(1−q)
         sums = u.sum(axis=0)
         disp_num += float(np.var(sums, ddof=1) - T * sigma**2) * M if M > 1 else 0.0
         disp_den += T * q * (1 - q) * M
     if canaries == 0:
         raise ValueError("no sampler-canary observations with at least two steps")
-    p_w = (1 + int(np.sum(perm_w <= obs_w))) / (1 + permutations)
-    p_p = (1 + int(np.sum(perm_p >= obs_p))) / (1 + permutations)
+    sign = np.array([-1.0 if k % 2 == 0 else 1.0 for k in range(S)])  # window: small
+    cap = max(1, int(2e7 // max(1, max(x.size for x, _ in data))))
 
-    def z(obs: float, perm: np.ndarray) -> float:
-        return (obs - float(np.mean(perm))) / (float(np.std(perm)) or 1.0)
+    def draw(n: int) -> np.ndarray:
+        st = np.zeros((n, S))
+        for x, Ls in data:
+            # independent permutations of each series' steps
+            xp = rng.permuted(np.broadcast_to(x, (n, *x.shape)), axis=1)
+            for k, L in enumerate(Ls):
+                st[:, 2 * k] += _window_stat(xp, L)
+                st[:, 2 * k + 1] += _phase_stat(xp, L)
+        return st
 
+    pilot = np.concatenate([draw(min(cap, PILOT - i)) for i in range(0, PILOT, cap)])
+    mean, sd = pilot.mean(axis=0), pilot.std(axis=0)
+    sd = np.where(sd > 0, sd, 1.0)
+    z_obs = sign * (obs - mean) / sd
+    t_obs = float(z_obs.max())
+    exceed = g_w = g_p = 0
+    stop_at = 0
+    done, chunk = 0, min(cap, 64)
+    while done < permutations:
+        n = min(chunk, permutations - done)
+        z = sign * (draw(n) - mean) / sd
+        t = z.max(axis=1)
+        ext = t >= t_obs
+        if stop_after is not None and exceed + int(ext.sum()) >= stop_after:
+            stop_at = done + int(np.flatnonzero(np.cumsum(ext) + exceed >= stop_after)[0]) + 1
+        exceed += int(ext.sum())
+        g_w += int(np.sum(z[:, 0::2].max(axis=1) >= z_obs[0::2].max()))
+        g_p += int(np.sum(z[:, 1::2].max(axis=1) >= z_obs[1::2].max()))
+        done += n
+        if stop_at:
+            break
+        chunk = min(cap, 2 * chunk)
+    p_value = stop_after / stop_at if stop_at else (1 + exceed) / (1 + done)
+    best = int(np.argmax(z_obs))
     return SamplingTest(
-        z_window=z(obs_w, perm_w),
-        z_phase=z(obs_p, perm_p),
-        p_window=p_w,
-        p_phase=p_p,
-        p_value=min(1.0, 2 * min(p_w, p_p)),
-        permutations=permutations,
+        z_window=float(-z_obs[0::2].max()),
+        z_phase=float(z_obs[1::2].max()),
+        p_window=(1 + g_w) / (1 + done),
+        p_phase=(1 + g_p) / (1 + done),
+        p_value=float(min(1.0, p_value)),
+        permutations=done,
         canaries=canaries,
         steps=steps,
-        window=window,
+        window=int(data[0][1][best // 2]),
         count_dispersion=disp_num / disp_den if disp_den > 0 and math.isfinite(disp_num) else None,
+        max_permutations=permutations,
+        stop_after=stop_after,
+        statistics=S,
     )

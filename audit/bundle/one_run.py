@@ -163,7 +163,7 @@ def one_run_audit(
         from audit.bundle.client_conformance import run_client_conformance
 
         # the mechanism itself: the privatized sums on the canaries' directions
-        cc_res["conformance"] = run_client_conformance(run, m, alpha, cc_delta, findings)
+        cc_res["conformance"] = run_client_conformance(run, m, cc_delta, findings)
         cc_res["implied_epsilon"] = cc_res["conformance"]["implied_epsilon"]
         check = cc_res.get("claim_check")
         if check and check["exceeds"]:
@@ -211,7 +211,7 @@ def one_run_audit(
         res["score"] = GC.STATISTICS[GC.DEFAULT_STATISTIC]
         res["observations"] = seen
         # the mechanism itself, tested from the same observations (audit.bounds.conformance)
-        res["conformance"] = run_conformance(run, m, canaries, alpha, delta, findings)
+        res["conformance"] = run_conformance(run, m, canaries, delta, findings)
         res["implied_epsilon"] = res["conformance"]["implied_epsilon"]
     else:
         res["score"] = "-loss (nats) under the released adapter"
@@ -219,7 +219,7 @@ def one_run_audit(
         from fl.privacy import sampler_canaries as SC
 
         if SC.read_observations(run):  # sampler canaries beside input canaries: the sampling
-            res["conformance"] = run_conformance(run, m, None, alpha, delta, findings)
+            res["conformance"] = run_conformance(run, m, None, delta, findings)
     res["n_included"] = int(included.sum())
     res["fdp"] = fdp_summary(scores, included, delta, alpha)
     eps_claim = out.get("epsilon_pld")

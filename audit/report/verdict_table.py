@@ -109,10 +109,11 @@ def run_conformance(r: dict) -> dict | None:
     return c if isinstance(c, dict) and c.get("tests") is not None else None
 
 
-def rejected_text(c: dict) -> str | None:
-    """The first rejected test in words: ``head scale: noise 0.11× claimed [0.10, 0.12]``."""
+def rejected_text(c: dict, key: str = "rejected") -> str | None:
+    """The first rejected test in words: ``head scale: noise 0.11× claimed [0.10, 0.12]``
+    (``key="weak"``: the first test rejected only at the warning level)."""
     for t in c.get("tests") or []:
-        if not t.get("rejected"):
+        if not t.get(key):
             continue
         what = f"{t['group']} {t['test']}"
         if t.get("observed_over_claimed") is not None and t["test"] in ("scale", "fresh"):
@@ -132,7 +133,11 @@ def conformance_cell(c: dict | None) -> str:
         return "–"
     if c.get("passed"):
         n = len(c.get("tests") or [])
-        return f"pass ({n} tests, Holm α = {c.get('alpha', 0.05):g})"
+        cell = f"pass ({n} tests, Holm α = {c.get('alpha', 0.05):g})"
+        weak = rejected_text(c, "weak")
+        if weak:
+            cell += f"; weak evidence at α = {c.get('warn_alpha'):g}: {weak}"
+        return cell
     more = len(c.get("rejected") or []) - 1
     return (rejected_text(c) or "rejected") + (f" (+{more} more)" if more > 0 else "")
 

@@ -212,7 +212,7 @@ def test_file_without_projections_is_not_tested_and_says_so(runs, tmp_path):
     d, m, _ = runs["correct"]
     d2 = _edited(d, tmp_path, proj_rounds=None)
     f = Findings()
-    out = run_client_conformance(d2, m, 0.05, 1e-5, f)
+    out = run_client_conformance(d2, m, 1e-5, f)
     assert out["tested"] is False and out["implied_epsilon"] is None
     assert "proj_rounds" in out["note"] and len(f) == 0
 

@@ -60,7 +60,7 @@ def test_half_the_noise_is_a_mismatch_in_every_group(audits):
     assert 0.5 <= c["implied_factor"] < 0.6
     assert res["one_run"]["implied_epsilon"] > 2 * res["epsilon_pld"]
     msg = _mismatch(res)[0]["message"]
-    assert "observed/claimed noise" in msg and "p = " in msg
+    assert "observed/claimed noise" in msg and ("p = " in msg or "p < 1e-300" in msg)
 
 
 def test_an_unnoised_head_is_named(audits):

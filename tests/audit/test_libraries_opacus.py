@@ -44,12 +44,12 @@ def test_correct_flat_poisson_run_passes():
 def test_shuffled_batches_accounted_as_poisson_are_flagged_from_the_data():
     # σ = 0.5, q = 1/11, about 64 included canaries, 150 steps: the release test's
     # z ≈ sqrt(M·T)·q^1.5/σ² ≈ 11
-    res = train_and_audit("flat_shuffle_as_poisson", steps=150, sigma=0.5, permutations=999)
+    res = train_and_audit("flat_shuffle_as_poisson", steps=150, sigma=0.5, permutations=19_999)
     assert res["verdict"] == "fail" and res["exit_code"] == 1
     codes = {f["code"] for f in res["findings"]}
     assert {"sampling_mismatch", "epsilon_understated"} <= codes
     # detected from the release alone (the noisy canary block), not only from the loader type;
-    # 999 permutations: the smallest p is 2/1000, below Holm's α/6 for the six tests
+    # 19 999 permutations: the smallest p is 1/20 000, below Holm's 0.001/6 for the six tests
     rej = _rejected(res)
     assert "sampling:release:exchangeable" in rej
     assert "sampling:sampler:exchangeable" in rej

@@ -29,24 +29,55 @@ def _series(rng, T, M, q, sigma, kind):
 
 
 def test_p_values_are_uniform_under_iid_steps():
-    """200 null runs (Poisson coins, Gaussian noise, σ and q varied): the p-values are
-    uniform (Kolmogorov–Smirnov) and the rejection rate at 0.1 is at most 0.1 + 3 SE."""
+    """200 null runs (Poisson coins, Gaussian noise, σ and q varied), a fixed Monte Carlo
+    of 99 permutations: the p-values are uniform (Kolmogorov–Smirnov) and the rejection
+    rate at 0.1 is at most 0.1 + 3 SE."""
     rng = np.random.default_rng(0)
     ps = []
     for i in range(200):
         q, sigma = (0.25, 1.0) if i % 2 else (0.1, 2.5)
         u = _series(rng, 20, 40, q, sigma, "poisson")
-        ps.append(sampling_test([(u, sigma, q)], permutations=99, seed=i).p_window)
+        ps.append(sampling_test([(u, sigma, q)], permutations=99, seed=i, stop_after=None).p_value)
     assert stats.kstest(ps, "uniform").pvalue > 0.01
     assert np.mean(np.array(ps) <= 0.1) <= 0.1 + 3 * np.sqrt(0.09 / 200)
+
+
+def test_sequential_p_values_are_valid_and_stop_early():
+    """Besag–Clifford's sequential p (h = 20 exceedances): over 300 null runs P(p ≤ a) ≤ a
+    + 3 SE at a = 0.05, 0.2, 0.5, and the test stops after a few hundred permutations on
+    average (the maximum is 19 999)."""
+    rng = np.random.default_rng(5)
+    ps, used = [], []
+    for i in range(300):
+        q, sigma = (0.25, 1.0) if i % 2 else (0.1, 2.5)
+        res = sampling_test([(_series(rng, 20, 30, q, sigma, "poisson"), sigma, q)], seed=i)
+        ps.append(res.p_value)
+        used.append(res.permutations)
+    ps = np.array(ps)
+    for a in (0.05, 0.2, 0.5):
+        assert np.mean(ps <= a) <= a + 3 * np.sqrt(a * (1 - a) / 300)
+    assert np.mean(used) < 2000 and max(used) <= 19_999
 
 
 @pytest.mark.parametrize("kind, which", [("cycled", "p_phase"), ("reshuffled", "p_window")])
 def test_non_poisson_schedules_are_rejected(kind, which):
     rng = np.random.default_rng(1)
-    res = sampling_test([(_series(rng, 80, 1500, 0.25, 1.0, kind), 1.0, 0.25)], 199, seed=1)
-    assert getattr(res, which) <= 0.01 and res.p_value <= 0.02
+    res = sampling_test([(_series(rng, 80, 1500, 0.25, 1.0, kind), 1.0, 0.25)], 1999, seed=1)
+    # no permutation reaches the observed statistic: p at the Monte Carlo's floor
+    assert getattr(res, which) == res.p_value == 1 / 2000
+    assert res.permutations == 1999
     assert res.count_dispersion < 0.5  # Binomial's dispersion is 1
+
+
+def test_a_cycled_epoch_longer_than_one_over_q_is_seen():
+    """A trainer whose epoch is ceil(n/B) = 5 steps at q = 0.25 (not round(1/q) = 4): the
+    phase statistic at L = 5 sees the cycle (one of the windows tried)."""
+    rng = np.random.default_rng(2)
+    T, M, L = 80, 800, 5
+    s = (np.arange(T)[:, None] % L) == rng.integers(0, L, M)[None, :]
+    u = s + rng.normal(size=(T, M))
+    res = sampling_test([(u, 1.0, 0.25)], 1999, seed=2)
+    assert res.window == 5 and res.p_value == 1 / 2000
 
 
 def test_bad_input_is_named():
@@ -60,6 +91,8 @@ def test_bad_input_is_named():
         sampling_test([(np.zeros((1, 2)), 1.0, 0.5)])
     with pytest.raises(ValueError, match="permutations"):
         sampling_test([(np.zeros((3, 2)), 1.0, 0.5)], permutations=5)
+    with pytest.raises(ValueError, match="stop_after"):
+        sampling_test([(np.zeros((3, 2)), 1.0, 0.5)], stop_after=0)
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +167,9 @@ def test_sampler_canaries_beside_input_canaries_are_tested(tmp_path):
         canary_kind="mislabel",
         inject_fault="fixed_batches",
     )
-    # a fixed key: with input canaries the rows are not a multiple of the batch, so the
-    # cycled schedule's epoch is 4 or 5 steps depending on the draw, and the test (which
-    # folds by round(1/q) = 4) sees only the first (the closing note says so)
-    train(cfg, tmp_path / "run", quiet=True, noise_key=R.NoiseKey(bytes(range(32))))
+    # with input canaries the rows are not a multiple of the batch, so the cycled
+    # schedule's epoch is 4 or 5 steps depending on the draw: the test folds by both
+    train(cfg, tmp_path / "run", quiet=True, noise_key=R.NoiseKey.generate())
     c = audit_run(tmp_path / "run", one_run=True)["one_run"]["conformance"]
     assert "sampler:sampling" in c["rejected"], c["sampling"]
     assert c["implied_epsilon"] is None and c["blocks"] == 0
