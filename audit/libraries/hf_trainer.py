@@ -167,13 +167,36 @@ class CanaryClassifier(nn.Module):
                 )
             canary_id = torch.full((input_ids.shape[0],), -1, dtype=torch.long)
         canary_id = canary_id.to(input_ids.device).view(-1)
+        if input_ids.shape[0] == 0 and self.training and torch.is_grad_enabled():
+            return self._empty_batch(input_ids.device)
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
         logits = self.canaried(input_ids, canary_id, **kwargs)
-        loss = None if labels is None else nn.functional.cross_entropy(logits, labels.view(-1))
+        if labels is None:
+            loss = None
+        elif labels.numel() == 0:  # an empty Poisson batch: Opacus still takes a noised step
+            loss = logits.sum() * 0.0
+        else:
+            loss = nn.functional.cross_entropy(logits, labels.view(-1))
         return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    def _empty_batch(self, device) -> SequenceClassifierOutput:
+        """An empty Poisson batch (Opacus still takes a noised step): the user's model is
+        not run (a BERT forward cannot reshape a batch of 0), every trainable parameter gets
+        the empty per-sample gradient Opacus's hooks would have written, and the loss is a
+        zero tied to the canary block (so the Trainer's backward runs)."""
+        cfg = getattr(self.canaried.model, "config", None)
+        n = getattr(cfg, "num_labels", None)
+        if n is None:
+            raise ValueError("an empty batch and no model.config.num_labels to shape its logits")
+        for p in self.parameters():
+            if p.requires_grad:
+                p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+        w = self.canaried.canary.linear.weight
+        logits = torch.zeros((0, int(n)), device=device, dtype=w.dtype) + w.sum() * 0.0
+        return SequenceClassifierOutput(loss=w.sum() * 0.0, logits=logits)
 
 
 class DPZeroGrad(TrainerCallback):
@@ -281,6 +304,7 @@ class OpacusAuditCallback(TrainerCallback):
         self.micro_batches: list[int] = []
         self.multiplicity: list[int] = []
         self._begun = False
+        self._state = None
         model = self.audit_state.model
         inner = optimizer.add_noise  # OpacusAudit's wrapper of Opacus's add_noise
 
@@ -320,6 +344,18 @@ class OpacusAuditCallback(TrainerCallback):
                 "BatchMemoryManager for physical batches"
             )
         loader = train_dataloader
+        if loader is not None and loader is not self.data_loader and args.remove_unused_columns:
+            import inspect
+
+            names = inspect.signature(model.forward).parameters if model is not None else {}
+            if COLUMN not in names:
+                raise ValueError(
+                    "remove_unused_columns=True and the Trainer builds the train loader: it "
+                    "keeps only the columns its model's forward signature names, and Opacus's "
+                    f"GradSampleModule.forward(*args, **kwargs) names none, so {COLUMN!r} (and "
+                    "the inputs) would be dropped. Set remove_unused_columns=False and train on "
+                    "Opacus's loader (OpacusTrainer)"
+                )
         own = loader is not None and loader is not self.data_loader
         poisson = isinstance(loader, DPDataLoader) if loader is not None else True
         self.trainer = {
@@ -339,6 +375,7 @@ class OpacusAuditCallback(TrainerCallback):
             self.audit_state.dataset_size = len(loader.dataset)
             self.trainer["loader_batch_size"] = int(args.train_batch_size)
         self._begun = True
+        self._state = state
         return control
 
     def on_train_end(self, args, state, control, **kw):
@@ -374,6 +411,9 @@ class OpacusAuditCallback(TrainerCallback):
         """Audit the run so far against the claim; write ``library_audit.json`` into
         ``output_dir`` (when given) and log the verdict. Returns the audit dict."""
         a = self.audit_state
+        state = state if state is not None else self._state
+        if trainer_steps is None and state is not None:
+            trainer_steps = state.global_step
         steps = int(trainer_steps if trainer_steps is not None else len(a.obs))
         claim = self.claim if self.claim is not None else self.default_claim(steps)
         res = a.audit(claim, alpha=self.alpha, permutations=self.permutations, seed=self.seed)
@@ -443,6 +483,20 @@ class OpacusAuditCallback(TrainerCallback):
                 }
             )
         res["outside_releases"] = self._outside_releases(state)
+        leak = self._grad_norm_leak(state)
+        tr["logged_grad_norm_test"] = leak
+        if leak is not None and leak["p_value"] <= self.alpha:
+            findings.append(
+                {
+                    "code": "nonprivate_grad_norm_logged",
+                    "message": "the Trainer logged grad_norm, the norm of the non-private "
+                    "gradient (p.grad before Opacus replaces it), and it tells the logged steps "
+                    f"where a canary was drawn ({leak['with_canary']}) from the others "
+                    f"({leak['without_canary']}): Mann-Whitney p = {leak['p_value']:.3g}, "
+                    f"medians {leak['median_with']:.3g} vs {leak['median_without']:.3g}; "
+                    'logging_strategy="no" for a run whose logs are released',
+                }
+            )
         if res["outside_releases"]:
             untested.append(
                 "the Trainer's logs ("
@@ -467,6 +521,33 @@ class OpacusAuditCallback(TrainerCallback):
         )
         (logger.warning if findings else logger.info)(msg)
         return res
+
+    def _grad_norm_leak(self, state) -> dict | None:
+        """Does the logged ``grad_norm`` separate the logged steps where an included canary
+        was drawn (the coins) from the others? One-sided Mann-Whitney U (larger with a
+        canary: its non-private gradient on the canary block is ``gain`` per draw). None
+        when no step with and none without a canary was logged."""
+        from scipy import stats
+
+        if state is None:
+            return None
+        coins = self.audit_state.observations()["coins"][:, self.canaries.included]
+        drawn = coins.any(axis=1) if coins.size else np.zeros(len(coins), dtype=bool)
+        w, wo = [], []
+        for h in state.log_history:
+            s = h.get("step")
+            if "grad_norm" in h and isinstance(s, int) and 1 <= s <= len(drawn):
+                (w if drawn[s - 1] else wo).append(float(h["grad_norm"]))
+        if not w or not wo:
+            return None
+        p = float(stats.mannwhitneyu(w, wo, alternative="greater").pvalue)
+        return {
+            "with_canary": len(w),
+            "without_canary": len(wo),
+            "p_value": p,
+            "median_with": float(np.median(w)),
+            "median_without": float(np.median(wo)),
+        }
 
     @staticmethod
     def _outside_releases(state) -> list[dict]:

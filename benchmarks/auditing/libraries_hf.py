@@ -47,6 +47,12 @@ CASES = [
         "Opacus's Poisson loader unused, claim says Poisson",
     ),
     (
+        "trainer_logs_grad_norm",
+        "misuse",
+        "the correct recipe with logging_steps = 1: the Trainer logs grad_norm, the norm of "
+        "the non-private gradient",
+    ),
+    (
         "trainer_grad_accum",
         "misuse",
         "gradient_accumulation_steps = 4 after model.allow_grad_accumulation() (Opacus's "
@@ -57,11 +63,11 @@ CASES = [
 #: misuses no audit of this run can see, with the reason
 UNDETECTABLE = [
     (
-        "the Trainer's logged loss and grad_norm",
-        "the Trainer logs the training loss and the norm of the non-private accumulated "
-        "gradient (p.grad before Opacus replaces it); they are releases outside the DP "
-        "mechanism, which the canaries do not travel through: the audit lists them under "
-        "outside_releases and untested, it cannot test them",
+        "the Trainer's logged training loss",
+        "the Trainer logs the mean training loss of the private batches (and train_loss at "
+        "the end), a release outside Opacus's mechanism; a canary row's loss is a constant "
+        "of its template record, so the canaries do not mark it: the audit lists it under "
+        "outside_releases and untested, it cannot test it (grad_norm it can: a case above)",
     ),
     (
         "secure_mode=False",
@@ -168,7 +174,9 @@ def run_case(mode: str, seed: int = 0, quick: bool = False, permutations: int = 
         learning_rate=0.05,
         lr_scheduler_type="constant",
         remove_unused_columns=False,
-        logging_strategy="no",
+        label_names=["labels"],
+        logging_strategy="steps" if mode == "trainer_logs_grad_norm" else "no",
+        logging_steps=1,
         save_strategy="no",
         report_to="none",
         use_cpu=True,
