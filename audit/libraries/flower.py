@@ -1,4 +1,6 @@
-"""Flower's DP paths audited end to end (#43): canary clients that take Flower's own path.
+"""Over 500 lines on purpose: one library's driver, whose grid, client shims, canary clients, recording hooks and two loops (legacy, Message API) share the records of one run; the audit is in audit.libraries.flower_audit.
+
+Flower's DP paths audited end to end (#43): canary clients that take Flower's own path.
 
 One call, :func:`audit_flower`, runs a Flower DP training in this process (no Ray, no
 SuperLink) with M canary clients among the user's K clients and audits it against a claim

@@ -1,4 +1,6 @@
-"""The audit of a Flower run with canary clients (:mod:`audit.libraries.flower`).
+"""Over 500 lines on purpose: the central and the local audits share the claim check, the result's keys and the findings; the statistics they call live in audit.bounds.
+
+The audit of a Flower run with canary clients (:mod:`audit.libraries.flower`).
 
 **Units.** Central DP (the four wrappers): round t's released canary block, minus the block
 before the round, times m/C_t (m the wrapper's ``num_sampled_clients``, C_t the clip the
@@ -70,6 +72,15 @@ def worst_weight(sizes, m: int) -> float:
     return float(m * s[-1] / (s[-1] + s[: m - 1].sum()))
 
 
+def _implied(compute) -> tuple[float, bool]:
+    """(ε, at_least) of the noise-implied mechanism; a noise factor near 0 (a noise that
+    repeats) overflows the μ-GDP solver (audit/bounds/hypothesis.py gdp_delta): ε = ∞."""
+    try:
+        return compute()
+    except OverflowError:
+        return math.inf, False
+
+
 def _finding(code: str, message: str) -> dict:
     return {"code": code, "message": message}
 
@@ -131,6 +142,19 @@ def _result(run, c, run_mech, findings, untested, conf, lb, **kw) -> dict:
                 + ")",
             )
         )
+    fresh = [t for t in conf.rejected if t.test == "fresh" and t.ratio is not None]
+    if fresh and min(t.ratio for t in fresh) < 0.2:
+        findings.append(
+            _finding(
+                "noise_reused",
+                f"consecutive releases' noises cancel (freshness ratio "
+                f"{min(t.ratio for t in fresh):.3g}, about √2 under fresh noise): the noise draw "
+                "repeated. Flower draws its noise from numpy's global generator "
+                "(supercore/differential_privacy.py add_gaussian_noise_inplace), so code in the "
+                "same process that reseeds it (np.random.seed in a client's train, as in a "
+                "simulation) repeats the server's noise",
+            )
+        )
     if lb is None:
         untested.append("ε lower bound (needs inclusion bits drawn with p = 1/2, both values seen)")
     elif lb["epsilon_lb"] > c.claimed_epsilon:
@@ -154,6 +178,9 @@ def _result(run, c, run_mech, findings, untested, conf, lb, **kw) -> dict:
         "lower_bound": lb,
         "conformance": conf.to_dict(),
         "conformance_rejected": rejected,
+        # the Opacus audit's white-box clip error has no counterpart here: the aggregate
+        # before the noise is not read (the weights and the canary contribution are)
+        "canary_clip_error": None,
         "untested": untested,
         "findings": findings,
         "verdict": verdict,
@@ -244,6 +271,7 @@ def _audit_central(run, recs, c, alpha, permutations, seed) -> dict:
         "clients_per_round": m,
         "cohort_sizes": sorted(set(cohorts)),
         "rounds": T,
+        "steps": T,
         "nodes": pool,
         "real_clients": K,
         "canaries": M,
@@ -387,8 +415,8 @@ def _audit_central(run, recs, c, alpha, permutations, seed) -> dict:
     )
     conf = conformance([block], alpha=alpha, extra=tuple(extra))
     f, group = implied_noise_factor(conf)
-    eps_implied, at_least = epsilon_of_scaled_claim(
-        reference(run_claim), c.noise_multiplier, f, c.delta
+    eps_implied, at_least = _implied(
+        lambda: epsilon_of_scaled_claim(reference(run_claim), c.noise_multiplier, f, c.delta)
     )
     sel, noise_only = coins & inc[None, :], ~coins
     contrib = None
@@ -482,6 +510,7 @@ def _audit_local(run, recs, c, alpha) -> dict:
         "noise_std": std,
         "noise_multiplier": std / C,
         "rounds": len(recs),
+        "steps": len(recs),
         "canary_releases_max": releases,
     }
     _check_fields(
@@ -532,7 +561,7 @@ def _audit_local(run, recs, c, alpha) -> dict:
         raise ValueError("no canary client was drawn: nothing to audit (more rounds or canaries)")
     conf = conformance(blocks, alpha=alpha)
     f, group = implied_noise_factor(conf)
-    eps_implied = gdp_epsilon(2 / (c.noise_multiplier * f), c.delta)
+    eps_implied, _ = _implied(lambda: (gdp_epsilon(2 / (c.noise_multiplier * f), c.delta), False))
     seen = np.array([bool(rows[j]) for j in range(M)])
     first = np.array([rows[j][0] if rows[j] else 0.0 for j in range(M)])
     lb = _lower_bound(first[seen], inc[seen], run.canaries.p_include, c.delta, alpha)

@@ -37,8 +37,8 @@ def test_correct_fixed_clipping_passes_on_both_apis(mode):
     run = res["run"]
     assert run["clients_per_round"] == 6 and run["cohort_sizes"] == [6]
     assert run["nodes"] == 10 + M and run["sampling"] == "fixed_batch"
-    # a fixed cohort of 6 under add/remove: 10 plain Gaussians at σ/2, μ = 2·√10/σ
-    assert res["recomputed_epsilon"] == pytest.approx(gdp_epsilon(2 * math.sqrt(10), 1e-5))
+    # a fixed cohort of 6 under add/remove: 10 plain Gaussians at σ/2, μ = 2·√10/σ (σ = 4)
+    assert res["recomputed_epsilon"] == pytest.approx(gdp_epsilon(2 * math.sqrt(10) / 4, 1e-5))
     assert 0.8 < _scale(res)["observed_over_claimed"] < 1.25
     # an included canary adds C/m per draw: the aggregation weighed it 1/m
     ci = res["canary_contribution"]["ci95"]
@@ -50,7 +50,7 @@ def test_message_api_accountant_is_reported_beside_the_recomputed_epsilon():
     res = run_case("message_server_fixed", quick=True, permutations=199)
     # Flower's RDP accountant composes 10 Gaussians at σ (no-amplification, add/remove);
     # a fixed cohort lets an added client displace another: σ/2 per round, larger ε
-    mu_flower = math.sqrt(10) / 1.0
+    mu_flower = math.sqrt(10) / 4.0
     assert res["accountant_epsilon"] >= gdp_epsilon(mu_flower, 1e-5)
     assert res["accountant_epsilon"] < res["recomputed_epsilon"]
     assert "no-amplification" in res["accountant_note"]
@@ -65,7 +65,8 @@ def test_unequal_client_sizes_are_flagged_with_the_largest_clients_epsilon():
     assert {"unequal_weights", "epsilon_understated"} <= _codes(res)
     # sizes 20…400, m = 6: the 400-client with the five smallest weighs 6·400/600 = 4 × 1/m
     assert res["run"]["weight_worst_case"] == pytest.approx(4.0)
-    assert res["recomputed_epsilon"] == pytest.approx(gdp_epsilon(2 * 4 * math.sqrt(10), 1e-5))
+    mu = 2 * 4 * math.sqrt(10) / 4.0  # sensitivity 2 (displacement) × a = 4, σ = 4
+    assert res["recomputed_epsilon"] == pytest.approx(gdp_epsilon(mu, 1e-5))
     assert res["recomputed_epsilon"] > 5 * res["claimed_epsilon"]
     # the weights the aggregation applied to the canaries (they report the largest size)
     assert res["canary_contribution"]["weights_applied"][1] > 1.2
@@ -122,6 +123,14 @@ def test_client_side_wrapper_without_its_mod_is_named_from_the_data():
     assert "fixedclipping_mod" in next(
         f["message"] for f in res["findings"] if f["code"] == "canary_not_clipped"
     )
+
+
+def test_result_fills_the_library_benchmark_row():
+    from benchmarks.auditing.libraries import row
+
+    res = run_case("message_local_dp", quick=True, permutations=199)
+    r = row(res, "correct", "LocalDpMod", res["version"])
+    assert r["verdict"] == "pass" and r["steps"] == 10 and r["noise_ratio"] is not None
 
 
 def test_cases_are_listed_once():
