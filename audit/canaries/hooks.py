@@ -12,10 +12,16 @@ Gradient canaries, DP-SGD (sample level)::
     from audit.canaries.hooks import GradientCanaryHook, write_params
     write_params(model, "params.json")           # before `fedlora canaries new --params`
     hook = GradientCanaryHook.load("canaries/")
-    # Opacus: after PrivacyEngine.make_private(...)
-    hook.attach_opacus(optimizer, model, sample_rate=data_loader.sample_rate)
+    # Opacus: after model, optimizer, data_loader = PrivacyEngine.make_private(...)
+    hook.attach_opacus(optimizer, model, data_loader=data_loader)
     ... train as usual (optimizer.step()) ...
     hook.write_observations("obs.npz")
+
+(``data_loader``: what ``make_private`` returned. Its q is Opacus's, 1/len(data_loader):
+a ``DPDataLoader`` has ``.sample_rate``, but with ``poisson_sampling=False`` Opacus keeps
+the user's shuffled ``DataLoader``, which has none, and still accounts its batches as
+Poisson at 1/len(data_loader); the hook records the sampling, and a claim of Poisson
+sampling for shuffled batches is the audit's finding ``sampling_differs``.)
 
     # a plain PyTorch loop (you compute per-sample gradients, clip, sum and add noise)
     hook = GradientCanaryHook.load("canaries/", sample_rate=q, sigma=sigma)
@@ -26,8 +32,15 @@ Gradient canaries, DP-SGD (sample level)::
         summed = clipped_sum(per_sample)          # your clip, your sum
         noisy = [s + noise for s in summed]       # your noise
         hook.observe(noisy)                       # the privatized SUM (before / batch size)
+        # or, if you only have the mean: hook.observe(mean, scale=batch_size)
         ...
     hook.write_observations("obs.npz")
+
+A slip in using the hook is named from the data: observations of the wrong shape (per
+parameter, the parameter's shape) are refused naming the expected and the given shape;
+observations divided by the batch size (the mean given without ``scale=``) carry about
+1/B of the claim's noise AND of the canaries' C, which :meth:`GradientCanaryHook.write_observations`
+warns about and the audit names (``observations_look_averaged``) while failing the run.
 
 Each step draws one Bernoulli(q) coin per canary from the set's key (stream
 ``("outside-gradient-coins", step)``), included or not; an included canary whose coin is
@@ -101,11 +114,18 @@ class GradientCanaryHook:
     """Gradient (Dirac) canaries in an outside DP-SGD loop (module doc).
 
     ``sample_rate`` q: the probability with which the training samples a record into a
-    step (Poisson; Opacus: ``data_loader.sample_rate``, 1/len(data_loader)); 1 when
+    step (Poisson; Opacus: read by :meth:`attach_opacus`, 1/len(data_loader)); 1 when
     every step uses every record or batches are fixed. ``sigma``: the noise multiplier
-    (Opacus: read from the optimizer)."""
+    (Opacus: read from the optimizer). ``expected_batch_size`` (optional, q·N): lets the
+    audit name the batch size when the observations look divided by it."""
 
-    def __init__(self, cset: CS.CanarySet, sample_rate: float | None = None, sigma=None):
+    def __init__(
+        self,
+        cset: CS.CanarySet,
+        sample_rate: float | None = None,
+        sigma=None,
+        expected_batch_size: float | None = None,
+    ):
         if cset.kind != "gradient":
             raise UsageError(f"{cset.folder} holds {cset.kind} canaries, not gradient canaries")
         if cset.key is None:
@@ -128,14 +148,28 @@ class GradientCanaryHook:
         self.step = 0
         self.inserted = False  # canaries placed in the current step
         self.observed: list[np.ndarray] = []
+        self.scales: list[float] = []
+        self.entered: list[np.ndarray] = []  # per step: the canaries placed (bit and coin)
         self.source = "plain"
+        self.sampling: str | None = None  # "poisson" / "shuffle" when the hook knows it
+        self.run_clip: float | None = None  # the run's C when the hook reads it (Opacus)
         self._bound = None
         self._coins = None
+        self._entered_now = None
         self.expected_batch_size = None
+        if expected_batch_size is not None:
+            e = float(expected_batch_size)
+            if not (math.isfinite(e) and e > 0):
+                raise UsageError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+            self.expected_batch_size = e
 
     @classmethod
-    def load(cls, folder, *, sample_rate=None, sigma=None, key_file=None) -> GradientCanaryHook:
-        return cls(CS.load_canary_set(folder, key_file=key_file), sample_rate, sigma)
+    def load(
+        cls, folder, *, sample_rate=None, sigma=None, key_file=None, expected_batch_size=None
+    ) -> GradientCanaryHook:
+        return cls(
+            CS.load_canary_set(folder, key_file=key_file), sample_rate, sigma, expected_batch_size
+        )
 
     def _set_rate(self, q) -> None:
         q = float(q)
@@ -199,6 +233,11 @@ class GradientCanaryHook:
             )
         self.inserted = True
 
+    def _placed(self, sel: np.ndarray) -> None:
+        row = np.zeros(self.m, dtype=bool)
+        row[sel] = True
+        self._entered_now = row
+
     # ---------------------------------------------------------------- the step
     def canary_rows(self) -> list:
         """This step's canary per-sample gradients, one tensor per bound parameter of shape
@@ -210,6 +249,7 @@ class GradientCanaryHook:
         b = self._need_bound()
         self._mark()
         sel = self._sampled()
+        self._placed(sel)
         rows = []
         for i, p in enumerate(b["params"]):
             r = torch.zeros((sel.size, p.numel()), dtype=p.dtype, device=p.device)
@@ -225,29 +265,78 @@ class GradientCanaryHook:
         clipped sum (a list of tensors in bound order, or a dict by name), in place, when
         per-sample gradients cannot be reached (the clip is then not tested)."""
         b = self._need_bound()
+        ts = self._tensors(summed, "add_clipped()")
         self._mark()
         sel = self._sampled()
-        ts = self._tensors(summed)
+        self._placed(sel)
         for j in sel.tolist():
             t = ts[int(b["which"][j])]
             t.view(-1)[int(b["flat"][j])] += self.clip
 
-    def _tensors(self, xs) -> list:
+    def _tensors(self, xs, what: str = "observe()") -> list:
+        """``xs`` (a list in bound order or a dict by name) as tensors, each checked to have
+        its parameter's shape (or to be that parameter flattened): a slip (a per-sample
+        batch, another parameter's tensor, a missing one) is named, expected against given."""
+        import torch
+
         b = self._bound
+        names = b["names"]
         if isinstance(xs, dict):
-            return [xs[n] for n in b["names"]]
-        xs = list(xs)
+            missing = [n for n in names if n not in xs and clean_name(n) not in xs]
+            if missing:
+                raise UsageError(
+                    f"{what}: no tensor for parameter(s) {missing[:3]}"
+                    + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
+                    + f"; expected one per bound parameter ({len(names)})"
+                )
+            xs = [xs[n] if n in xs else xs[clean_name(n)] for n in names]
+        elif isinstance(xs, torch.Tensor | np.ndarray):
+            raise UsageError(
+                f"{what}: expected a list of {len(names)} tensors (one per bound parameter, in "
+                f"bind() order) or a dict by name, got one {type(xs).__name__} of shape "
+                f"{tuple(xs.shape)}"
+            )
+        else:
+            xs = list(xs)
         if len(xs) != len(b["params"]):
-            raise ValueError(f"expected {len(b['params'])} tensors, got {len(xs)}")
-        return xs
+            raise UsageError(
+                f"{what}: expected {len(b['params'])} tensors (one per bound parameter), got "
+                f"{len(xs)}"
+            )
+        out = []
+        for n, p, t in zip(names, b["params"], xs):
+            if isinstance(t, np.ndarray):
+                t = torch.from_numpy(t)
+            if not isinstance(t, torch.Tensor):
+                raise UsageError(
+                    f"{what}: parameter {n!r}: expected a tensor, got {type(t).__name__}"
+                )
+            if tuple(t.shape) != tuple(p.shape) and tuple(t.shape) != (p.numel(),):
+                hint = ""
+                if t.dim() == p.dim() + 1 and tuple(t.shape[1:]) == tuple(p.shape):
+                    hint = (
+                        " (a leading dimension of per-sample values: give the noisy SUM over "
+                        "the batch)"
+                    )
+                raise UsageError(
+                    f"{what}: parameter {n!r} has shape {tuple(p.shape)}, the tensor given for "
+                    f"it {tuple(t.shape)}{hint}"
+                )
+            out.append(t)
+        return out
 
     def observe(self, noisy_sum, scale: float = 1.0) -> None:
         """Record this step's privatized sum Σ clip(g_i) + N(0, σ²C²) (before any division
-        by the batch size; else give ``scale`` to multiply it back) at every canary's
-        coordinate, and end the step."""
+        by the batch size; else give ``scale`` to multiply it back: the mean over a batch
+        of B, ``scale=B``) at every canary's coordinate, and end the step. ``noisy_sum``: one
+        tensor per bound parameter, each of the parameter's shape (a list in ``bind()``
+        order or a dict by name)."""
         b = self._need_bound()
         if not self.inserted:
             raise RuntimeError("observe(): no canaries were placed in this step (canary_rows)")
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise UsageError(f"observe(): scale must be a finite number > 0, got {scale}")
         ts = self._tensors(noisy_sum)
         row = np.empty(self.m, dtype=np.float64)
         for i, t in enumerate(ts):
@@ -256,13 +345,20 @@ class GradientCanaryHook:
                 flat = t.detach().reshape(-1)
                 vals = flat.index_select(0, b["flat"][mine].to(flat.device)).double().cpu()
                 row[mine] = vals.numpy() * scale
+        if not np.isfinite(row).all():
+            raise UsageError(
+                f"observe(): step {self.step}'s observations hold NaN or Inf at "
+                f"{int((~np.isfinite(row)).sum())} canary coordinate(s)"
+            )
         self.observed.append(row)
+        self.scales.append(scale)
+        self.entered.append(self._entered_now)
         self.step += 1
         self.inserted = False
         self._coins = None
 
     # ---------------------------------------------------------------- Opacus
-    def attach_opacus(self, optimizer, model, sample_rate=None) -> None:
+    def attach_opacus(self, optimizer, model, sample_rate=None, data_loader=None) -> None:
         """Hook an Opacus 1.6 ``DPOptimizer`` (after ``PrivacyEngine.make_private``):
 
         - ``clip_and_accumulate``: before Opacus clips, the step's canary rows are
@@ -273,23 +369,41 @@ class GradientCanaryHook:
           sum (not yet divided by the expected batch size): it is observed there.
 
         ``model``: the module whose ``named_parameters`` name the optimizer's parameters
-        (the ``GradSampleModule`` or what it wraps); ``sample_rate``: Opacus's
-        ``data_loader.sample_rate``."""
+        (the ``GradSampleModule`` or what it wraps). The canaries' rate q, first that is
+        given: ``data_loader`` (what ``make_private`` returned): 1/len(data_loader), the q
+        Opacus accounts whether its batches are Poisson (a ``DPDataLoader``) or, with
+        ``poisson_sampling=False``, the user's shuffled ``DataLoader`` (which has no
+        ``sample_rate``; the hook records ``sampling = "shuffle"``, and a claim of Poisson
+        sampling is then the audit's finding ``sampling_differs``); ``sample_rate``; else
+        the rate ``make_private`` gave the optimizer's accountant hook (Opacus 1.6:
+        ``accountant.get_optimizer_hook_fn(sample_rate)``). None of them: a clear error.
+        (``optimizer.expected_batch_size`` is ``int(N·q)``, truncated: not a way back to q.)
+
+        The run's C (``optimizer.max_grad_norm``) and σ are recorded as the run's; a C other
+        than the canary set's is the audit's finding ``clip_differs`` (a warning here)."""
+        import warnings
+
+        from opacus.data_loader import DPDataLoader
         from opacus.optimizers.optimizer import DPOptimizer
 
         if type(optimizer) is not DPOptimizer:
             raise UsageError(
                 f"attach_opacus supports Opacus's DPOptimizer (flat clipping); got "
                 f"{type(optimizer).__name__} (distributed, per-layer, adaptive or ghost clipping "
-                "are not supported: use the plain-loop hook)"
+                "are not supported: use the plain-loop hook, or audit.libraries.opacus)"
             )
-        if sample_rate is not None:
-            self._set_rate(sample_rate)
-        if not math.isclose(float(optimizer.max_grad_norm), self.clip, rel_tol=1e-9):
-            raise UsageError(
-                f"the optimizer clips at max_grad_norm = {optimizer.max_grad_norm}, the canary "
-                f"set at C = {self.clip}"
+        q, sampling = _opacus_rate(optimizer, sample_rate, data_loader, DPDataLoader)
+        self._set_rate(q)
+        self.sampling = sampling
+        run_clip = float(optimizer.max_grad_norm)
+        if not math.isclose(run_clip, self.clip, rel_tol=1e-9):
+            warnings.warn(
+                f"the optimizer clips at max_grad_norm = {run_clip:g}, the canary set at "
+                f"C = {self.clip:g}: recorded as the run's C (the audit's finding clip_differs)",
+                UserWarning,
+                stacklevel=2,
             )
+        self.run_clip = run_clip
         self._set_sigma(optimizer.noise_multiplier)
         names = {id(p): n for n, p in model.named_parameters()}
         params = list(optimizer.params)
@@ -323,7 +437,9 @@ class GradientCanaryHook:
 
     # ---------------------------------------------------------------- output
     def observations(self) -> dict:
-        """The observation record (:func:`audit.canaries.outside.write_observations`)."""
+        """The observation record (:func:`audit.canaries.outside.write_observations`): the
+        observed rows, σ, the run's C, q, the steps, the scales ``observe()`` was given,
+        and where known the sampling (Opacus) and the expected batch size."""
         if self.sigma is None:
             raise RuntimeError("sigma is unknown: give sigma= to load() (plain loops)")
         obs = np.stack(self.observed) if self.observed else np.zeros((0, self.m))
@@ -332,17 +448,81 @@ class GradientCanaryHook:
             "set_sha256": self.cset.sha256,
             "obs": obs,
             "sigma": float(self.sigma),
-            "clip": self.clip,
+            "clip": self.clip if self.run_clip is None else self.run_clip,
             "q": float(self.q),
             "steps": int(obs.shape[0]),
             "source": self.source,
+            "scale": np.asarray(self.scales, dtype=np.float64),
         }
+        if self.sampling is not None:
+            out["sampling"] = self.sampling
         if self.expected_batch_size is not None:
             out["expected_batch_size"] = float(self.expected_batch_size)
         return out
 
+    def averaged_hint(self) -> dict | None:
+        """The audit's check (:func:`audit.canaries.outside_conformance.averaged_hint`) run
+        on what this hook recorded, with its own σ and coins: a finding-like dict when the
+        observations look divided by a batch size, else None."""
+        from audit.canaries.outside_conformance import averaged_hint
+
+        if self.sigma is None or not self.sigma > 0 or len(self.observed) < 2:
+            return None
+        clip = self.clip if self.run_clip is None else self.run_clip
+        return averaged_hint(
+            np.stack(self.observed) / clip,
+            np.stack(self.entered),
+            float(self.sigma),
+            expected_batch=self.expected_batch_size,
+            scale=np.asarray(self.scales),
+            where="GradientCanaryHook",
+        )
+
     def write_observations(self, path) -> Path:
+        """Write :meth:`observations`; warn (``UserWarning``) when they look divided by a
+        batch size (:meth:`averaged_hint`): the file is written all the same, and the audit
+        fails such a run."""
+        import warnings
+
+        hint = self.averaged_hint()
+        if hint is not None:
+            warnings.warn(hint["message"], UserWarning, stacklevel=2)
         return OB.write_observations(path, self.observations())
+
+
+def _opacus_rate(optimizer, sample_rate, data_loader, dp_loader_type) -> tuple[float, str | None]:
+    """(q, sampling) for :meth:`GradientCanaryHook.attach_opacus` (its doc)."""
+    if data_loader is not None:
+        try:
+            n = len(data_loader)
+        except TypeError:
+            raise UsageError(
+                f"attach_opacus: data_loader {type(data_loader).__name__} has no length"
+            ) from None
+        if n < 1:
+            raise UsageError("attach_opacus: the data loader is empty")
+        q = 1.0 / n  # opacus/privacy_engine.py: sample_rate = 1 / len(data_loader)
+        sampling = "poisson" if isinstance(data_loader, dp_loader_type) else "shuffle"
+        if sample_rate is not None and not math.isclose(float(sample_rate), q, rel_tol=1e-9):
+            raise UsageError(
+                f"attach_opacus: sample_rate = {float(sample_rate):g} but the data loader's "
+                f"rate, the one Opacus accounts, is 1/len(data_loader) = {q:g}: give one of them"
+            )
+        return q, sampling
+    if sample_rate is not None:
+        return float(sample_rate), None
+    hook = getattr(optimizer, "step_hook", None)
+    code, cells = getattr(hook, "__code__", None), getattr(hook, "__closure__", None)
+    if code is not None and cells and "sample_rate" in code.co_freevars:
+        q = cells[code.co_freevars.index("sample_rate")].cell_contents
+        if isinstance(q, int | float) and 0 < q <= 1:
+            return float(q), None
+    raise UsageError(
+        "attach_opacus: the sampling rate is unknown: pass data_loader= (the loader "
+        "make_private returned; Opacus accounts q = 1/len(data_loader), also for the "
+        "shuffled DataLoader of poisson_sampling=False, which has no .sample_rate) or "
+        "sample_rate="
+    )
 
 
 # --------------------------------------------------------------------------- input

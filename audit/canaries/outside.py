@@ -45,6 +45,7 @@ import numpy as np
 from audit.canaries.canary_set import CanarySet, load_canary_set
 from audit.canaries.observations import OBS_FORMAT, read_observations, write_observations
 from audit.canaries.outside_conformance import (
+    averaged_hint,
     claim_clip,
     client_block,
     gradient_block,
@@ -134,17 +135,54 @@ def _check_set(cs: CanarySet, obs: dict, where: str) -> None:
         )
 
 
-def _check_clip(clip: float, claim, spec: dict, where: str) -> None:
-    """The observed C against the canary set's and the claim's (one line each)."""
+#: the findings of a run that differs from its claim (each an error: exit 1): the field the
+#: observation file records for the run against the claim's (σ: :data:`STATED_SIGMA_DIFFERS`)
+CLIP_DIFFERS = "clip_differs"
+SAMPLE_RATE_DIFFERS = "sample_rate_differs"
+SAMPLING_DIFFERS = "sampling_differs"
+STEPS_DIFFERS = "steps_differs"
+CLIENTS_PER_ROUND_DIFFERS = "clients_per_round_differs"
+RUN_DIFFERS = (
+    CLIP_DIFFERS,
+    SAMPLE_RATE_DIFFERS,
+    SAMPLING_DIFFERS,
+    STEPS_DIFFERS,
+    CLIENTS_PER_ROUND_DIFFERS,
+)
+
+
+def _differs(code: str, where: str, text: str) -> dict:
+    return {
+        "code": code,
+        "severity": "error",
+        "message": f"{where}: {text} The run is not the mechanism its claim describes; the "
+        "claim's ε is no statement about it.",
+    }
+
+
+def _clip_findings(clip: float, claim, spec: dict, where: str) -> list[dict]:
+    """The run's C (the observation file's) against the canary set's and the claim's: a
+    finding each that differs (``clip_differs``)."""
+    out = []
     if not _same(clip, float(spec["clip"])):
-        raise UsageError(
-            f"{where}: clip C = {clip:g} observed, the canary set's clip is {spec['clip']:g}"
+        out.append(
+            _differs(
+                CLIP_DIFFERS,
+                where,
+                f"the run clipped at C = {clip:g}, the canary set (made for the claim) at "
+                f"C = {spec['clip']:g}.",
+            )
         )
     if claim.clipping_norm is not None and not _same(clip, claim.clipping_norm):
-        raise UsageError(
-            f"{where}: clip C = {clip:g} observed, the claim says clipping_norm = "
-            f"{claim.clipping_norm:g}"
+        out.append(
+            _differs(
+                CLIP_DIFFERS,
+                where,
+                f"the run clipped at C = {clip:g}, the claim says clipping_norm = "
+                f"{claim.clipping_norm:g}.",
+            )
         )
+    return out
 
 
 #: the finding of an observation file whose σ is not the claim's (the trainer's own word:
@@ -174,7 +212,19 @@ def _stated_sigma(sigma: float, claim, where: str) -> dict | None:
     }
 
 
-def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> tuple:
+def _sampling(obs: dict, where: str) -> str | None:
+    """The run's sampling as the hook recorded it (``poisson`` / ``shuffle``), or None."""
+    if "sampling" not in obs:
+        return None
+    v = str(np.asarray(obs["sampling"]))
+    if v not in ("poisson", "shuffle", "fixed_batch", "all", "unknown"):
+        raise UsageError(f"{where}: field 'sampling' is {v!r}, not poisson / shuffle / unknown")
+    return None if v == "unknown" else v
+
+
+def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, own: list) -> tuple:
+    """The canaries' scores and what the file says of the run; a C, q, sampling or count
+    of steps that differs from the claim is a finding in ``own`` (never a usage error)."""
     from audit.canaries import gradient as GC
     from audit.claims.mistakes import opacus_sample_rate
 
@@ -185,25 +235,65 @@ def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -
     sigma = _scalar(obs, "sigma", where)
     clip = _scalar(obs, "clip", where)
     q = _scalar(obs, "q", where)
+    if not 0 < q <= 1:
+        raise UsageError(f"{where}: field 'q' is {q:g}, not a sampling rate in (0, 1]")
     sp = cs.spec
-    _check_clip(clip, claim, sp, where)
+    own += _clip_findings(clip, claim, sp, where)
+    sampling = _sampling(obs, where)
+    if sampling is not None and sampling != claim.sampling:
+        own.append(
+            _differs(
+                SAMPLING_DIFFERS,
+                where,
+                f"the run drew {sampling!r} batches, the claim's sampling is "
+                f"{claim.sampling!r}"
+                + (
+                    " (Opacus with poisson_sampling=False shuffles, and its accountant "
+                    "counts the shuffled batches as Poisson at q = 1/len(loader): the "
+                    "amplification by Poisson sampling the claim takes does not hold)."
+                    if sampling == "shuffle" and claim.sampling == "poisson"
+                    else "."
+                ),
+            )
+        )
     if claim.sampling == "poisson":
         rates = [claim.record_rate] + [r for r in [opacus_sample_rate(claim)] if r is not None]
         if not any(_same(q, r) for r in rates):
-            raise UsageError(
-                f"{where}: sampling rate q = {q:g} observed, the claim's rate is "
-                + " or ".join(f"{r:g}" for r in rates)
+            own.append(
+                _differs(
+                    SAMPLE_RATE_DIFFERS,
+                    where,
+                    f"the run sampled at q = {q:g}, the claim's rate is "
+                    + " or ".join(f"{r:g}" for r in rates)
+                    + ".",
+                )
             )
     elif not _same(q, 1.0):
-        raise UsageError(
-            f"{where}: sampling rate q = {q:g} observed, but the claim's sampling is "
-            f"{claim.sampling!r}: canaries must then take part in every step (q = 1)"
-        )
+        if sampling is not None and sampling == claim.sampling:
+            notes.append(
+                f"the canaries entered each step with probability q = {q:g} (the hook's "
+                f"coins), the claim's {claim.sampling!r} batches every record once an epoch: "
+                "a weaker test than canaries in every step"
+            )
+        else:
+            own.append(
+                _differs(
+                    SAMPLE_RATE_DIFFERS,
+                    where,
+                    f"the canaries were sampled at q = {q:g}, but the claim's sampling is "
+                    f"{claim.sampling!r}, which accounts every step at full sensitivity: a "
+                    "canary must then take part in every step (sample_rate=1 to the hook).",
+                )
+            )
     steps, claimed_steps = x.shape[0], claim.rounds * claim.steps_per_round
     if steps > claimed_steps:
-        raise UsageError(
-            f"{where}: {steps} DP-SGD steps observed, the claim accounts "
-            f"{claimed_steps} (rounds × steps_per_round)"
+        own.append(
+            _differs(
+                STEPS_DIFFERS,
+                where,
+                f"the run took {steps} DP-SGD steps, the claim accounts {claimed_steps} "
+                "(rounds × steps_per_round).",
+            )
         )
     if steps < claimed_steps:
         notes.append(
@@ -233,7 +323,18 @@ def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -
     }
     if "source" in obs:
         info["source"] = str(obs["source"])
-    return scores, info, {"x": x, "q": q, "clip": clip, "sigma": sigma}
+    if sampling is not None:
+        info["sampling"] = sampling
+    expected = None
+    if "expected_batch_size" in obs:
+        expected = _scalar(obs, "expected_batch_size", where)
+        info["expected_batch_size"] = expected
+    scale = None
+    if "scale" in obs:
+        scale = obs_array(obs, "scale", (x.shape[0],), where)
+    raw = {"x": x, "q": q, "clip": clip, "sigma": sigma, "expected_batch": expected}
+    raw["scale"] = scale
+    return scores, info, raw
 
 
 def _input_scores(cs: CanarySet, obs: dict, where: str) -> tuple:
@@ -249,7 +350,7 @@ def _input_scores(cs: CanarySet, obs: dict, where: str) -> tuple:
     }
 
 
-def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> tuple:
+def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, own: list) -> tuple:
     m = cs.count
     inner = obs_array(obs, "inner", (None, m), where)
     t = inner.shape[0]
@@ -261,11 +362,15 @@ def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> 
     sigma, clip = _scalar(obs, "sigma", where), _scalar(obs, "clip", where)
     per_round = _scalar(obs, "clients_per_round", where)
     sp = cs.spec
-    _check_clip(clip, claim, sp, where)
+    own += _clip_findings(clip, claim, sp, where)
     if int(per_round) != claim.clients_per_round:
-        raise UsageError(
-            f"{where}: {int(per_round)} clients per round (the server's denominator m) "
-            f"observed, the claim says clients_per_round = {claim.clients_per_round}"
+        own.append(
+            _differs(
+                CLIENTS_PER_ROUND_DIFFERS,
+                where,
+                f"the server divided by {int(per_round)} clients per round, the claim says "
+                f"clients_per_round = {claim.clients_per_round}.",
+            )
         )
     everyone = claim.sampling == "all" or claim.clients_per_round == claim.total_clients
     if sp["participation"] == "every_round" and not everyone:
@@ -287,7 +392,14 @@ def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list) -> 
             )
     releases = claim.rounds * claim.steps_per_round
     if t > releases:
-        raise UsageError(f"{where}: {t} rounds observed, the claim accounts {releases} releases")
+        own.append(
+            _differs(
+                STEPS_DIFFERS,
+                where,
+                f"the run released {t} rounds, the claim accounts {releases} "
+                "(rounds × steps_per_round).",
+            )
+        )
     if t < releases:
         notes.append(f"{t} of the claim's {releases} releases observed")
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -315,16 +427,24 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
     ε of the claim's mechanism (``conformance``).
 
     ``verdict``, first that applies: ``"does not implement its claim"`` (a conformance test
-    rejects: finding ``mechanism_mismatch``), ``"leaks more than claimed"`` (the certified
+    rejects: finding ``mechanism_mismatch``; or the run's C, q, sampling, steps or clients per
+    round differ from the claim's: ``clip_differs``, ``sample_rate_differs``,
+    ``sampling_differs``, ``steps_differs``, ``clients_per_round_differs``, listed in
+    ``run_differs``), ``"leaks more than claimed"`` (the certified
     bound exceeds what the claimed ε allows one canary), ``"claim understated"`` (the
     recomputed ε exceeds the claimed one, or the claim check has another error),
     ``"claim not supported"`` (the observation file states a σ below the claim's), else
     ``"ok"``.
 
+    Where the observations look divided by a batch size (``observe()`` given the batch
+    mean without ``scale=B``), the finding ``observations_look_averaged`` (a warning beside
+    the failing conformance test, never an excuse) names the factor
+    (:func:`audit.canaries.outside_conformance.averaged_hint`).
+
     Raises:
-        UsageError: bad input (one line): missing or malformed files, observations of
-            another set, C / q / rounds that disagree with the claim. (A σ that disagrees
-            is a finding, ``stated_sigma_differs``.)
+        UsageError: bad input (one line): missing, unreadable or malformed files,
+            observations of another set or kind, a claim at the wrong level. (A run whose
+            σ, C, q, sampling or steps disagree with the claim is a finding, exit 1.)
     """
     from audit.claims.check import check_claim
     from audit.claims.schema import Claim, load_claim, validate_claim
@@ -352,7 +472,7 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
         if f is not None:
             own.append(f)
     if cs.kind == "gradient":
-        scores, info, raw = _gradient_scores(cs, obs, c, where, notes)
+        scores, info, raw = _gradient_scores(cs, obs, c, where, notes, own)
         block, how = gradient_block(cs, raw, c)
     elif cs.kind == "input":
         scores, info = _input_scores(cs, obs, where)
@@ -361,7 +481,7 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
             "release to test"
         )
     else:
-        stats, info = _client_scores(cs, obs, c, where, notes)
+        stats, info = _client_scores(cs, obs, c, where, notes, own)
         scores = stats["all_iterates"]  # the certified test's statistic, fixed in advance
         from audit.canaries.clients import STATISTICS, gaussian_fit
 
@@ -381,6 +501,18 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
                 "conformance: the clipping test is skipped (the canaries' coins are "
                 f"{how}); the scale and freshness tests ran"
             )
+        if cs.kind == "gradient" and not conf["passed"]:
+            hint = averaged_hint(
+                block.u,
+                None if block.coins is None else block.coins & block.included[None, :],
+                c.noise_multiplier,
+                expected_batch=raw["expected_batch"],
+                scale=raw["scale"],
+                where=where,
+            )
+            if hint is not None:
+                own.append(hint)
+                conf["averaged"] = {k: hint[k] for k in ("batch", "batch_range", "evidence")}
     else:
         conf = {"performed": False, "reason": not_tested}
     eps_c, eps_r = c.claimed_epsilon, float(checked["epsilon_pld"])
@@ -423,7 +555,8 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
         )
     understated = bool(checked["understated"])
     mismatch = bool(conf["performed"] and not conf["passed"])
-    if mismatch:
+    differs = sorted({f["code"] for f in own if f["code"] in RUN_DIFFERS})
+    if mismatch or differs:
         verdict = "does not implement its claim"
     elif leaks:
         verdict = "leaks more than claimed"
@@ -463,6 +596,7 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
         "exceeds_recomputed": bool(exceeds_recomputed),
         "conformance": conf,
         "mechanism_mismatch": mismatch,
+        "run_differs": differs,
         "labels": {
             "epsilon_lb": "certified: the larger of Steinke et al. (2023) and the f-DP bound "
             "(Mahloujifar et al. 2024, (ε, δ) family), each at α/2: holds with probability "
@@ -482,16 +616,24 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
 
 
 def exit_code(result: dict) -> int:
-    """1 when a conformance test rejects the claim, the training leaks more than claimed,
+    """1 when a conformance test rejects the claim, the run's C, q, sampling or steps differ
+    from the claim's, the training leaks more than claimed,
     the claim check has an error finding (e.g. an understated ε) or the observation file
     states a σ below the claim's; else 0."""
     return 0 if result.get("verdict") == "ok" else 1
 
 
 __all__ = [
+    "CLIENTS_PER_ROUND_DIFFERS",
+    "CLIP_DIFFERS",
     "OBS_FORMAT",
+    "RUN_DIFFERS",
+    "SAMPLE_RATE_DIFFERS",
+    "SAMPLING_DIFFERS",
+    "STEPS_DIFFERS",
     "STATED_SIGMA_DIFFERS",
     "audit_outside",
+    "averaged_hint",
     "exit_code",
     "gradient_coins",
     "read_observations",

@@ -6,6 +6,8 @@ claim's mechanism (:mod:`audit.claims.implied`). Used by :func:`audit.canaries.o
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from audit.canaries.canary_set import CanarySet
@@ -217,3 +219,155 @@ def outside_conformance(
         }
     )
     return out
+
+
+#: the finding (a warning: the run fails by its conformance test all the same) of
+#: observations that look divided by a batch size
+OBSERVATIONS_LOOK_AVERAGED = "observations_look_averaged"
+#: "far below the claim": both the noise and the canaries' contribution under this fraction
+#: of the claim's (a division by B >= 2 leaves 1/2 or less)
+AVERAGED_BELOW = 0.75
+
+
+def _chi2_ci(q: float, dof: int, alpha: float) -> tuple[float, float]:
+    from scipy import stats
+
+    return (
+        math.sqrt(q / stats.chi2.ppf(1 - alpha / 2, dof)),
+        math.sqrt(q / stats.chi2.ppf(alpha / 2, dof)),
+    )
+
+
+def _contribution(u: np.ndarray, ent: np.ndarray, noise: float, alpha: float):
+    """(â, lower, upper): the canaries' contribution in units of C, the better (narrower)
+    of two estimates, or (None, None, None) when neither exists. Within a track: the mean
+    where a canary entered less the mean where none did, pooled with inverse-variance
+    weights, its noise ``noise`` (the data drift cancels on average: the coins are fresh).
+    Across tracks (every step's coin 1, as at q = 1): the tracks' means regressed on the
+    share of steps a canary entered, the residual variance measured (the data's part
+    included), Student's t interval. Both are unbiased for any data gradient: the coins and
+    the inclusion bits are drawn independently of the data."""
+    from scipy import stats
+
+    T, M = u.shape
+    n1 = ent.sum(axis=0)
+    n0 = T - n1
+    best = (None, None, None, math.inf)
+    both = (n1 >= 1) & (n0 >= 1)
+    if both.any():
+        mean1 = np.where(ent, u, 0.0).sum(axis=0) / np.maximum(n1, 1)
+        mean0 = np.where(~ent, u, 0.0).sum(axis=0) / np.maximum(n0, 1)
+        w = 1.0 / (1.0 / n1[both] + 1.0 / n0[both])
+        a = float(np.sum(w * (mean1[both] - mean0[both])) / np.sum(w))
+        se = noise / math.sqrt(float(np.sum(w)))
+        z = float(stats.norm.ppf(1 - alpha / 2))
+        best = (a, a - z * se, a + z * se, se)
+    frac = n1 / T
+    x = frac - frac.mean()
+    sxx = float(np.sum(x**2))
+    if M >= 4 and sxx > 0:
+        mu = u.mean(axis=0)
+        a = float(np.sum(x * (mu - mu.mean())) / sxx)
+        res = mu - mu.mean() - a * x
+        se = math.sqrt(float(np.sum(res**2)) / (M - 2) / sxx)
+        if se < best[3]:
+            t = float(stats.t.ppf(1 - alpha / 2, M - 2))
+            best = (a, a - t * se, a + t * se, se)
+    return best[:3]
+
+
+def averaged_hint(
+    u,
+    entered,
+    sigma: float,
+    *,
+    expected_batch: float | None = None,
+    scale=None,
+    alpha: float = 0.01,
+    where: str = "the observations",
+) -> dict | None:
+    """A finding (``observations_look_averaged``, a warning) when the observations look
+    divided by a batch size B ≥ 2, as when ``GradientCanaryHook.observe`` is given the batch
+    MEAN without ``scale=B``; None otherwise.
+
+    ``u`` (T, M): the observations in units of C; ``entered`` (T, M) bool: where an included
+    canary entered the step (its coin and bit; None when unknown); ``sigma``: the claim's
+    noise multiplier. Divided by B, the noise is σ/B AND a canary adds C/B; a noise that is
+    truly too small leaves the canary's C whole. So, from the data:
+
+    - the noise's scale ρ̂ (observed/claimed) from the entries no canary entered, each track
+      centred on its own mean (a data gradient that drifts only adds to it), with its χ²
+      interval;
+    - with the coins, the canaries' contribution â (in units of C, :func:`_contribution`):
+      per track the mean where a canary entered less the mean where none did, or across
+      tracks (when every step's coin is 1) the tracks' means against their share of steps
+      entered.
+
+    Averaging is named when the noise is far below the claim (ρ̂'s upper end under 1/2)
+    and, with the coins, the contribution is too (â's interval above 0, under 1/2: a
+    correct clip adds 1, a missing one far more); B's range is 1/â's interval (without the
+    coins 1/ρ̂'s); it must hold an integer ≥ 2 (or the expected batch q·N when known, which
+    is then named). The intervals are at ``alpha`` (default 1%: the range named is wide
+    enough to hold B but for about 1 run in 100). The run fails by its conformance test
+    either way: this only names the likely slip."""
+    u = np.asarray(u, dtype=np.float64)
+    if u.ndim != 2 or u.shape[0] < 2 or not sigma > 0:
+        return None
+    ent = np.zeros(u.shape, dtype=bool) if entered is None else np.asarray(entered, dtype=bool)
+    free = ~ent
+    n0 = free.sum(axis=0)
+    ok = n0 >= 2
+    mean0 = np.where(free, u, 0.0).sum(axis=0) / np.maximum(n0, 1)
+    dev = np.where(free & ok[None, :], u - mean0[None, :], 0.0)
+    dof = int((n0[ok] - 1).sum())
+    if dof < 10:
+        return None
+    q0 = float((dev**2).sum()) / sigma**2
+    rho = math.sqrt(q0 / dof)
+    rho_lo, rho_hi = _chi2_ci(q0, dof, alpha)
+    if rho_hi >= AVERAGED_BELOW:
+        return None
+    a = a_lo = a_hi = None
+    if entered is not None:
+        a, a_lo, a_hi = _contribution(u, ent, rho * sigma, alpha)
+        if a is not None and not (a_lo > 0 and a_hi < AVERAGED_BELOW):
+            return None  # the canaries add their C whole (or nothing): not a division
+    lo, hi = (1 / a_hi, 1 / a_lo) if a is not None else (1 / rho_hi, 1 / rho_lo)
+    est = 1 / a if a is not None else 1 / rho
+    if expected_batch is not None and lo * 0.98 <= expected_batch <= hi * 1.02:
+        b = float(expected_batch)
+        why = f"the expected batch size {b:g} lies in that range"
+    else:
+        ints = [k for k in range(max(2, math.ceil(lo)), math.floor(hi) + 1)]
+        if not ints:
+            return None
+        b = float(min(ints, key=lambda k: abs(k - est)))
+        why = "the nearest integer"
+    evidence = f"the noise is {rho:.3g}× the claim's [{rho_lo:.3g}, {rho_hi:.3g}]"
+    if a is not None:
+        evidence += (
+            f" and a canary adds {a:.3g}·C [{a_lo:.3g}, {a_hi:.3g}] where a correct clip adds C"
+        )
+    else:
+        evidence += " (the canaries' contribution could not be measured: no coins, or none varied)"
+    scaled = ""
+    if scale is not None:
+        s = np.unique(np.asarray(scale, dtype=np.float64))
+        scaled = (
+            " observe() was given scale = 1 at every step."
+            if s.size == 1 and s[0] == 1
+            else f" observe() was given scale = {', '.join(f'{v:g}' for v in s[:4])}."
+        )
+    return {
+        "code": OBSERVATIONS_LOOK_AVERAGED,
+        "severity": "warning",
+        "message": f"{where}: the observations look divided by ≈ {b:g} (B in [{lo:.3g}, "
+        f"{hi:.3g}]; {why}): {evidence}, both about 1/B, as when observe() is given the "
+        f"batch MEAN instead of the privatized sum.{scaled} If so, pass scale=B to "
+        "observe() (the hook multiplies back) and audit again. The run fails all the same: "
+        "what was observed carries far less noise than the claim, and a slip is not "
+        "assumed.",
+        "batch": b,
+        "batch_range": [lo, hi],
+        "evidence": evidence,
+    }

@@ -85,6 +85,9 @@ def test_noise_divided_twice_is_a_mechanism_mismatch(example):
     mm = [f for f in res["findings"] if f["code"] == "mechanism_mismatch"]
     assert mm and all(f["severity"] == "error" for f in mm)
     assert "scale test" in mm[0]["message"] and "observed/claimed noise 0.1" in mm[0]["message"]
+    # the noise alone is 1/B (the canaries add their C whole): not named as observations
+    # divided by B (audit.canaries.outside_conformance.averaged_hint)
+    assert "observations_look_averaged" not in _codes(res)
     # the implied ε at σ × the factor's upper bound (≈ 1/B): at the floor σ = 0.25, "at least"
     assert c["implied_factor"] < 1.5 / B and c["implied_epsilon_at_least"]
     assert c["implied_epsilon"] > 10 * res["claim"]["claimed_epsilon"]

@@ -230,7 +230,7 @@ def test_opacus_faults_leak_more_than_claimed(tmp_path, capsys):
     assert any(r.endswith(":clip") for r in results["noclip"][1]["conformance"]["rejected"])
 
 
-def test_opacus_refuses_wrong_clip_and_optimizer(tmp_path):
+def test_opacus_records_a_wrong_clip_and_refuses_another_optimizer(tmp_path):
     from opacus import PrivacyEngine
 
     model = _linear()
@@ -242,7 +242,10 @@ def test_opacus_refuses_wrong_clip_and_optimizer(tmp_path):
     model, opt, loader = PrivacyEngine().make_private(
         module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=2.0
     )
-    with pytest.raises(O.UsageError, match="max_grad_norm = 2.0"):
-        GradientCanaryHook.load(out).attach_opacus(opt, model, sample_rate=loader.sample_rate)
+    # a C other than the set's is the run's, recorded (the audit's finding clip_differs)
+    hook = GradientCanaryHook.load(out)
+    with pytest.warns(UserWarning, match="max_grad_norm = 2"):
+        hook.attach_opacus(opt, model, data_loader=loader)
+    assert hook.run_clip == 2.0 and hook.q == 1 / len(loader) and hook.sampling == "poisson"
     with pytest.raises(O.UsageError, match="DPOptimizer"):
         GradientCanaryHook.load(out).attach_opacus(torch.optim.SGD(model.parameters()), model)
