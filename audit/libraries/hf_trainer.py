@@ -239,30 +239,34 @@ def _unwrap_optimizer(opt):
 
 
 def accumulation_epsilon(
-    sigma: float, q: float, k: int, steps: int, delta: float, discretization: float = 1e-3
+    sigma: float, q: float, micro_batches, delta: float, discretization: float = 1e-3
 ) -> float:
-    """ε (add/remove, dp-accounting PLD, pessimistic) of ``steps`` noised steps each summing
-    ``k`` independent Poisson(q) micro-batches: a record enters a step Binomial(k, q) times
-    and adds that many C's, so one step is a mixture of Gaussians of std σ at sensitivities
-    0 … k (in units of C) with Binomial(k, q) weights. k = 1 is the Poisson subsampled
-    Gaussian."""
+    """ε (add/remove, dp-accounting PLD, pessimistic) of noised steps that each sum
+    ``micro_batches[t]`` independent Poisson(q) batches: a record enters step t
+    Binomial(k_t, q) times and adds that many C's, so the step is a mixture of Gaussians of
+    std σ at sensitivities 0 … k_t (units of C) with Binomial(k_t, q) weights; the steps
+    compose. One micro-batch per step is the Poisson subsampled Gaussian."""
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
     from scipy import stats
 
-    if not (sigma > 0 and 0 < q <= 1 and k >= 1 and steps >= 1 and 0 < delta < 1):
+    ks = [int(k) for k in micro_batches]
+    if not (sigma > 0 and 0 < q <= 1 and ks and min(ks) >= 1 and 0 < delta < 1):
         raise ValueError(
-            f"need σ > 0, 0 < q ≤ 1, k ≥ 1, steps ≥ 1, 0 < δ < 1; got σ = {sigma}, q = {q}, "
-            f"k = {k}, steps = {steps}, δ = {delta}"
+            f"need σ > 0, 0 < q ≤ 1, at least one step of ≥ 1 micro-batch, 0 < δ < 1; got "
+            f"σ = {sigma}, q = {q}, micro-batches {sorted(set(ks))}, δ = {delta}"
         )
-    sens = list(range(k + 1))
-    probs = [float(p) for p in stats.binom.pmf(sens, k, q)]
-    one = pld_lib.from_mixture_gaussian_mechanism(
-        sigma,
-        [float(s) for s in sens],
-        probs,
-        value_discretization_interval=discretization,
-    )
-    return float(one.self_compose(int(steps)).get_epsilon_for_delta(delta))
+    total = None
+    for k in sorted(set(ks)):
+        sens = list(range(k + 1))
+        probs = [float(p) for p in stats.binom.pmf(sens, k, q)]
+        one = pld_lib.from_mixture_gaussian_mechanism(
+            sigma,
+            [float(x) for x in sens],
+            probs,
+            value_discretization_interval=discretization,
+        ).self_compose(ks.count(k))
+        total = one if total is None else total.compose(one)
+    return float(total.get_epsilon_for_delta(delta))
 
 
 class OpacusAuditCallback(TrainerCallback):
@@ -332,6 +336,12 @@ class OpacusAuditCallback(TrainerCallback):
                 "the Trainer steps an optimizer that is not the DPOptimizer make_private "
                 f"returned ({type(chain[-1]).__name__}): it would add no noise. Pass "
                 "optimizers=(dp_optimizer, None) to the Trainer"
+            )
+        if int(getattr(args, "n_gpu", 1) or 1) > 1 or int(args.world_size) > 1:
+            raise ValueError(
+                f"the Trainer would run on {max(args.n_gpu, args.world_size)} devices or "
+                "processes (DataParallel / DDP): Opacus's per-sample gradients and this audit "
+                "are for one process on one device here (Opacus's own DPDDP is not this path)"
             )
         k = int(args.gradient_accumulation_steps)
         if k > 1 and getattr(model, "grad_accumulation_allowed", True) is False:
@@ -444,33 +454,40 @@ class OpacusAuditCallback(TrainerCallback):
         k_run = max(micro) if micro else 1
         if k_args > 1 or k_run > 1:
             k = max(k_args, k_run)
-            q = float(np.max(res["run"]["sample_rate"]))
-            q_micro = q / k_run if k_run > 1 else q
             sigma = float(np.max(res["run"]["noise_multiplier"]))
-            try:
-                eps_ga = accumulation_epsilon(
-                    max(sigma, SIGMA_FLOOR), q_micro, k, len(a.obs), self.delta
+            eps_ga = None
+            if a.poisson:
+                try:
+                    eps_ga = accumulation_epsilon(
+                        max(sigma, SIGMA_FLOOR), self.q0, self.micro_batches, self.delta
+                    )
+                except Exception as exc:  # the PLD's own limits
+                    untested.append(f"the ε of the accumulated mechanism was not computed ({exc})")
+                eps_txt = (
+                    f"{'≥ ' if sigma < SIGMA_FLOOR else ''}{eps_ga:.4g}"
+                    if eps_ga is not None
+                    else "not computed"
                 )
-            except Exception as exc:  # the PLD's own limits
-                eps_ga = None
-                untested.append(f"the ε of the accumulated mechanism was not computed ({exc})")
+                what = (
+                    f"{k} independent Poisson batches (q = {self.q0:.4g} each), which Opacus "
+                    f"accounts as one Poisson draw at rate {k}·q with sensitivity C; a record "
+                    f"enters a step Binomial({k}, q) times (up to {k}·C): the ε of what ran is "
+                    f"{eps_txt} (claimed {res['claimed_epsilon']:.4g})"
+                )
+            else:
+                what = (
+                    f"{k} shuffled batches (about {k} times the batch), which Opacus accounts "
+                    f"as one Poisson draw at rate {k}·q; the batches are not Poisson"
+                )
             tr["accumulation_epsilon"] = eps_ga
-            tr["accumulation_epsilon_at_least"] = sigma < SIGMA_FLOOR
+            tr["accumulation_epsilon_at_least"] = bool(eps_ga is not None and sigma < SIGMA_FLOOR)
             findings.append(
                 {
                     "code": "gradient_accumulation",
-                    "message": f"gradient_accumulation_steps = {k}: each noised step sums {k} "
-                    f"independent Poisson batches (q = {q_micro:.4g} each) and Opacus accounts "
-                    f"it as one Poisson draw at q = {k_run}·{q_micro:.4g} with sensitivity C; "
-                    f"a record enters a step Binomial({k}, q) times (up to {k}·C), whose ε is "
-                    + (
-                        f"{'≥ ' if sigma < SIGMA_FLOOR else ''}{eps_ga:.4g}"
-                        if eps_ga is not None
-                        else "not computed"
-                    )
-                    + f" (claimed {res['claimed_epsilon']:.4g}); use "
-                    "gradient_accumulation_steps=1 and Opacus's BatchMemoryManager for "
-                    "virtual steps",
+                    "message": f"gradient_accumulation_steps = {k}: each noised step sums "
+                    + what
+                    + "; use gradient_accumulation_steps=1 with a larger Poisson batch, or "
+                    "Opacus's BatchMemoryManager for physical batches",
                 }
             )
         if twice:

@@ -200,7 +200,7 @@ def test_accumulation_epsilon_with_one_micro_batch_is_the_poisson_gaussian():
             steps_per_round=T, rounds=1, claimed_epsilon=1.0, delta=delta, accounting="composed",
         )
     )["epsilon_pld"]  # fmt: skip
-    assert accumulation_epsilon(sigma, q, 1, T, delta) == pytest.approx(ref, rel=0.02)
+    assert accumulation_epsilon(sigma, q, [1] * T, delta) == pytest.approx(ref, rel=0.02)
 
 
 def _delta_mixture(eps: float, sigma: float, q: float, k: int) -> float:
@@ -217,7 +217,7 @@ def _delta_mixture(eps: float, sigma: float, q: float, k: int) -> float:
 
 def test_accumulation_epsilon_matches_a_numerical_reference():
     sigma, q, k, delta = 1.0, 0.1, 3, 1e-3
-    eps = accumulation_epsilon(sigma, q, k, 1, delta, discretization=1e-2)
+    eps = accumulation_epsilon(sigma, q, [k], delta, discretization=1e-2)
     # pessimistic: δ(ε) ≤ δ at the returned ε, and not far above the exact ε
     assert _delta_mixture(eps, sigma, q, k) <= delta * 1.001
     lo, hi = 0.0, eps
@@ -226,9 +226,15 @@ def test_accumulation_epsilon_matches_a_numerical_reference():
         lo, hi = (mid, hi) if _delta_mixture(mid, sigma, q, k) > delta else (lo, mid)
     assert eps == pytest.approx(hi, rel=0.02, abs=0.01)
     # a record that may enter a step twice costs more than one Poisson draw at k·q
-    assert eps > accumulation_epsilon(sigma, 1 - (1 - q) ** k, 1, 1, delta, discretization=1e-2)
+    assert eps > accumulation_epsilon(sigma, 1 - (1 - q) ** k, [1], delta, discretization=1e-2)
+    # steps of different counts compose: [k, k] is k composed twice, and [1, k] lies between
+    two = accumulation_epsilon(sigma, q, [k, k], delta, discretization=1e-2)
+    mixed = accumulation_epsilon(sigma, q, [1, k], delta, discretization=1e-2)
+    assert eps < mixed < two
     with pytest.raises(ValueError, match="need σ > 0"):
-        accumulation_epsilon(0.0, q, k, 1, delta)
+        accumulation_epsilon(0.0, q, [k], delta)
+    with pytest.raises(ValueError, match="need σ > 0"):
+        accumulation_epsilon(sigma, q, [], delta)
 
 
 # --- the example
