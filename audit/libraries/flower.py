@@ -507,7 +507,7 @@ class FlowerRun:
             from flwr.compat.common import recorddict_compat as compat
 
             nd = parameters_to_ndarrays(
-                compat.recorddict_to_fitres(reply.content, False).parameters
+                compat.recorddict_to_fitres(reply.content, keep_input=True).parameters
             )
             block = nd[-1]
         else:

@@ -41,6 +41,16 @@ CASES = [
     ),
     ("message_client_adaptive", "correct", "Message API client-side adaptive clipping, C rising"),
     (
+        "legacy_local_dp",
+        "correct",
+        "legacy FedAvg + flwr.client.mod.LocalDpMod (C = 1, sensitivity 2C, ε = 1)",
+    ),
+    (
+        "legacy_client_adaptive",
+        "correct",
+        "legacy client-side adaptive clipping + adaptiveclipping_mod, C rising",
+    ),
+    (
         "message_local_dp",
         "correct",
         "Message API LocalDpMod (C = 1, sensitivity 2C, ε = 1, δ = 1e-5)",
@@ -242,13 +252,19 @@ def build(mode: str, quick: bool = False, seed: int = 0) -> dict:
             probe = RdpAccountant(acc.config)
             probe.compose(GaussianPrivacyEvent(sigma, m, pool), rounds)
             claim = claim_for(sigma, rounds, m, clip, eps=probe.get_epsilon(1e-5))
-    elif mode in ("legacy_server_adaptive", "adaptive_shrinking", "message_client_adaptive"):
+    elif mode in (
+        "legacy_server_adaptive",
+        "legacy_client_adaptive",
+        "message_client_adaptive",
+        "adaptive_shrinking",
+    ):
         # rising: C starts above the updates' norms and the target quantile is high (few
         # clipped, C grows every round); shrinking: C far below the norms (all clipped)
         rising = mode != "adaptive_shrinking"
+        client_side = mode.endswith("client_adaptive")
         cls = (
             lib.DifferentialPrivacyClientSideAdaptiveClipping
-            if mode == "message_client_adaptive"
+            if client_side
             else lib.DifferentialPrivacyServerSideAdaptiveClipping
         )
         # Flower needs σ < 2σ_b; the count's noise σ_b/m moves C either way: rising needs it
@@ -262,15 +278,16 @@ def build(mode: str, quick: bool = False, seed: int = 0) -> dict:
             target_clipped_quantile=0.9 if rising else 0.5,
             clipped_count_stddev=0.6 if rising else 3.0,
         )
-        if mode == "message_client_adaptive":
-            mods = [mmod.adaptiveclipping_mod]
+        if client_side:
+            mods = [lmod.adaptiveclipping_mod if legacy else mmod.adaptiveclipping_mod]
         claim = claim_for(sigma, rounds, m)
-    elif mode in ("message_local_dp", "local_dp_sensitivity"):
+    elif mode in ("message_local_dp", "legacy_local_dp", "local_dp_sensitivity"):
         strategy = inner
-        if mode == "message_local_dp":
-            mod = mmod.LocalDpMod(clipping_norm=1.0, sensitivity=2.0, epsilon=1.0, delta=1e-5)
+        cls = lmod.LocalDpMod if legacy else mmod.LocalDpMod
+        if mode != "local_dp_sensitivity":
+            mod = cls(clipping_norm=1.0, sensitivity=2.0, epsilon=1.0, delta=1e-5)
         else:
-            mod = mmod.LocalDpMod(clipping_norm=1.0, sensitivity=1.0, epsilon=4.0, delta=1e-5)
+            mod = cls(clipping_norm=1.0, sensitivity=1.0, epsilon=4.0, delta=1e-5)
         mods = [mod]
         std = mod.sensitivity * np.sqrt(2 * np.log(1.25 / mod.delta)) / mod.epsilon
         claim = claim_for(std / mod.clipping_norm, 1, m, eps=mod.epsilon)

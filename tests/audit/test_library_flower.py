@@ -93,10 +93,12 @@ def test_noise_repeated_by_seeded_clients_is_caught_by_the_freshness_test():
     res = run_case("seeded_clients", quick=True, permutations=199)
     assert res["exit_code"] == 1
     assert "canary:fresh" in res["conformance_rejected"]
+    assert "noise_reused" in _codes(res)
 
 
-def test_adaptive_clipping_records_the_clip_per_round():
-    ok = run_case("legacy_server_adaptive", quick=True, permutations=199)
+@pytest.mark.parametrize("mode", ["legacy_server_adaptive", "legacy_client_adaptive"])
+def test_adaptive_clipping_records_the_clip_per_round(mode):
+    ok = run_case(mode, quick=True, permutations=199)
     assert ok["verdict"] == "pass", ok["findings"]
     clips, noise = np.array(ok["run"]["clipping_norm"]), np.array(ok["run"]["noise_clipping_norm"])
     assert len(clips) == 10 and (np.diff(clips) > 0).all()  # C rising
@@ -106,9 +108,11 @@ def test_adaptive_clipping_records_the_clip_per_round():
     assert "noise_at_next_clip" in _codes(bad) and bad["exit_code"] == 1
 
 
-def test_local_dp_mod_checked_against_its_own_epsilon():
-    ok = run_case("message_local_dp", quick=True, permutations=199)
+@pytest.mark.parametrize("mode", ["message_local_dp", "legacy_local_dp"])
+def test_local_dp_mod_checked_against_its_own_epsilon(mode):
+    ok = run_case(mode, quick=True, permutations=199)
     assert ok["verdict"] == "pass", ok["findings"]
+    assert ok["mode"] == mode.replace("_", ":", 1)
     std = 2.0 * math.sqrt(2 * math.log(1.25e5))  # sensitivity 2, ε = 1
     assert ok["run"]["noise_std"] == pytest.approx(std)
     assert ok["recomputed_epsilon"] == pytest.approx(gdp_epsilon(2 / std, 1e-5))
