@@ -17,11 +17,9 @@ Gradient canaries, DP-SGD (sample level)::
     ... train as usual (optimizer.step()) ...
     hook.write_observations("obs.npz")
 
-(``data_loader``: what ``make_private`` returned. Its q is Opacus's, 1/len(data_loader):
-a ``DPDataLoader`` has ``.sample_rate``, but with ``poisson_sampling=False`` Opacus keeps
-the user's shuffled ``DataLoader``, which has none, and still accounts its batches as
-Poisson at 1/len(data_loader); the hook records the sampling, and a claim of Poisson
-sampling for shuffled batches is the audit's finding ``sampling_differs``.)
+(``data_loader``: what ``make_private`` returned; q = 1/len(data_loader), Opacus's. With
+``poisson_sampling=False`` it is the user's shuffled ``DataLoader``, without ``.sample_rate``,
+whose batches Opacus still accounts as Poisson: a Poisson claim is then ``sampling_differs``.)
 
     # a plain PyTorch loop (you compute per-sample gradients, clip, sum and add noise)
     hook = GradientCanaryHook.load("canaries/", sample_rate=q, sigma=sigma)
@@ -36,11 +34,10 @@ sampling for shuffled batches is the audit's finding ``sampling_differs``.)
         ...
     hook.write_observations("obs.npz")
 
-A slip in using the hook is named from the data: observations of the wrong shape (per
-parameter, the parameter's shape) are refused naming the expected and the given shape;
-observations divided by the batch size (the mean given without ``scale=``) carry about
-1/B of the claim's noise AND of the canaries' C, which :meth:`GradientCanaryHook.write_observations`
-warns about and the audit names (``observations_look_averaged``) while failing the run.
+Slips are named from the data: observations of the wrong shape are refused (expected and
+given shape); observations divided by the batch size (the mean without ``scale=``) carry
+about 1/B of the claim's noise AND of the canaries' C: ``write_observations`` warns, the
+audit names it (``observations_look_averaged``) and fails the run.
 
 Each step draws one Bernoulli(q) coin per canary from the set's key (stream
 ``("outside-gradient-coins", step)``), included or not; an included canary whose coin is
@@ -274,56 +271,8 @@ class GradientCanaryHook:
             t.view(-1)[int(b["flat"][j])] += self.clip
 
     def _tensors(self, xs, what: str = "observe()") -> list:
-        """``xs`` (a list in bound order or a dict by name) as tensors, each checked to have
-        its parameter's shape (or to be that parameter flattened): a slip (a per-sample
-        batch, another parameter's tensor, a missing one) is named, expected against given."""
-        import torch
-
-        b = self._bound
-        names = b["names"]
-        if isinstance(xs, dict):
-            missing = [n for n in names if n not in xs and clean_name(n) not in xs]
-            if missing:
-                raise UsageError(
-                    f"{what}: no tensor for parameter(s) {missing[:3]}"
-                    + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
-                    + f"; expected one per bound parameter ({len(names)})"
-                )
-            xs = [xs[n] if n in xs else xs[clean_name(n)] for n in names]
-        elif isinstance(xs, torch.Tensor | np.ndarray):
-            raise UsageError(
-                f"{what}: expected a list of {len(names)} tensors (one per bound parameter, in "
-                f"bind() order) or a dict by name, got one {type(xs).__name__} of shape "
-                f"{tuple(xs.shape)}"
-            )
-        else:
-            xs = list(xs)
-        if len(xs) != len(b["params"]):
-            raise UsageError(
-                f"{what}: expected {len(b['params'])} tensors (one per bound parameter), got "
-                f"{len(xs)}"
-            )
-        out = []
-        for n, p, t in zip(names, b["params"], xs):
-            if isinstance(t, np.ndarray):
-                t = torch.from_numpy(t)
-            if not isinstance(t, torch.Tensor):
-                raise UsageError(
-                    f"{what}: parameter {n!r}: expected a tensor, got {type(t).__name__}"
-                )
-            if tuple(t.shape) != tuple(p.shape) and tuple(t.shape) != (p.numel(),):
-                hint = ""
-                if t.dim() == p.dim() + 1 and tuple(t.shape[1:]) == tuple(p.shape):
-                    hint = (
-                        " (a leading dimension of per-sample values: give the noisy SUM over "
-                        "the batch)"
-                    )
-                raise UsageError(
-                    f"{what}: parameter {n!r} has shape {tuple(p.shape)}, the tensor given for "
-                    f"it {tuple(t.shape)}{hint}"
-                )
-            out.append(t)
-        return out
+        """``xs`` checked against the bound parameters (:func:`OB.step_tensors`)."""
+        return OB.step_tensors(xs, self._bound["names"], self._bound["params"], what)
 
     def observe(self, noisy_sum, scale: float = 1.0) -> None:
         """Record this step's privatized sum Σ clip(g_i) + N(0, σ²C²) (before any division

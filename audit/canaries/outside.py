@@ -34,6 +34,24 @@ the key the clipping test is skipped, and said so). A rejected test is the findi
 noise-implied ε, the claim's mechanism at σ × the observed noise factor's upper confidence
 bound (:mod:`audit.claims.implied`; conditional, not certified). Input canaries give one
 loss per canary after training: nothing per step to test.
+
+**The run against the claim.** What the observation file records of the run — its C, the
+rate q at which the canaries were sampled, the sampling (Poisson or shuffled, when the hook
+knows it: Opacus), the number of steps (rounds), the clients per round — is compared with
+the claim field by field; a difference is a finding naming both values (``clip_differs``,
+``sample_rate_differs``, ``sampling_differs``, ``steps_differs``,
+``clients_per_round_differs``; σ: ``stated_sigma_differs``), an error, exit 1, verdict "does
+not implement its claim" — never a usage error. Fewer steps observed than claimed is a
+note (the bound concerns the observed steps). Exit 2 is kept for bad input: missing or
+unreadable files, observations of another set or kind or of the wrong shape, a claim at
+the wrong level.
+
+**Slips in using a hook** are named from the data: observations divided by a batch size
+B (``GradientCanaryHook.observe`` given the batch mean without ``scale=B``) carry about
+1/B of the claim's noise AND of the canaries' C, which a noise that is only too small does
+not (its canaries add C whole): :func:`audit.canaries.outside_conformance.averaged_hint`,
+the finding ``observations_look_averaged`` (a warning beside the failing conformance
+test: the run still fails).
 """
 
 from __future__ import annotations
@@ -43,7 +61,24 @@ import math
 import numpy as np
 
 from audit.canaries.canary_set import CanarySet, load_canary_set
-from audit.canaries.observations import OBS_FORMAT, read_observations, write_observations
+from audit.canaries.observations import (
+    CLIENTS_PER_ROUND_DIFFERS,
+    CLIP_DIFFERS,
+    OBS_FORMAT,
+    RUN_DIFFERS,
+    SAMPLE_RATE_DIFFERS,
+    SAMPLING_DIFFERS,
+    STATED_SIGMA_DIFFERS,
+    STEPS_DIFFERS,
+    client_round_findings,
+    clip_findings,
+    gradient_run,
+    read_observations,
+    same,
+    scalar,
+    stated_sigma,
+    write_observations,
+)
 from audit.canaries.outside_conformance import (
     averaged_hint,
     claim_clip,
@@ -54,23 +89,6 @@ from audit.canaries.outside_conformance import (
     outside_conformance,
 )
 from fl.errors import UsageError
-
-
-def _scalar(obs: dict, key: str, where: str) -> float:
-    if key not in obs or np.asarray(obs[key]).ndim != 0:
-        raise UsageError(f"{where}: field {key!r} missing or not a number")
-    try:
-        v = float(obs[key])
-    except (TypeError, ValueError):
-        raise UsageError(f"{where}: field {key!r} is not a number") from None
-    if not math.isfinite(v):
-        raise UsageError(f"{where}: field {key!r} is not finite ({v})")
-    return v
-
-
-def _same(a: float, b: float, rel: float = 1e-6) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-300)
-
 
 # --------------------------------------------------------------------------- the audit
 
@@ -135,171 +153,20 @@ def _check_set(cs: CanarySet, obs: dict, where: str) -> None:
         )
 
 
-#: the findings of a run that differs from its claim (each an error: exit 1): the field the
-#: observation file records for the run against the claim's (σ: :data:`STATED_SIGMA_DIFFERS`)
-CLIP_DIFFERS = "clip_differs"
-SAMPLE_RATE_DIFFERS = "sample_rate_differs"
-SAMPLING_DIFFERS = "sampling_differs"
-STEPS_DIFFERS = "steps_differs"
-CLIENTS_PER_ROUND_DIFFERS = "clients_per_round_differs"
-RUN_DIFFERS = (
-    CLIP_DIFFERS,
-    SAMPLE_RATE_DIFFERS,
-    SAMPLING_DIFFERS,
-    STEPS_DIFFERS,
-    CLIENTS_PER_ROUND_DIFFERS,
-)
-
-
-def _differs(code: str, where: str, text: str) -> dict:
-    return {
-        "code": code,
-        "severity": "error",
-        "message": f"{where}: {text} The run is not the mechanism its claim describes; the "
-        "claim's ε is no statement about it.",
-    }
-
-
-def _clip_findings(clip: float, claim, spec: dict, where: str) -> list[dict]:
-    """The run's C (the observation file's) against the canary set's and the claim's: a
-    finding each that differs (``clip_differs``)."""
-    out = []
-    if not _same(clip, float(spec["clip"])):
-        out.append(
-            _differs(
-                CLIP_DIFFERS,
-                where,
-                f"the run clipped at C = {clip:g}, the canary set (made for the claim) at "
-                f"C = {spec['clip']:g}.",
-            )
-        )
-    if claim.clipping_norm is not None and not _same(clip, claim.clipping_norm):
-        out.append(
-            _differs(
-                CLIP_DIFFERS,
-                where,
-                f"the run clipped at C = {clip:g}, the claim says clipping_norm = "
-                f"{claim.clipping_norm:g}.",
-            )
-        )
-    return out
-
-
-#: the finding of an observation file whose σ is not the claim's (the trainer's own word:
-#: reported, never used by a test)
-STATED_SIGMA_DIFFERS = "stated_sigma_differs"
-
-
-def _stated_sigma(sigma: float, claim, where: str) -> dict | None:
-    """A finding when the σ the observation file states differs from the claim's: an error
-    when it is below (the training's own record says it added less noise than claimed), a
-    warning when above. The tests use the claim's σ either way."""
-    if _same(sigma, claim.noise_multiplier):
-        return None
-    below = sigma < claim.noise_multiplier
-    return {
-        "code": STATED_SIGMA_DIFFERS,
-        "severity": "error" if below else "warning",
-        "message": f"{where}: the observation file states σ = {sigma:g}, the claim "
-        f"noise_multiplier = {claim.noise_multiplier:g}. "
-        + (
-            "The training's own record says it added less noise than the claim accounts for. "
-            if below
-            else "The training's own record says it added more noise than claimed. "
-        )
-        + "The file's σ is the trainer's word: the conformance tests and the scores use the "
-        "claim's σ, and test what the observations show.",
-    }
-
-
-def _sampling(obs: dict, where: str) -> str | None:
-    """The run's sampling as the hook recorded it (``poisson`` / ``shuffle``), or None."""
-    if "sampling" not in obs:
-        return None
-    v = str(np.asarray(obs["sampling"]))
-    if v not in ("poisson", "shuffle", "fixed_batch", "all", "unknown"):
-        raise UsageError(f"{where}: field 'sampling' is {v!r}, not poisson / shuffle / unknown")
-    return None if v == "unknown" else v
-
-
 def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, own: list) -> tuple:
     """The canaries' scores and what the file says of the run; a C, q, sampling or count
-    of steps that differs from the claim is a finding in ``own`` (never a usage error)."""
+    of steps that differs from the claim is a finding in ``own`` (never a usage error:
+    :func:`audit.canaries.observations.gradient_run`)."""
     from audit.canaries import gradient as GC
-    from audit.claims.mistakes import opacus_sample_rate
 
     m = cs.count
     x = obs_array(obs, "obs", (None, m), where)
     if x.shape[0] < 1:
         raise UsageError(f"{where}: no steps observed")
-    sigma = _scalar(obs, "sigma", where)
-    clip = _scalar(obs, "clip", where)
-    q = _scalar(obs, "q", where)
-    if not 0 < q <= 1:
-        raise UsageError(f"{where}: field 'q' is {q:g}, not a sampling rate in (0, 1]")
-    sp = cs.spec
-    own += _clip_findings(clip, claim, sp, where)
-    sampling = _sampling(obs, where)
-    if sampling is not None and sampling != claim.sampling:
-        own.append(
-            _differs(
-                SAMPLING_DIFFERS,
-                where,
-                f"the run drew {sampling!r} batches, the claim's sampling is "
-                f"{claim.sampling!r}"
-                + (
-                    " (Opacus with poisson_sampling=False shuffles, and its accountant "
-                    "counts the shuffled batches as Poisson at q = 1/len(loader): the "
-                    "amplification by Poisson sampling the claim takes does not hold)."
-                    if sampling == "shuffle" and claim.sampling == "poisson"
-                    else "."
-                ),
-            )
-        )
-    if claim.sampling == "poisson":
-        rates = [claim.record_rate] + [r for r in [opacus_sample_rate(claim)] if r is not None]
-        if not any(_same(q, r) for r in rates):
-            own.append(
-                _differs(
-                    SAMPLE_RATE_DIFFERS,
-                    where,
-                    f"the run sampled at q = {q:g}, the claim's rate is "
-                    + " or ".join(f"{r:g}" for r in rates)
-                    + ".",
-                )
-            )
-    elif not _same(q, 1.0):
-        if sampling is not None and sampling == claim.sampling:
-            notes.append(
-                f"the canaries entered each step with probability q = {q:g} (the hook's "
-                f"coins), the claim's {claim.sampling!r} batches every record once an epoch: "
-                "a weaker test than canaries in every step"
-            )
-        else:
-            own.append(
-                _differs(
-                    SAMPLE_RATE_DIFFERS,
-                    where,
-                    f"the canaries were sampled at q = {q:g}, but the claim's sampling is "
-                    f"{claim.sampling!r}, which accounts every step at full sensitivity: a "
-                    "canary must then take part in every step (sample_rate=1 to the hook).",
-                )
-            )
-    steps, claimed_steps = x.shape[0], claim.rounds * claim.steps_per_round
-    if steps > claimed_steps:
-        own.append(
-            _differs(
-                STEPS_DIFFERS,
-                where,
-                f"the run took {steps} DP-SGD steps, the claim accounts {claimed_steps} "
-                "(rounds × steps_per_round).",
-            )
-        )
-    if steps < claimed_steps:
-        notes.append(
-            f"{steps} of the claim's {claimed_steps} steps observed: the bound concerns "
-            "the observed steps"
-        )
+    run = gradient_run(obs, x.shape[0], claim, cs.spec, where, notes)
+    own += run["findings"]
+    sigma, clip, q, sampling = run["sigma"], run["clip"], run["q"], run["sampling"]
+    steps, sp = x.shape[0], cs.spec
     # the run audit's scorer: records name their group after the last "/" (group_of)
     group = {p["name"]: p["group"] for p in sp["params"]}
     records = [{"param": f"{c['param']}/{group[c['param']]}"} for c in sp["coordinates"]]
@@ -327,7 +194,7 @@ def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, o
         info["sampling"] = sampling
     expected = None
     if "expected_batch_size" in obs:
-        expected = _scalar(obs, "expected_batch_size", where)
+        expected = scalar(obs, "expected_batch_size", where)
         info["expected_batch_size"] = expected
     scale = None
     if "scale" in obs:
@@ -358,20 +225,12 @@ def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, own
         raise UsageError(f"{where}: no rounds observed")
     norms = obs_array(obs, "norms", (t,), where)
     final_inner = obs_array(obs, "final_inner", (m,), where)
-    final_norm = _scalar(obs, "final_norm", where)
-    sigma, clip = _scalar(obs, "sigma", where), _scalar(obs, "clip", where)
-    per_round = _scalar(obs, "clients_per_round", where)
+    final_norm = scalar(obs, "final_norm", where)
+    sigma, clip = scalar(obs, "sigma", where), scalar(obs, "clip", where)
+    per_round = scalar(obs, "clients_per_round", where)
     sp = cs.spec
-    own += _clip_findings(clip, claim, sp, where)
-    if int(per_round) != claim.clients_per_round:
-        own.append(
-            _differs(
-                CLIENTS_PER_ROUND_DIFFERS,
-                where,
-                f"the server divided by {int(per_round)} clients per round, the claim says "
-                f"clients_per_round = {claim.clients_per_round}.",
-            )
-        )
+    own += clip_findings(clip, claim, sp, where)
+    own += client_round_findings(int(per_round), t, claim, where, notes)
     everyone = claim.sampling == "all" or claim.clients_per_round == claim.total_clients
     if sp["participation"] == "every_round" and not everyone:
         raise UsageError(
@@ -385,23 +244,11 @@ def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, own
                 f"sampling is {claim.sampling!r}"
             )
         q = claim.clients_per_round / claim.total_clients
-        if not _same(float(sp["rate"]), q):
+        if not same(float(sp["rate"]), q):
             raise UsageError(
                 f"canary clients are Poisson-sampled at {sp['rate']:g}, the claim's rate is "
                 f"clients_per_round / total_clients = {q:g}"
             )
-    releases = claim.rounds * claim.steps_per_round
-    if t > releases:
-        own.append(
-            _differs(
-                STEPS_DIFFERS,
-                where,
-                f"the run released {t} rounds, the claim accounts {releases} "
-                "(rounds × steps_per_round).",
-            )
-        )
-    if t < releases:
-        notes.append(f"{t} of the claim's {releases} releases observed")
     with np.errstate(divide="ignore", invalid="ignore"):
         cos = np.where(norms[:, None] > 0, inner / norms[:, None], 0.0)
     fin = final_inner / final_norm if final_norm > 0 else np.zeros(m)
@@ -468,7 +315,7 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
     own: list[dict] = []  # this audit's findings beside the claim check's
     block, how, not_tested = None, "", None
     if cs.kind in ("gradient", "client"):
-        f = _stated_sigma(_scalar(obs, "sigma", where), c, where)
+        f = stated_sigma(scalar(obs, "sigma", where), c, where)
         if f is not None:
             own.append(f)
     if cs.kind == "gradient":

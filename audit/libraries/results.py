@@ -286,7 +286,7 @@ def _benchmark_row(r: dict, where: str) -> dict:
             "untested",
             "verdict",
         ),
-        where,
+        f"{where} (a row as benchmarks.auditing.libraries.row writes it)",
     )
     conf = _text(r["conformance"], where, "conformance")
     if conf != "pass" and not conf.startswith("reject: "):
@@ -373,10 +373,12 @@ def _rows_of(doc, where: str) -> tuple[list[dict], list[dict]]:
         return out, [{"library": lib, **u} for u in und]
     if isinstance(doc, dict) and "verdict" in doc:
         return [_audit_row(doc, where)], []
+    if isinstance(doc, list) and doc and all(isinstance(d, dict) and "verdict" in d for d in doc):
+        return [_audit_row(d, f"{where} [{i}]") for i, d in enumerate(doc)], []
     raise _bad(
         where,
-        "neither a library audit's result (keys library, mode, …, verdict) nor the "
-        "benchmark's results.json ({'rows': [...]})",
+        "neither a library audit's result (keys library, mode, …, verdict), a list of them, "
+        "nor the benchmark's results.json ({'rows': [...]})",
     )
 
 

@@ -93,6 +93,19 @@ def test_infinite_epsilon_is_kept_and_numpy_values_are_written(opacus_results, t
     assert '"inf"' in (tmp_path / "a.json").read_text()
 
 
+def test_a_list_of_results_is_read(opacus_results, tmp_path):
+    # a JSON list of audits' results (as a benchmark that dumps its raw results writes)
+    doc = [_audit_doc(opacus_results), json.loads(json.dumps(opacus_results[1], default=float))]
+    (tmp_path / "runs.json").write_text(json.dumps(doc))
+    rows = load_library_audits(tmp_path)
+    assert [r["verdict"] for r in rows] == ["pass", "fail"]
+    assert rows[1]["source"].endswith("runs.json [1]")
+    doc[1]["verdict"] = "pass"
+    (tmp_path / "runs.json").write_text(json.dumps(doc))
+    with pytest.raises(UsageError, match=r"runs.json \[1\]: the verdict is 'pass'"):
+        load_library_audits(tmp_path)
+
+
 def test_benchmark_results_are_read_in_the_same_schema():
     doc = read_library_audits(BENCH)
     rows = doc["rows"]
