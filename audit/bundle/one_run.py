@@ -177,6 +177,20 @@ def one_run_audit(
         if not canaries:
             return cc_res
     if not canaries:
+        from audit.bundle.conformance import run_conformance
+        from fl.privacy import sampler_canaries as SC
+
+        if SC.read_observations(run):  # sampler canaries alone: the sampling test, no bound
+            delta = out["delta"] if out["delta"] else float(m["privacy"].get("delta") or 1e-5)
+            conf = run_conformance(run, m, None, delta, findings)
+            return {
+                "kind": "sampler_canaries",
+                "conformance": conf,
+                "implied_epsilon": None,
+                "note": "sampler canaries only: the sampling is tested; no ε lower bound (that "
+                "needs membership canaries: --canaries M) and no noise-implied ε (gradient "
+                "canaries observe the noise: --canary-kind gradient)",
+            }
         raise UsageError(
             f"{run} has no canaries in splits.json; train with `fedlora train --canaries M` "
             "(or, at client level, --canary-clients M)"

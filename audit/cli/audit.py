@@ -221,6 +221,47 @@ def _human(result: dict, title: str) -> str:
                     f"{_num(fdp['mu_lb_gdp'])}, confidence {1 - fdp['alpha']:g})",
                 )
             )
+    conf = (one or {}).get("conformance")
+    if conf and conf.get("tests") is not None:
+        rej, weak = conf.get("rejected") or [], conf.get("weak") or []
+        rows.append(
+            (
+                "conformance",
+                (
+                    f"REJECTED: {', '.join(rej)}"
+                    if rej
+                    else f"passed {len(conf['tests'])} test" + "s" * (len(conf["tests"]) != 1)
+                )
+                + (
+                    f"; weak evidence (α = {conf.get('warn_alpha'):g}): {', '.join(weak)}"
+                    if weak
+                    else ""
+                )
+                + f" (family-wise α = {conf.get('alpha'):g}, Holm)",
+            )
+        )
+        samp = conf.get("sampling")
+        if samp:
+            rows.append(
+                (
+                    "sampling test",
+                    f"p = {samp['p_value']:.3g} ({samp['canaries']} sampler canaries, "
+                    f"{samp['permutations']} permutations; window z {samp['z_window']:.3g}, "
+                    f"phase z {samp['z_phase']:.3g})",
+                )
+            )
+        if conf.get("implied_epsilon") is not None:
+            ge = "≥ " if conf.get("implied_epsilon_at_least") else ""
+            rows.append(
+                (
+                    "noise-implied ε",
+                    f"{ge}{_num(conf['implied_epsilon'])} (σ × {_num(conf['implied_factor'])}; "
+                    "conditional on Gaussian noise, not certified)",
+                )
+            )
+    if one and one.get("note"):
+        rows.append(("canaries", one["note"]))
+    if one and "epsilon_lb" in one and "m" in one:
         check = one.get("claim_check")
         if check:
             rows.append(

@@ -125,7 +125,7 @@ def best_bound(row: dict) -> dict | None:
     The attacks' member/non-member bounds (:func:`empirical_bounds`) are not used: they are
     estimates from one model (module docstring), shown in the Empirical privacy section."""
     one = (row.get("audit") or {}).get("one_run")
-    if not one:
+    if not one or one.get("epsilon_lb") is None:  # none, or sampler canaries only
         return None
     kind = {"gradient": "gradient ", "canary_clients": "canary-client "}.get(one.get("kind"), "")
     fdp = (one.get("fdp") or {}).get("epsilon_lb", one.get("epsilon_lb_fdp"))

@@ -376,8 +376,21 @@ def grid_minilm_power() -> list[dict]:
     return [power("minilm", 3.0, 10, fs=(0.95, 0.9, 0.8))]
 
 
+def grid_sampler() -> list[dict]:
+    """The sampler test at the verdict's α = 0.001 (window scan, sequential p): the planted
+    fault fixed_batches at each q (10 seeds at q = 0.05, 3 elsewhere) and correct runs with
+    sampler canaries (5 per q: false alarms)."""
+    g = [
+        cell("fixed_batches", s, 3.0, seeds=10 if s == "q005" else 3, stage="sampler")
+        for s in TINY_QS
+    ]
+    g += [cell("none", s, 3.0, "fedavg", "iid", 5, "sampler") for s in TINY_QS]
+    return g
+
+
 GRIDS = {
     "full": grid_full,
+    "sampler": grid_sampler,
     "quick": grid_quick,
     "timing": grid_timing,
     "minilm-power": grid_minilm_power,

@@ -173,3 +173,30 @@ def test_sampler_canaries_beside_input_canaries_are_tested(tmp_path):
     c = audit_run(tmp_path / "run", one_run=True)["one_run"]["conformance"]
     assert "sampler:sampling" in c["rejected"], c["sampling"]
     assert c["implied_epsilon"] is None and c["blocks"] == 0
+
+
+def test_sampler_canaries_alone_are_audited(tmp_path):
+    """A run with sampler canaries and no membership canaries: the audit runs the sampling
+    test (no ε lower bound, no implied ε, said so) instead of refusing; fixed_batches is a
+    mismatch, and the CLI shows the test."""
+    import subprocess
+    import sys
+
+    from fl.run.engine import train
+
+    cfg = tiny_config(
+        epsilon=3.0,
+        batch_size=20,
+        local_steps=12,
+        sampler_canaries=400,
+        inject_fault="fixed_batches",
+    )
+    train(cfg, tmp_path / "run", quiet=True, noise_key=R.NoiseKey.generate())
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "audit", str(tmp_path / "run"), "--one-run"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "REJECTED: sampler:sampling" in out.stdout and "sampling test" in out.stdout
+    assert "no ε lower bound" in out.stdout and "mechanism_mismatch" in out.stdout
