@@ -257,7 +257,7 @@ def _classify(strategy, mods) -> tuple[str, str]:
         "DifferentialPrivacyServerSideAdaptiveClipping": "server_adaptive",
         "DifferentialPrivacyClientSideAdaptiveClipping": "client_adaptive",
     }
-    mode = next((k for n, k in kinds.items() if type(strategy) is getattr(lib, n)), None)
+    mode = next((k for n, k in kinds.items() if isinstance(strategy, getattr(lib, n))), None)
     if local:
         if mode is not None:
             raise ValueError(
@@ -660,7 +660,11 @@ def audit_flower(
 ) -> dict:
     """Run a Flower DP training with canary clients and audit it against ``claim`` (the
     module doc; the result's keys are those of :meth:`audit.libraries.opacus.OpacusAudit.
-    audit`). The claim is checked before the training starts."""
+    audit`). The claim is checked before the training starts.
+
+    ``seed`` (tests and benchmarks; None in an audit) seeds Python's ``random`` and numpy's
+    global generator, which Flower samples its cohorts and draws its noise from, for the
+    whole process; the canaries' inclusion bits come from ``canaries.seed``."""
     from audit.libraries.flower_audit import check_claim_fields
 
     check_claim_fields(claim)

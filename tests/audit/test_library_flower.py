@@ -72,6 +72,30 @@ def test_unequal_client_sizes_are_flagged_with_the_largest_clients_epsilon():
     assert res["canary_contribution"]["weights_applied"][1] > 1.2
 
 
+def test_block_equals_the_canaries_clipped_and_weighted_without_noise():
+    """σ = 0 (Flower's legacy wrapper allows it): the released block is exactly the
+    drawn canaries' clipped updates C·e_j (10⁻⁹·C for an excluded one) weighted 1/m; the
+    real clients' replies leave it untouched; the recorded weights are the reports."""
+    import flwr.server.strategy as ls
+
+    kw = _kw()
+    kw.pop("claim")
+    inner = kw["strategy"].strategy
+    kw["strategy"] = ls.DifferentialPrivacyServerSideFixedClipping(inner, 0.0, 0.5, 6)
+    can = FlowerCanaries(m=M, seed=3)
+    run = FlowerRun(**{**kw, "rounds": 4}, canaries=can, seed=3).run()
+    nodes = {n: j for j, n in enumerate(run.canary_nodes)}
+    for rec in run.records:
+        expect = np.zeros(M)
+        for n in rec.cohort:
+            if n in nodes:
+                j = nodes[n]
+                expect[j] = 0.5 * (1.0 if can.included[j] else 1e-9) / 6
+        np.testing.assert_allclose(rec.after - rec.before, expect, atol=1e-12)
+        assert rec.clip == rec.noise_clip == 0.5
+        assert sorted(w for _, w in rec.weights) == [200.0] * 6
+
+
 def test_worst_weight_closed_form():
     assert worst_weight([5, 5, 5, 5], 3) == pytest.approx(1.0)
     assert worst_weight([1, 2, 3, 10], 2) == pytest.approx(2 * 10 / 11)
