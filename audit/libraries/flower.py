@@ -47,7 +47,6 @@ flwr is imported only inside functions (this module imports on a machine without
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 from contextlib import contextmanager
@@ -155,12 +154,6 @@ def _grid_proxy(node_id: int, grid):
     return GridClientProxy(node_id, grid, 1)
 
 
-def _app_mods(app) -> list:
-    """The app-level mods of a ClientApp (its private ``_mods``; flwr 1.42
-    flwr/clientapp/client_app.py:115)."""
-    return list(getattr(app, "_mods", []))
-
-
 class LocalGrid:
     """An in-process :class:`flwr.serverapp.Grid`: ``send_and_receive`` calls each
     destination's ClientApp directly (real clients first, then canaries) and lets
@@ -174,7 +167,6 @@ def _make_grid(apps: dict, on_reply):
     class _Grid(Grid, LocalGrid):
         def __init__(self):
             self.apps, self._run = apps, None
-            self._ids = itertools.count(1)
 
         def set_run(self, run) -> None:
             self._run = run
