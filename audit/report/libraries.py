@@ -103,7 +103,7 @@ def library_section(doc: dict, summary: dict) -> Section:
             "training's audit checks its claim against what the run used (σ, C, q, steps, "
             "sampling: a mismatch is a finding), recomputes ε for the run's mechanism, tests "
             "the noise at the canaries (conformance, Holm-corrected) and bounds ε from below "
-            "from one run. " + library_headline(rows) + "."
+            "from one run. Here " + library_headline(rows).removeprefix("library audits: ") + "."
         ),
         Table.of(headers, [_cells(r, with_expected) for r in rows]),
         Paragraph.of(
