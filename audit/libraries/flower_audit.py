@@ -14,7 +14,7 @@ against the CLAIMED σ (scale, freshness, and the clipping test, which sees a we
 **The mechanism the run used**, field by field against the claim (a mismatch is a finding):
 σ, C (fixed clipping), m, the cohort sizes, the rounds, and the sampling: Flower draws a
 fixed count without replacement (``random.sample``: flwr 1.42 serverapp/strategy/
-strategy_utils.py:181, server/client_manager.py), i.e. a fixed cohort (``fixed_batch``),
+strategy_utils.py:183, server/client_manager.py), i.e. a fixed cohort (``fixed_batch``),
 never Poisson. Its ε is recomputed with :func:`audit.claims.check.check_claim` (add/remove:
 a fixed cohort is a plain Gaussian at σ/2 per round). What the run did beyond its
 parameters changes that ε, and the recomputed ε is the ε of what it did:
