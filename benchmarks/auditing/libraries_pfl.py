@@ -137,8 +137,10 @@ def _data(rng) -> dict:
     return out
 
 
-def simulate(mode: str, seed: int = 0, rounds: int = ROUNDS):
-    """Build and run one case; returns (audit, claim)."""
+def simulate(mode: str, seed: int = 0, rounds: int = ROUNDS, sigma: float | None = None):
+    """Build and run one case; returns (audit, claim). ``sigma``: build pfl's accountant
+    from this noise parameter (it computes the ε) instead of calibrating σ to ε = EPS (a
+    binary search of PLD compositions: seconds at q = 1, 10-20 s below)."""
     import torch
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.aggregate.weighting import WeightByDatapoints
@@ -202,7 +204,8 @@ def simulate(mode: str, seed: int = 0, rounds: int = ROUNDS):
             num_compositions=rounds,
             sampling_probability=cohort / n_pop,
             mechanism="gaussian",
-            epsilon=EPS,
+            epsilon=EPS if sigma is None else None,
+            noise_parameter=sigma,
             delta=DELTA,
             noise_scale=0.5 if mode == "noise_scale" else 1.0,
         )
