@@ -35,10 +35,10 @@ Poisson-subsampled mechanism at ``sampling_probability`` (dp-accounting's ``samp
 ``PoissonSampledDpEvent``, prv-accountant's ``PoissonSubsampledGaussianMechanism``;
 privacy/privacy_accountant.py:227-233, 341-344, 426-429). pfl's simulation never samples
 that way: ``FederatedDataset.get_cohort`` calls the user sampler ``cohort_size`` times
-(data/federated_dataset.py:447-452), ``'random'`` with replacement
+(data/federated_dataset.py:445-457), ``'random'`` with replacement
 (``user_ids[np.random.randint(...)]``, data/sampling.py:280: a user can be drawn twice in
 one cohort and is then trained and summed twice), ``'minimize_reuse'`` cycling in a fixed
-order (data/sampling.py:129-141). The audit reads the sampling from the data (duplicates,
+order (data/sampling.py:114-141). The audit reads the sampling from the data (duplicates,
 cohort sizes, every user every round) and compares it with the claim: a claim of Poisson
 sampling (what pfl's accountant gives) for a fixed cohort is a finding. The mechanism that
 really ran is recomputed as the toolkit's references go (:mod:`audit.claims.check`): every

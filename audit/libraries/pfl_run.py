@@ -157,6 +157,16 @@ def claim_findings(kind: str, c: Claim, run: dict, sigma: float, clip: float) ->
                 "assume Poisson sampling at cohort/population",
             )
         )
+    biggest = max(run["cohort_sizes"], default=0)
+    if c.clients_per_round is not None and biggest > c.clients_per_round:
+        out.append(
+            finding(
+                "cohort_exceeds_claim",
+                f"a round's cohort held {biggest} users but the claim's clients_per_round is "
+                f"{c.clients_per_round} (SimulatedBackend's max_overshoot_fraction draws up to "
+                "cohort_size × (1 + fraction) users; pfl's accountant is not told)",
+            )
+        )
     if run["unknown_users"]:
         out.append(
             finding(

@@ -59,6 +59,12 @@ CASES = [
         "get_user_sampler('random') (draws with replacement) claimed with pfl's accountant's ε",
     ),
     (
+        "overshoot",
+        "misuse",
+        "SimulatedBackend(max_overshoot_fraction=0.5): cohorts of 10 to 14 users while pfl's "
+        "accountant and the claim say 10",
+    ),
+    (
         "low_sigma",
         "misuse",
         "GaussianMechanism(C, 0.5 × the accountant's σ) built by hand, claiming the accountant's ε",
@@ -172,7 +178,7 @@ def simulate(mode: str, seed: int = 0, rounds: int = ROUNDS, sigma: float | None
     ids = list(data)
     # the sampling cases draw a partial cohort; the others every user every round, so that
     # their misuse is the only thing wrong
-    full = mode not in ("cohort_fixed_claim", "accountant_poisson", "random_sampler")
+    full = mode not in ("cohort_fixed_claim", "accountant_poisson", "random_sampler", "overshoot")
     cohort = n_pop if full else COHORT
     sampler = get_user_sampler("random" if mode == "random_sampler" else "minimize_reuse", ids)
     fed = FederatedDataset.from_slices(data, sampler)
@@ -215,7 +221,7 @@ def simulate(mode: str, seed: int = 0, rounds: int = ROUNDS, sigma: float | None
         else:
             mech = GaussianMechanism.from_privacy_accountant(acc, clip)
         claim = accountant_claim(acc, CLIP, cohort, n_pop)
-        if mode == "cohort_fixed_claim":
+        if mode in ("cohort_fixed_claim", "overshoot"):
             claim = {**claim, "sampling": "fixed_batch", "source": "the fixed cohort, honestly"}
             claim["claimed_epsilon"] = check_claim(claim)["epsilon_pld"]
     central = CentrallyAppliedPrivacyMechanism(mech)
@@ -225,7 +231,12 @@ def simulate(mode: str, seed: int = 0, rounds: int = ROUNDS, sigma: float | None
         pps = [central, canaries.postprocessor]
     else:
         pps = [canaries.postprocessor, central]
-    backend = SimulatedBackend(training_data=fed, val_data=fed, postprocessors=pps)
+    backend = SimulatedBackend(
+        training_data=fed,
+        val_data=fed,
+        postprocessors=pps,
+        max_overshoot_fraction=0.5 if mode == "overshoot" else 0.0,
+    )
     audit = attach(canaries, model, pps)
     params = NNAlgorithmParams(
         central_num_iterations=rounds,
