@@ -463,6 +463,13 @@ class OpacusAuditCallback(TrainerCallback):
                 "Trainer(callbacks=[...]))"
             )
         if tr.get("trainer_built_loader") and not a.poisson:
+            for f in findings:  # OpacusAudit names make_private's flag; here the Trainer did it
+                if f["code"] == "sampling_mismatch":
+                    f["message"] = (
+                        f"the claim's sampling is {res['claim']['sampling']!r} but the Trainer "
+                        "drew 'shuffle' batches from a loader it built; Opacus's accountant "
+                        "accounts them as Poisson at q = 1/len(its DPDataLoader)"
+                    )
             findings.append(
                 {
                     "code": "trainer_loader_not_poisson",
