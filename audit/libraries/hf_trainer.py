@@ -84,9 +84,7 @@ its accountant's ε at δ), plus ``trainer`` (what the ``Trainer`` ran) and
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +96,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from audit.bounds.conformance import ALPHA, ALPHA_WARN
 from audit.claims.implied import SIGMA_FLOOR
 from audit.libraries.opacus import OpacusAudit, SamplerCanaries
+from audit.libraries.results import save_result
 
 __all__ = [
     "COLUMN",
@@ -552,6 +551,7 @@ class OpacusAuditCallback(TrainerCallback):
                 "covered by the claim nor audited"
             )
         res["library"] = "opacus (transformers Trainer)"
+        res["version"] = _version()
         res["trainer"] = tr
         # warnings (severity "warning": weak evidence) are reported, not counted
         res["verdict"] = (
@@ -562,7 +562,7 @@ class OpacusAuditCallback(TrainerCallback):
         if output_dir is not None:
             out = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)
-            (out / FILENAME).write_text(json.dumps(_jsonable(res), indent=1) + "\n")
+            save_result(res, out / FILENAME)  # strict JSON, atomic, checked readable
         msg = (
             f"library audit: {res['verdict']} (claimed ε = {res['claimed_epsilon']:.4g}, "
             f"recomputed ε = {res['recomputed_epsilon']:.4g}, noise factor "
@@ -612,18 +612,8 @@ class OpacusAuditCallback(TrainerCallback):
         return out
 
 
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
-    if isinstance(x, (np.bool_,)):
-        return bool(x)
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        v = float(x)
-        return v if math.isfinite(v) else str(v)
-    return x
+def _version() -> str:
+    import opacus
+    import transformers
+
+    return f"transformers {transformers.__version__} / opacus {opacus.__version__}"

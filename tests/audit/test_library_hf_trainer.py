@@ -120,7 +120,9 @@ def test_cases_table_is_well_formed():
 # --- slips: clear errors
 
 
-def _recipe(ga=1, remove_unused_columns=False, own_loader=False, plain_optimizer=False):
+def _recipe(
+    ga=1, remove_unused_columns=False, own_loader=False, plain_optimizer=False, steps=4, **cb_kw
+):
     from opacus import PrivacyEngine
     from transformers import Trainer, TrainingArguments, default_data_collator
 
@@ -137,10 +139,10 @@ def _recipe(ga=1, remove_unused_columns=False, own_loader=False, plain_optimizer
     model, dp_opt, loader = pe.make_private(
         module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0
     )
-    cb = OpacusAuditCallback(can, pe, dp_opt, loader, permutations=99, seed=0)
+    cb = OpacusAuditCallback(can, pe, dp_opt, loader, permutations=99, seed=0, **cb_kw)
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(),
-        max_steps=4,
+        max_steps=steps,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=ga,
         remove_unused_columns=remove_unused_columns,
@@ -160,6 +162,20 @@ def _recipe(ga=1, remove_unused_columns=False, own_loader=False, plain_optimizer
             **common,
         )
     return OpacusTrainer(train_dataloader=loader, callbacks=[cb], **common)
+
+
+def test_audit_on_demand_writes_a_file_the_report_reads(tmp_path):
+    from audit.libraries.results import load_library_audits
+
+    trainer = _recipe(steps=8, audit_on_train_end=False)
+    trainer.train()
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, OpacusAuditCallback))
+    assert cb.result is None  # not at train end
+    res = cb.run_audit(tmp_path)
+    assert res["run"]["steps"] == 8 and res["trainer"]["optimizer_steps"] == 8
+    rows = load_library_audits(tmp_path)
+    assert len(rows) == 1 and rows[0]["verdict"] == res["verdict"]
+    assert rows[0]["version"] == res["version"]
 
 
 def test_gradient_accumulation_with_poisson_sampling_is_a_clear_error():
