@@ -23,6 +23,14 @@ weight and the central optimizer applies it. No pfl code is patched. A postproce
 after the mechanism reads the sum before the noise: the data show it (no noise at all) and
 the finding names the slip.
 
+**The released model.** :attr:`PflCanaries.callback`, a pfl ``TrainingProcessCallback``
+given to ``run(callbacks=[...])``, reads the released model's canary block before training
+and after every central iteration; the audit checks that each round's change is a multiple
+of the observed noised sum divided by the round's total weight (``FederatedAveraging``'s
+average, then a stateless central SGD step: the multiple is its learning rate), so the
+release is the mechanism's output post-processed (``released_model``). A central optimizer
+with state (momentum, Adam) mixes rounds: the check then says so in ``untested``.
+
 **Inclusion bits and the ε lower bound.** Each canary user enters the population with
 probability ``p_include`` = 1/2 (bits from the OS's entropy unless ``seed``); the excluded
 canaries' coordinates are observed too. Canary j's score is the sum of its coordinate over
@@ -74,6 +82,7 @@ import math
 from audit.libraries.pfl_audit import ALPHA, LB_ALPHA, PflAudit
 from audit.libraries.pfl_canaries import (
     PFL_VERSION,
+    CanaryCallback,
     CanaryModule,
     CanaryObserver,
     PflCanaries,
@@ -83,6 +92,7 @@ __all__ = [
     "ALPHA",
     "LB_ALPHA",
     "PFL_VERSION",
+    "CanaryCallback",
     "CanaryModule",
     "CanaryObserver",
     "PflAudit",

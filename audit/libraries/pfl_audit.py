@@ -145,6 +145,30 @@ class PflAudit:
 
     # --- the audit
 
+    def _released(self, obs: np.ndarray) -> dict | None:
+        """The released model's canary block (the callback's reads) against the observed
+        noised sums: per round, Δθ = λ_t · sum_t / W_t (FederatedAveraging's average, then a
+        stateless central SGD step of rate λ_t), up to float32 rounding; None without reads."""
+        blocks = self.canaries.callback.blocks
+        rounds = self.observer.rounds
+        if len(blocks) != len(rounds) + 1 or not rounds:
+            return None
+        delta = np.diff(np.array(blocks), axis=0)
+        avg = obs / np.array([r["weight"] for r in rounds])[:, None]
+        lam, res = [], []
+        for d, s in zip(delta, avg):
+            ss = float(s @ s)
+            lt = float(d @ s) / ss if ss > 0 else 0.0
+            lam.append(lt)
+            res.append(float(np.linalg.norm(d - lt * s)) / max(float(np.linalg.norm(d)), 1e-30))
+        worst = max(res)
+        return {
+            "rounds": len(rounds),
+            "step_factor": [min(lam), max(lam)],
+            "max_rel_residual": worst,
+            "consistent": worst < 1e-4,
+        }
+
     def _lower_bound(self, u: np.ndarray, c: Claim, alpha: float) -> dict | None:
         inc = self.canaries.included
         if inc.all() or not inc.any() or self.canaries.p_include != 0.5:
@@ -246,6 +270,16 @@ class PflAudit:
             untested.append(
                 "pfl's accountant (the mechanism was not built with from_privacy_accountant)"
             )
+        elif eps_acc is not None:
+            # pfl's figure against the ε of what ran (reported; the claim is what is judged)
+            acc_info["recomputed_epsilon"] = eps_run
+            acc_info["understates_run"] = bool(eps_acc < eps_run / 1.01)
+            if acc_info["understates_run"]:
+                acc_info["why"] = (
+                    f"pfl's accountant gives ε = {eps_acc:.4g} for the run whose mechanism has "
+                    f"ε = {'≥ ' if at_least else ''}{eps_run:.4g}: "
+                    + ("; ".join(acc_info["mismatches"]) or "its assumptions match the run")
+                )
         # --- the observations, in units of the claimed C
         ob = self.observations()
         unit = c.clipping_norm if c.clipping_norm is not None else clip
@@ -385,11 +419,20 @@ class PflAudit:
                     f"ε = {c.claimed_epsilon:g}",
                 )
             )
-        untested.append(
-            "the step from the noised sum to the released model (FederatedAveraging's "
-            "division by the total weight, the central optimizer): the block is read at the "
-            "mechanism's output"
-        )
+        released = self._released(ob["obs"])
+        if released is None:
+            untested.append(
+                "the step from the noised sum to the released model (FederatedAveraging's "
+                "division by the total weight, the central optimizer): the block is read at "
+                "the mechanism's output (pass canaries.callback to run() to check it)"
+            )
+        elif not released["consistent"]:
+            untested.append(
+                "the step from the noised sum to the released model: the released block's "
+                "change is not a per-round multiple of the noised average (max relative "
+                f"residual {released['max_rel_residual']:.3g}: a central optimizer with state, "
+                "e.g. momentum or Adam, post-processes several rounds' sums); not checked"
+            )
         untested.append(
             "the noise's unpredictability: pfl seeds its noise generators; the tests see the "
             "scale and freshness, not whether the seed can be guessed"
@@ -418,6 +461,7 @@ class PflAudit:
             "conformance_rejected": rejected,
             "sampling": samp.to_dict() if samp else None,
             "canary_contribution": contrib,
+            "released_model": released,
             "canary_clip_error": abs(contrib["contribution"] - clip / unit) if contrib else None,
             "untested": untested,
             "findings": findings,

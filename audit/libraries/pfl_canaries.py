@@ -13,6 +13,7 @@ import numpy as np
 
 try:
     import torch
+    from pfl.callback.base import TrainingProcessCallback
     from pfl.common_types import Population
     from pfl.metrics import Metrics
     from pfl.postprocessor.base import Postprocessor
@@ -38,6 +39,7 @@ __all__ = [
     "LocalPrivacyMechanism",
     "CANARY_PREFIX",
     "PFL_VERSION",
+    "CanaryCallback",
     "CanaryModule",
     "CanaryObserver",
     "PflCanaries",
@@ -187,6 +189,28 @@ def _param(v):
     return get_param_value(v)
 
 
+class CanaryCallback(TrainingProcessCallback):
+    """pfl callback (optional, ``run(callbacks=[canaries.callback])``): the released
+    model's canary block before training and after every central iteration, to check that
+    the release is the observed noised sum post-processed (:class:`PflAudit`)."""
+
+    def __init__(self, canaries: PflCanaries) -> None:
+        self.canaries = canaries
+        self.blocks: list[np.ndarray] = []
+
+    def _read(self) -> np.ndarray:
+        return _np(self.canaries._module.block).copy()
+
+    def on_train_begin(self, *, model):
+        self.blocks = [self._read()] if self.canaries._module is not None else []
+        return Metrics()
+
+    def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+        if self.blocks:
+            self.blocks.append(self._read())
+        return False, Metrics()
+
+
 @dataclass
 class PflCanaries:
     """M canary users for one pfl simulation: :meth:`users` on the federated data before
@@ -202,6 +226,7 @@ class PflCanaries:
     gain: float = 1e6
     _module: CanaryModule | None = field(default=None, repr=False)
     _observer: CanaryObserver | None = field(default=None, repr=False)
+    _callback: CanaryCallback | None = field(default=None, repr=False)
     user_ids: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -218,10 +243,15 @@ class PflCanaries:
             else rng.random(self.m) < self.p_include
         )
         self._observer = CanaryObserver(self)
+        self._callback = CanaryCallback(self)
 
     @property
     def postprocessor(self) -> CanaryObserver:
         return self._observer
+
+    @property
+    def callback(self) -> CanaryCallback:
+        return self._callback
 
     @property
     def population(self) -> int:

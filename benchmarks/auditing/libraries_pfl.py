@@ -252,7 +252,7 @@ def simulate(mode: str, seed: int = 0, rounds: int = ROUNDS, sigma: float | None
             local_num_epochs=1, local_learning_rate=0.1, local_batch_size=None
         ),
         model_eval_params=NNEvalHyperParams(local_batch_size=None),
-        callbacks=[],
+        callbacks=[canaries.callback],
         send_metrics_to_platform=False,
     )
     return audit, claim

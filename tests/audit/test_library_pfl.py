@@ -145,10 +145,16 @@ def test_correct_full_participation_passes_and_matches_pfls_accountant(runs):
     assert res["accountant_epsilon"] == pytest.approx(res["recomputed_epsilon"], rel=0.01)
     assert 0.85 < _test(res, "canary:scale")["observed_over_claimed"] < 1.15
     assert res["accountant"]["mismatches"] == []
+    assert res["accountant"]["understates_run"] is False
     # each included canary user was drawn every round and clipped to C
     assert res["canary_contribution"]["draws"] == ROUNDS * run["included"]
     assert abs(res["canary_contribution"]["contribution"] - 1) < 0.5
     assert res["lower_bound"] is not None and res["epsilon_lower_bound"] < res["claimed_epsilon"]
+    # the released model's block moves by the noised sum / the cohort (central SGD, lr 1)
+    rel = res["released_model"]
+    assert rel["consistent"] and rel["rounds"] == ROUNDS
+    assert rel["step_factor"] == pytest.approx([1.0, 1.0], rel=1e-4)
+    assert not any("released model" in u for u in res["untested"])
 
 
 def test_correct_laplace_passes(runs):
@@ -205,6 +211,7 @@ def test_fixed_cohort_claimed_as_poisson_is_flagged(runs):
     assert {"sampling_mismatch", "epsilon_understated"} <= _codes(res)
     assert res["run"]["sampling"] == "fixed_batch"
     assert any("Poisson" in m for m in res["accountant"]["mismatches"])
+    assert res["accountant"]["understates_run"] is True
     assert {"sampling:release:exchangeable", "sampling:rate:binomial"} <= {
         f"{t['group']}:{t['test']}" for t in res["conformance"]["tests"]
     }
