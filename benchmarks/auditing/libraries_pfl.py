@@ -143,10 +143,17 @@ def _data(rng) -> dict:
     return out
 
 
-def simulate(mode: str, seed: int = 0, rounds: int = ROUNDS, sigma: float | None = None):
+def simulate(
+    mode: str,
+    seed: int = 0,
+    rounds: int = ROUNDS,
+    sigma: float | None = None,
+    central_optimizer: str = "sgd",
+):
     """Build and run one case; returns (audit, claim). ``sigma``: build pfl's accountant
     from this noise parameter (it computes the ε) instead of calibrating σ to ε = EPS (a
-    binary search of PLD compositions: seconds at q = 1, 10-20 s below)."""
+    binary search of PLD compositions: seconds at q = 1, 10-20 s below).
+    ``central_optimizer``: "sgd" (lr 1) or "adam" (a central optimizer with state)."""
     import torch
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.aggregate.weighting import WeightByDatapoints
@@ -186,7 +193,11 @@ def simulate(mode: str, seed: int = 0, rounds: int = ROUNDS, sigma: float | None
     model = PyTorchModel(
         module,
         local_optimizer_create=torch.optim.SGD,
-        central_optimizer=torch.optim.SGD(module.parameters(), lr=1.0),
+        central_optimizer=(
+            torch.optim.Adam(module.parameters(), lr=0.1)
+            if central_optimizer == "adam"
+            else torch.optim.SGD(module.parameters(), lr=1.0)
+        ),
     )
     claim = None
     if mode.startswith("laplace"):

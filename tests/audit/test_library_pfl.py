@@ -157,6 +157,21 @@ def test_correct_full_participation_passes_and_matches_pfls_accountant(runs):
     assert not any("released model" in u for u in res["untested"])
 
 
+def test_released_model_through_a_stateful_optimizer_is_named_untested():
+    pytest.importorskip("pfl")
+    from benchmarks.auditing.libraries_pfl import simulate
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        audit, claim = simulate(
+            "full_accountant", seed=4, rounds=6, sigma=SIGMA, central_optimizer="adam"
+        )
+        res = audit.audit(claim, permutations=199, seed=0)
+    assert res["verdict"] == "pass", res["findings"]  # the mechanism is fine
+    assert res["released_model"]["consistent"] is False
+    assert any("central optimizer with state" in u for u in res["untested"])
+
+
 def test_correct_laplace_passes(runs):
     res = runs("laplace_full")
     assert res["verdict"] == "pass", res["findings"]
