@@ -65,6 +65,13 @@ label name in that signature either, so evaluation computes no loss unless
   drawn, so the logged values tell the steps where a canary was drawn: a one-sided
   Mann–Whitney test of the logged ``grad_norm`` against the coins; a finding at the
   verdict's level (p ≤ ``audit.bounds.conformance.ALPHA``), a warning at p ≤ ``ALPHA_WARN``;
+* *the noise seeded by the ``Trainer``* (``noise_seeded_by_trainer``): the ``Trainer``
+  seeds torch's global generator with ``args.seed`` (default 42) in its ``__init__``, and
+  Opacus without ``secure_mode`` draws its noise and its Poisson coins from that generator;
+  when it is still in exactly that state at ``on_train_begin``, the whole noise sequence
+  is a function of a public seed (measured: two runs on different data with the same seed
+  add the identical noise to the canary block). The recipe reseeds from the OS's entropy
+  after building the ``Trainer``;
 * *an optimizer that is not Opacus's*, *several devices or processes*: refused at
   ``on_train_begin`` (a ``ValueError``): no noise would be added, or Opacus's per-sample
   gradients are not this path.
@@ -397,6 +404,21 @@ class OpacusAuditCallback(TrainerCallback):
             "logging_strategy": str(getattr(args.logging_strategy, "value", args.logging_strategy)),
             "output_dir": str(args.output_dir),
         }
+        # where Opacus draws its noise and Poisson coins: without secure_mode and without a
+        # generator of its own, from torch's global generator, which the Trainer seeded with
+        # args.seed in __init__; still in exactly that state now = nothing reseeded it
+        gen = getattr(self.optimizer, "generator", None)
+        secure = bool(getattr(self.optimizer, "secure_mode", False))
+        public = torch.Generator().manual_seed(int(args.seed)).get_state()
+        self.trainer.update(
+            seed=int(args.seed),
+            noise_generator="Opacus secure_mode"
+            if secure
+            else ("the optimizer's generator" if gen is not None else "torch's global generator"),
+            noise_seeded_by_trainer=bool(
+                gen is None and not secure and torch.equal(torch.random.get_rng_state(), public)
+            ),
+        )
         if own:
             # the run's sampling is what the Trainer's loader drew (OpacusAudit reads it)
             self.audit_state.poisson = poisson
@@ -460,6 +482,19 @@ class OpacusAuditCallback(TrainerCallback):
             untested.append(
                 "the Trainer's configuration (the callback saw no on_train_begin: pass it in "
                 "Trainer(callbacks=[...]))"
+            )
+        if tr.get("noise_seeded_by_trainer"):
+            findings.append(
+                {
+                    "code": "noise_seeded_by_trainer",
+                    "message": "Opacus drew its noise and its Poisson coins from torch's global "
+                    "generator (secure_mode off, no generator of its own), which the Trainer "
+                    f"seeded with args.seed = {tr['seed']} in its __init__ and which nothing "
+                    "reseeded before training: the noise is a function of that seed (public; "
+                    "the default is 42), so whoever knows it regenerates the noise and "
+                    "subtracts it. Reseed from the OS's entropy after building the Trainer "
+                    "(torch.manual_seed(secrets.randbits(63))) or use secure_mode",
+                }
             )
         if tr.get("trainer_built_loader") and not a.poisson:
             for f in findings:  # OpacusAudit names make_private's flag; here the Trainer did it

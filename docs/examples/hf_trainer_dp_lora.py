@@ -15,7 +15,8 @@ The recipe (docs/audit_hf_trainer.md):
    Poisson loader (:class:`OpacusTrainer`), ``remove_unused_columns=False`` (Opacus's
    ``GradSampleModule.forward(*args, **kwargs)`` names no column) and
    ``logging_strategy="no"`` (the Trainer's logged ``grad_norm`` is the non-private
-   gradient's norm);
+   gradient's norm), and torch's generator, which the Trainer seeded with ``args.seed`` and
+   from which Opacus draws its noise, reseeded from the OS's entropy;
 4. :class:`OpacusAuditCallback` audits the run at the end of training against the claim
    the PrivacyEngine makes, writes ``<out>/library_audit.json`` and logs the verdict.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import sys
 import tempfile
 import warnings
@@ -59,6 +61,12 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=100)
     ap.add_argument(
         "--seed", type=int, default=0, help="model, data, Opacus's draws (not the canaries)"
+    )
+    ap.add_argument(
+        "--noise-seed",
+        type=int,
+        default=None,
+        help="seed Opacus's noise (tests; default: the OS's entropy)",
     )
     ap.add_argument(
         "--canary-seed",
@@ -136,6 +144,9 @@ def main(argv=None) -> int:
         optimizers=(opt, None),
         callbacks=[audit],
     )
+    # the Trainer seeded torch's generator with args.seed, and Opacus draws its noise and
+    # Poisson coins from it: reseed it from the OS's entropy (a public seed is no secret)
+    torch.manual_seed(a.noise_seed if a.noise_seed is not None else secrets.randbits(63))
     trainer.train()  # 4: the audit runs at the end of training
     res = audit.result
     acc = trainer.evaluate()

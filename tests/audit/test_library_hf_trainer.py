@@ -69,6 +69,7 @@ def test_correct_recipe_passes_and_writes_the_audit():
     # each canary the sampler drew was clipped to exactly C on its coordinate
     assert res["canary_clip_error"] < 1e-5
     assert res["conformance"]["passed"] and res["trainer"]["micro_batches_per_noised_step"] == 1
+    assert not res["trainer"]["noise_seeded_by_trainer"]  # reseeded after the Trainer's seed
     # the file in the Trainer's output_dir is the same audit
     doc = json.loads((Path(res["output_dir"]) / FILENAME).read_text())
     assert doc["verdict"] == "pass" and doc["recomputed_epsilon"] == res["recomputed_epsilon"]
@@ -109,6 +110,14 @@ def test_logged_grad_norm_is_seen_to_leak_the_canaries():
     assert _codes(res) == {"nonprivate_grad_norm_logged"}
     t = res["trainer"]["logged_grad_norm_test"]
     assert t["p_value"] < 1e-3 and t["median_with"] > 50 * t["median_without"]
+
+
+def test_noise_seeded_by_the_trainer_is_flagged():
+    res = run_case("trainer_public_seed", seed=0, quick=True, permutations=199)
+    assert _codes(res) == {"noise_seeded_by_trainer"}
+    assert res["trainer"]["noise_generator"] == "torch's global generator"
+    # the data cannot see it: the noise is Gaussian at the claimed scale and fresh
+    assert res["conformance"]["passed"]
 
 
 def test_cases_table_is_well_formed():
@@ -265,6 +274,7 @@ def test_example_runs_and_passes(tmp_path, capsys):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     argv = ["--steps", "12", "--records", "160", "--canaries", "16", "--canary-seed", "1"]
+    argv += ["--noise-seed", "5"]
     rc = example.main([*argv, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out[-2000:]
