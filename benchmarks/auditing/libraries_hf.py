@@ -76,9 +76,11 @@ UNDETECTABLE = [
         "outside_releases and untested, it cannot test it (grad_norm it can: a case above)",
     ),
     (
-        "secure_mode=False",
-        "Opacus draws the noise with torch.normal; it is Gaussian at the claimed scale, so no "
-        "statistical test of the release sees the floating-point weakness",
+        "secure_mode=False (reseeded from the OS)",
+        "Opacus draws the noise with torch.normal from a Mersenne Twister; it is Gaussian at "
+        "the claimed scale and fresh, so no statistical test of the release sees the "
+        "floating-point weakness nor a seed someone else knows (the Trainer's own public "
+        "seed is seen: trainer_public_seed)",
     ),
     (
         "one person's data in several records",
