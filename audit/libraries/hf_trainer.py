@@ -71,7 +71,8 @@ label name in that signature either, so evaluation computes no loss unless
   when it is still in exactly that state at ``on_train_begin``, the whole noise sequence
   is a function of a public seed (measured: two runs on different data with the same seed
   add the identical noise to the canary block). The recipe reseeds from the OS's entropy
-  after building the ``Trainer``;
+  after building the ``Trainer``. Random draws between the ``Trainer``'s construction and
+  ``train()`` move the state and hide it from this check (the noise stays seeded);
 * *an optimizer that is not Opacus's*, *several devices or processes*: refused at
   ``on_train_begin`` (a ``ValueError``): no noise would be added, or Opacus's per-sample
   gradients are not this path.

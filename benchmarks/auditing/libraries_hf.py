@@ -83,6 +83,12 @@ UNDETECTABLE = [
         "seed is seen: trainer_public_seed)",
     ),
     (
+        "the Trainer's seed after other random draws",
+        "the callback sees the Trainer's public seed when torch's generator is still in the "
+        "state args.seed gives at on_train_begin; draws in between (an evaluate() before "
+        "train(), eval_on_start) leave the noise a function of that seed but move the state",
+    ),
+    (
         "one person's data in several records",
         "the unit of privacy is outside the mechanism the canaries travel through",
     ),
