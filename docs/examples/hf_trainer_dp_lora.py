@@ -102,7 +102,12 @@ def main(argv=None) -> int:
     can = SamplerCanaries(m=a.canaries, seed=a.canary_seed)
     train = CanaryRecords(records(a.records, a.vocab, a.seed), can)
     held_out = records(128, a.vocab, a.seed + 1)
-    model = CanaryClassifier(build_model(seed=a.seed, vocab=a.vocab), can)
+    peft_model = build_model(seed=a.seed, vocab=a.vocab)
+    # a model from from_pretrained is in eval mode, where Opacus records no activations;
+    # the Trainer's training_step calls model.train() on every step (and evaluation's
+    # model.eval() is undone the same way): shown here by starting in eval mode
+    peft_model.eval()
+    model = CanaryClassifier(peft_model, can)
 
     # 3: Opacus (Poisson sampling, flat clipping) on the model, the optimizer, the loader
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
@@ -129,6 +134,8 @@ def main(argv=None) -> int:
         remove_unused_columns=False,
         label_names=["labels"],  # the Trainer finds none in GradSampleModule.forward
         logging_strategy="no",
+        eval_strategy="steps",  # an evaluation mid-training (model.eval(), then .train())
+        eval_steps=max(1, a.steps // 2),
         save_strategy="no",
         report_to="none",
         use_cpu=True,
