@@ -1,4 +1,6 @@
-"""Opacus inside the Hugging Face ``Trainer``, audited end to end: :class:`OpacusAuditCallback`.
+"""Over 500 lines on purpose: one library's integration, whose records, model wrapper, Trainer subclass and callback share the canaries' state; a third of it is the documentation of the Trainer and Opacus behaviours the audit relies on.
+
+Opacus inside the Hugging Face ``Trainer``, audited end to end: :class:`OpacusAuditCallback`.
 
 The recipe for DP fine-tuning of a PEFT adapter with the ``Trainer``: Opacus's
 ``PrivacyEngine.make_private`` turns the model, the optimizer and the train ``DataLoader``
