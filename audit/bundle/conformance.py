@@ -21,7 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from audit.bounds.conformance import TESTS, Block, GroupTest, conformance, implied_noise_factor
+from audit.bounds.conformance import (
+    ALPHA,
+    TESTS,
+    Block,
+    GroupTest,
+    conformance,
+    implied_noise_factor,
+)
 from audit.bounds.sampling import sampling_test
 from audit.claims.implied import epsilon_of_scaled_events
 from audit.findings import Code, Findings
@@ -145,10 +152,12 @@ def implied_epsilon(manifest: dict, factor: float, delta: float) -> tuple[float,
     return epsilon_of_scaled_events(by_unit.values(), factor, delta)
 
 
-def sampler_test(run: Path, manifest: dict) -> tuple[GroupTest | None, dict | None]:
+def sampler_test(
+    run: Path, manifest: dict, permutations: int = 19_999
+) -> tuple[GroupTest | None, dict | None]:
     """The permutation test of the run's sampler canaries (:mod:`audit.bounds.sampling`) as
-    one more test of the family, with σ from the ledger and q from the manifest (the claim);
-    (None, None) when the run has none."""
+    one more test of the family, with σ from the ledger and q from the manifest (the claim),
+    at most ``permutations`` of them; (None, None) when the run has none."""
     obs = SC.read_observations(run)
     if not obs:
         return None, None
@@ -161,7 +170,7 @@ def sampler_test(run: Path, manifest: dict) -> tuple[GroupTest | None, dict | No
         c = clip or ob["clip"]
         sigma = sigmas.get((ob["client"], ob["round"], ob["stage"]), ob["sigma"])
         blocks.append((ob["obs"] / c, sigma, rates.get(ob["client"], ob["q"])))
-    res = sampling_test(blocks)
+    res = sampling_test(blocks, permutations=permutations)
     t = GroupTest(
         group="sampler",
         test="sampling",
@@ -188,7 +197,12 @@ def run_conformance(
         obs = G.read_observations(run)
         stream = coin_stream(Path(run), manifest)
         blocks, notes = gradient_blocks(records, obs, manifest, stream)
-    samp, samp_res = sampler_test(Path(run), manifest)
+    # the sampler test's Monte Carlo floor 1/(P + 1) must reach Holm's smallest threshold
+    # α/k with room for a few exceedances: k counts at most three tests per observed group
+    # and the sampler test itself; P = 2k/α − 1, at most 19 999
+    k = 3 * len({str(g) for b in blocks for g in np.unique(b.groups)}) + 1
+    p_max = min(19_999, math.ceil(2 * k / ALPHA) - 1)
+    samp, samp_res = sampler_test(Path(run), manifest, permutations=p_max)
     res = conformance(blocks, extra=(samp,) if samp is not None else ())
     factor, group = implied_noise_factor(res)
     eps_implied, at_least = implied_epsilon(manifest, factor, delta)

@@ -103,8 +103,8 @@ def runs(tmp_path_factory):
     base = dict(
         epsilon=3.0,
         batch_size=20,
-        local_steps=12,
-        sampler_canaries=400,
+        local_steps=20,
+        sampler_canaries=800,
         canaries=500,
         canary_kind="gradient",
     )
@@ -123,7 +123,7 @@ def test_canary_rows_are_drawn_by_the_trainers_sampler(runs):
     obs = SC.read_observations(d)
     assert len(obs) == 6  # 3 clients × 2 rounds
     for ob in obs:
-        assert ob["obs"].shape == (12, 400)
+        assert ob["obs"].shape == (20, 800)
         assert ob["q"] == pytest.approx(0.25) and ob["clip"] == 1.0
         # C·s + N(0, σ²C²): about q of the entries carry the canary's C
         u = ob["obs"] / ob["clip"]
@@ -161,8 +161,8 @@ def test_sampler_canaries_beside_input_canaries_are_tested(tmp_path):
     cfg = tiny_config(
         epsilon=3.0,
         batch_size=20,
-        local_steps=12,
-        sampler_canaries=400,
+        local_steps=20,
+        sampler_canaries=800,
         canaries=20,
         canary_kind="mislabel",
         inject_fault="fixed_batches",
@@ -187,8 +187,8 @@ def test_sampler_canaries_alone_are_audited(tmp_path):
     cfg = tiny_config(
         epsilon=3.0,
         batch_size=20,
-        local_steps=12,
-        sampler_canaries=400,
+        local_steps=20,
+        sampler_canaries=800,
         inject_fault="fixed_batches",
     )
     train(cfg, tmp_path / "run", quiet=True, noise_key=R.NoiseKey.generate())
