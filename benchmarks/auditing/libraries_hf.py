@@ -105,7 +105,7 @@ def _version() -> str:
     return f"transformers {transformers.__version__} / opacus {opacus.__version__}"
 
 
-def _records(n: int, seed: int):
+def token_records(n: int, seed: int):
     """The example's synthetic token records as dicts (input_ids, attention_mask, labels)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "docs" / "examples"))
     from opacus_peft_audit import synthetic_data
@@ -145,7 +145,7 @@ def run_case(mode: str, seed: int = 0, quick: bool = False, permutations: int = 
     k = 4 if mode == "trainer_grad_accum" else 1
     # inclusion bits seeded so that a row reproduces; a real audit draws them from the OS
     can = SamplerCanaries(m=M, seed=seed)
-    train = CanaryRecords(_records(N, seed), can)
+    train = CanaryRecords(token_records(N, seed), can)
     model = CanaryClassifier(build_model(seed=seed, vocab=VOCAB), can)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
     loader = torch.utils.data.DataLoader(train, batch_size=BATCH, collate_fn=default_data_collator)

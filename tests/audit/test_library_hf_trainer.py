@@ -34,7 +34,7 @@ from audit.libraries.hf_trainer import (  # noqa: E402
     accumulation_epsilon,
 )
 from audit.libraries.opacus import SamplerCanaries  # noqa: E402
-from benchmarks.auditing.libraries_hf import BATCH, CASES, VOCAB, _records, run_case  # noqa: E402
+from benchmarks.auditing.libraries_hf import BATCH, CASES, VOCAB, run_case, token_records  # noqa: E402
 
 warnings.filterwarnings("ignore", module="opacus")
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,7 +140,7 @@ def _recipe(
 
     torch.manual_seed(0)
     can = SamplerCanaries(m=8, seed=0)
-    train = CanaryRecords(_records(64, 0), can)
+    train = CanaryRecords(token_records(64, 0), can)
     model = CanaryClassifier(build_model(seed=0, vocab=VOCAB), can)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
     loader = torch.utils.data.DataLoader(train, batch_size=8, collate_fn=default_data_collator)
