@@ -412,7 +412,12 @@ def _conformance_rows(c: dict | None, alpha: float) -> list[tuple[str, str]]:
             "conformance (claim's σ)",
             f"σ = {_num(c['sigma'])}, C = {_num(c['clip'])}, {c['steps']} steps; "
             + (f"REJECTED: {', '.join(rej)}" if rej else "passed")
-            + f" (family-wise α = {alpha:g}, Holm)",
+            + (
+                f"; weak evidence (α = {c.get('warn_alpha'):g}): {', '.join(c['weak'])}"
+                if c.get("weak")
+                else ""
+            )
+            + f" (family-wise α = {c.get('alpha', alpha):g}, Holm)",
         )
     ]
     for t in c.get("tests") or []:
