@@ -626,7 +626,7 @@ class FlowerRun:
             if new is not None:
                 params = new
 
-    def audit(self, claim, *, alpha: float = 0.05, permutations: int = 999, seed=None) -> dict:
+    def audit(self, claim, *, alpha: float = 0.05, permutations: int = 19_999, seed=None) -> dict:
         """The audit of this run against ``claim`` (:func:`audit.libraries.flower_audit.audit_run`)."""
         if not self._done:
             raise RuntimeError("call run() before audit()")
@@ -648,7 +648,7 @@ def audit_flower(
     canaries: FlowerCanaries | None = None,
     seed: int | None = None,
     alpha: float = 0.05,
-    permutations: int = 999,
+    permutations: int = 19_999,
 ) -> dict:
     """Run a Flower DP training with canary clients and audit it against ``claim`` (the
     module doc; the result's keys are those of :meth:`audit.libraries.opacus.OpacusAudit.

@@ -45,6 +45,7 @@ from audit.claims.check import check_claim
 from audit.claims.implied import epsilon_of_scaled_claim
 from audit.claims.mistakes import reference
 from audit.claims.schema import Claim, validate_claim
+from audit.libraries.results import conformance_warnings
 
 __all__ = ["audit_run", "check_claim_fields", "worst_weight"]
 
@@ -115,7 +116,7 @@ def _check_fields(c: Claim, checks, findings: list) -> None:
             )
 
 
-def audit_run(run, claim, *, alpha: float = 0.05, permutations: int = 999, seed=None) -> dict:
+def audit_run(run, claim, *, alpha: float = 0.05, permutations: int = 19_999, seed=None) -> dict:
     """The claim check, the conformance tests, the sampling tests, the one-run bound and
     the implied ε of ``run`` (a :class:`audit.libraries.flower.FlowerRun` that ran)."""
     t0 = time.time()
@@ -137,9 +138,8 @@ def _result(run, c, run_mech, findings, untested, conf, lb, **kw) -> dict:
         findings.append(
             _finding(
                 "conformance_rejected",
-                f"{t.group}:{t.test} rejected (p = {10**t.log10_p:.3g}"
-                + (f", observed/claimed noise {t.ratio:.3f}" if t.ratio else "")
-                + ")",
+                f"{t.group}:{t.test} rejected at family-wise α = {conf.alpha:g} (Holm; "
+                f"{t.evidence()})",
             )
         )
     fresh = [t for t in conf.rejected if t.test == "fresh" and t.ratio is not None]
@@ -166,6 +166,7 @@ def _result(run, c, run_mech, findings, untested, conf, lb, **kw) -> dict:
             )
         )
     verdict = "fail" if findings else "pass"
+    findings = findings + conformance_warnings(conf)  # reported, not counted in the verdict
     return {
         "library": "flower",
         "mode": f"{run.api}:{run.mode}",
@@ -413,7 +414,7 @@ def _audit_central(run, recs, c, alpha, permutations, seed) -> dict:
         q=q,
         p_include=run.canaries.p_include,
     )
-    conf = conformance([block], alpha=alpha, extra=tuple(extra))
+    conf = conformance([block], extra=tuple(extra))
     f, group = implied_noise_factor(conf)
     eps_implied, at_least = _implied(
         lambda: epsilon_of_scaled_claim(reference(run_claim), c.noise_multiplier, f, c.delta)
@@ -559,7 +560,7 @@ def _audit_local(run, recs, c, alpha) -> dict:
         blocks.append(_ldp_block(np.array([rest]), np.array(tracks), np.array(bits), c, run, 1))
     if not blocks:
         raise ValueError("no canary client was drawn: nothing to audit (more rounds or canaries)")
-    conf = conformance(blocks, alpha=alpha)
+    conf = conformance(blocks)
     f, group = implied_noise_factor(conf)
     eps_implied, _ = _implied(lambda: (gdp_epsilon(2 / (c.noise_multiplier * f), c.delta), False))
     seen = np.array([bool(rows[j]) for j in range(M)])

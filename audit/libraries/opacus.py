@@ -81,6 +81,7 @@ from audit.claims.check import check_claim
 from audit.claims.implied import SIGMA_FLOOR, epsilon_of_scaled_claim
 from audit.claims.mistakes import reference
 from audit.claims.schema import Claim, validate_claim
+from audit.libraries.results import conformance_warnings
 
 __all__ = [
     "MODES",
@@ -534,16 +535,6 @@ class OpacusAudit:
                     f"(Holm; {t.evidence()})",
                 }
             )
-        warnings_ = [
-            {
-                "code": "conformance_weak",
-                "severity": "warning",
-                "message": f"{t.group}:{t.test} rejected at family-wise α = {conf.warn_alpha:g} "
-                f"but not at the verdict's {conf.alpha:g} (Holm; {t.evidence()}): weak "
-                "evidence, the verdict unchanged",
-            }
-            for t in conf.weak
-        ]
         lb = self._lower_bound(u, c, alpha) if carried else None
         if lb is None:
             untested.append("ε lower bound (needs included and excluded canaries that carry)")
@@ -561,7 +552,7 @@ class OpacusAudit:
             float(np.max(np.abs(ob["sums"] / self.clip_c - ob["coins"]))) if carried else None
         )
         verdict = "fail" if findings else "pass"
-        findings += warnings_  # reported, not counted in the verdict
+        findings += conformance_warnings(conf)  # reported, not counted in the verdict
         return {
             "library": "opacus",
             "mode": self.mode,

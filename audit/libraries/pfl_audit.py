@@ -11,7 +11,13 @@ import time
 import numpy as np
 from scipy import stats
 
-from audit.bounds.conformance import Block, GroupTest, conformance, implied_noise_factor
+from audit.bounds.conformance import (
+    ALPHA_WARN,
+    Block,
+    GroupTest,
+    conformance,
+    implied_noise_factor,
+)
 from audit.bounds.fdp import fdp_one_run_bound
 from audit.bounds.one_run import epsilon_one_run
 from audit.bounds.sampling import sampling_test
@@ -29,6 +35,7 @@ from audit.libraries.pfl_canaries import (
 )
 from audit.libraries.pfl_run import accountant_of, claim_findings, finding, sampling_of
 from audit.libraries.pfl_stats import contribution_test, laplace_epsilon, laplace_tests
+from audit.libraries.results import conformance_warnings
 
 __all__ = ["ALPHA", "LB_ALPHA", "PflAudit"]
 
@@ -193,7 +200,7 @@ class PflAudit:
         *,
         alpha: float = ALPHA,
         lb_alpha: float = LB_ALPHA,
-        permutations: int = 999,
+        permutations: int = 19_999,
         seed: int | None = None,
     ) -> dict:
         """The claim check, the tests and the implied ε of this run against ``claim``
@@ -380,10 +387,10 @@ class PflAudit:
                 q=1.0,
                 p_include=self.canaries.p_include,
             )
-            conf = conformance([block], alpha=alpha, extra=tuple(extra))
+            conf = conformance([block], alpha=alpha, extra=tuple(extra), warn_alpha=ALPHA_WARN)
         else:
             lap = laplace_tests(r, claimed_noise, alpha=alpha)
-            conf = conformance([], alpha=alpha, extra=tuple(lap + extra))
+            conf = conformance([], alpha=alpha, extra=tuple(lap + extra), warn_alpha=ALPHA_WARN)
             untested.append(
                 "the Gaussian conformance tests (Laplace noise: the Anderson scale and "
                 "freshness tests and the contribution t-test, asymptotic under Laplace noise, "
@@ -438,6 +445,7 @@ class PflAudit:
             "scale and freshness, not whether the seed can be guessed"
         )
         verdict = "fail" if findings else "pass"
+        findings = findings + conformance_warnings(conf)  # reported, not in the verdict
         return {
             "library": "pfl",
             "version": PFL_VERSION,

@@ -31,6 +31,7 @@ from fl.io import atomic_write_text
 
 __all__ = [
     "ROW_KEYS",
+    "conformance_warnings",
     "load_library_audits",
     "read_library_audits",
     "save_result",
@@ -62,6 +63,23 @@ ROW_KEYS = (
 MAX_BYTES = 32 * 1024 * 1024
 
 VERDICTS = ("pass", "fail")
+
+
+def conformance_warnings(conf) -> list[dict]:
+    """A ``conformance_weak`` warning per test of ``conf`` (an
+    :class:`audit.bounds.conformance.ConformanceResult`) rejected at its warning level but
+    not at the verdict's: every library audit appends these after its verdict is decided
+    (a warning never fails the verdict)."""
+    return [
+        {
+            "code": "conformance_weak",
+            "severity": "warning",
+            "message": f"{t.group}:{t.test} rejected at family-wise α = {conf.warn_alpha:g} "
+            f"but not at the verdict's {conf.alpha:g} (Holm; {t.evidence()}): weak evidence, "
+            f"one correct run in {1 / conf.warn_alpha:.0f} can show it; the verdict unchanged",
+        }
+        for t in conf.weak
+    ]
 
 
 # --------------------------------------------------------------------------- writing

@@ -112,7 +112,7 @@ UNDETECTABLE = [
 ]
 
 
-def _net():
+def small_net():
     import torch
     from pfl.metrics import Weighted
 
@@ -189,7 +189,7 @@ def simulate(
     cohort = n_pop if full else COHORT
     sampler = get_user_sampler("random" if mode == "random_sampler" else "minimize_reuse", ids)
     fed = FederatedDataset.from_slices(data, sampler)
-    module = canaries.model(_net())
+    module = canaries.model(small_net())
     model = PyTorchModel(
         module,
         local_optimizer_create=torch.optim.SGD,

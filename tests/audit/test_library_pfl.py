@@ -255,7 +255,7 @@ def test_clear_errors():
     from pfl.privacy import CentrallyAppliedPrivacyMechanism, GaussianMechanism
 
     from audit.libraries.pfl import PflCanaries, accountant_claim, attach
-    from benchmarks.auditing.libraries_pfl import _net
+    from benchmarks.auditing.libraries_pfl import small_net
 
     with pytest.raises(ValueError, match="at least two"):
         PflCanaries(m=1)
@@ -281,10 +281,10 @@ def test_clear_errors():
 
     mech = CentrallyAppliedPrivacyMechanism(GaussianMechanism(1.0, 1.0))
     with pytest.raises(ValueError, match="PflCanaries.model"):
-        attach(can, pfl_model(_net()), [can.postprocessor, mech])
-    model = pfl_model(can.model(_net()))
+        attach(can, pfl_model(small_net()), [can.postprocessor, mech])
+    model = pfl_model(can.model(small_net()))
     with pytest.raises(ValueError, match="canary block is not among"):
-        attach(can, pfl_model(_net()), [can.postprocessor, mech])
+        attach(can, pfl_model(small_net()), [can.postprocessor, mech])
     with pytest.raises(ValueError, match="put it first"):
         attach(can, model, [mech])
     with pytest.raises(ValueError, match="local mechanism"):
