@@ -309,7 +309,7 @@ def build(mode: str, quick: bool = False, seed: int = 0) -> dict:
     }
 
 
-def run_case(mode: str, seed: int = 0, quick: bool = False, permutations: int = 999) -> dict:
+def run_case(mode: str, seed: int = 0, quick: bool = False, permutations: int = 19_999) -> dict:
     """One case: the audit's dict plus ``case``, ``wall_s``, ``version``."""
     import flwr
 

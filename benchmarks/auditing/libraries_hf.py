@@ -114,7 +114,7 @@ def token_records(n: int, seed: int):
     return [{"input_ids": x[i], "attention_mask": mask[i], "labels": y[i]} for i in range(n)]
 
 
-def run_case(mode: str, seed: int = 0, quick: bool = False, permutations: int = 999) -> dict:
+def run_case(mode: str, seed: int = 0, quick: bool = False, permutations: int = 19_999) -> dict:
     """Train the tiny BERT + LoRA with the Trainer and Opacus in ``mode`` (:data:`CASES`)
     and audit it with :class:`OpacusAuditCallback`; returns the audit dict plus ``case``,
     ``wall_s`` and ``version``."""

@@ -269,7 +269,7 @@ def simulate(
     return audit, claim
 
 
-def run_case(mode: str, seed: int = 0, quick: bool = False, permutations: int = 999) -> dict:
+def run_case(mode: str, seed: int = 0, quick: bool = False, permutations: int = 19_999) -> dict:
     """Run and audit one case (:data:`CASES`); the audit dict plus case, wall_s, version.
     ``quick``: 12 rounds instead of 20."""
     from audit.libraries.pfl import PFL_VERSION
