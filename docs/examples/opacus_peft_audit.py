@@ -103,7 +103,7 @@ def train(model, canaries: Path, obs_path: Path, *, sigma, clip, steps, records,
     if tamper is not None:
         tamper(opt)
     hook = GradientCanaryHook.load(canaries)
-    hook.attach_opacus(opt, model, sample_rate=loader.sample_rate)
+    hook.attach_opacus(opt, model, data_loader=loader)
     model.train()
     done = 0
     while done < steps:
