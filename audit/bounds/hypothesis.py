@@ -145,8 +145,13 @@ def gdp_delta(mu: float, eps: float) -> float:
         raise ValueError(f"mu and eps must be >= 0, got mu={mu}, eps={eps}")
     if mu == 0.0:
         return 0.0
+    if math.isinf(eps) or math.isinf(mu):
+        return 0.0 if math.isinf(eps) else 1.0
     a = stats.norm.cdf(-eps / mu + mu / 2)
-    b = math.exp(eps + stats.norm.logcdf(-eps / mu - mu / 2))
+    # e^eps·Φ(−eps/mu − mu/2) <= Φ(−eps/mu + mu/2) <= 1, so its log is <= 0 up to rounding:
+    # clamped before exp (a huge mu or eps once overflowed here)
+    log_b = eps + float(stats.norm.logcdf(-eps / mu - mu / 2))
+    b = math.exp(min(log_b, 0.0)) if math.isfinite(log_b) else 0.0
     return float(min(max(a - b, 0.0), 1.0))
 
 
