@@ -400,10 +400,11 @@ class OpacusAudit:
             findings.append(
                 {
                     "code": "sampling_mismatch",
-                    "message": f"the claim's sampling is {c.sampling!r} but Opacus drew "
-                    f"{run['sampling']!r} batches (poisson_sampling="
-                    f"{self.poisson}); Opacus's accountant accounts both as Poisson at "
-                    f"q = 1/len(loader)",
+                    "message": f"the claim's sampling is {c.sampling!r} but the run drew "
+                    f"{run['sampling']!r} batches (the loader it trained on "
+                    + ("is" if self.poisson else "is not")
+                    + " Opacus's Poisson DPDataLoader); Opacus's accountant accounts both as "
+                    "Poisson at q = 1/len(loader)",
                 }
             )
         # below SIGMA_FLOOR a subsampled Gaussian's PLD grid grows past memory: recompute at
