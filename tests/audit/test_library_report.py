@@ -115,7 +115,7 @@ def test_benchmark_results_are_read_in_the_same_schema():
         assert r["mode"] == x["mode"] and r["verdict"] == x["verdict"]
         assert r["claimed_epsilon"] == x["claimed_epsilon"] and r["findings"] == x["findings"]
         assert r["expected"] == x["expected"]
-    assert doc["undetectable"] and doc["commands"][0].startswith("python -m benchmarks")
+    assert doc["undetectable"] and "python -m benchmarks" in doc["commands"][0]
 
 
 def _audit_doc(opacus_results) -> dict:
@@ -229,7 +229,8 @@ def test_report_shows_library_audits_after_the_verdict(report):
     titles = re.findall(r"<h2>(.*?)</h2>", page)
     assert titles[:2] == ["Verdict", "Library audits"]
     sec = md.split("\n## Library audits\n")[1].split("\n## ")[0]
-    table = [x for x in sec.splitlines() if x.startswith("| opacus |")]
+    libs = {r["library"] for r in bench} | {"opacus"}
+    table = [x for x in sec.splitlines() if x.split("|")[1:2] and x.split("|")[1].strip() in libs]
     assert len(table) == len(bench) + 2
     cells = [[c.strip() for c in x.strip("|").split("|")] for x in table]
     assert [c[-2] for c in cells[: len(bench)]] == [r["verdict"] for r in bench]
