@@ -24,6 +24,7 @@ commands to reproduce every run.
 
 from __future__ import annotations
 
+import os
 import platform
 import shlex
 from dataclasses import fields
@@ -261,6 +262,12 @@ def build_report(
 
     atomic_write_text(outp / "report.html", render_html(report, outp))
     atomic_write_text(outp / "report.md", render_markdown(report))
+    # a report is meant to be read by others: the mode a plain open() gives (the atomic
+    # write's temporary file is owner-only)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("report.html", "report.md"):
+        os.chmod(outp / name, 0o666 & ~umask)
     summary["html"] = str(outp / "report.html")
     summary["markdown"] = str(outp / "report.md")
     return summary

@@ -299,3 +299,15 @@ def test_library_table_at_laptop_and_phone_width(report, chromium, tmp_path, dev
         assert seen["thead"] == "none" and seen["row"] <= seen["W"]
     else:
         assert seen["thead"] == "table-header-group"
+
+
+def test_report_files_are_readable_by_others(report):
+    """A report is meant to be shared: report.html and report.md get the mode a plain
+    open() gives under the process's umask (the atomic write's temporary file is 0600)."""
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("report.html", "report.md"):
+        assert stat.S_IMODE((report / name).stat().st_mode) == 0o666 & ~umask
