@@ -1,15 +1,16 @@
 """The report's "Library audits" section (``fedlora report --library-audit DIR``): real DP
-libraries (Opacus; Flower, pfl, the Hugging Face Trainer as their audits land) audited end
-to end by :mod:`audit.libraries`, one row per audited training beside the toolkit's own runs.
+libraries (Opacus, the Hugging Face Trainer recipe, Flower, pfl) audited end to end by
+:mod:`audit.libraries`, one row per audited training beside the toolkit's own runs.
 
 The rows are :func:`audit.libraries.results.read_library_audits`'s (per-run JSON files
 written by :func:`audit.libraries.results.save_result`, or the benchmark's
-``results.json``): library, version, mode, kind, ε claimed / recomputed / certified lower
-bound / noise-implied, conformance, the noise's observed/claimed ratio, the findings' codes,
-what the audit did not test, the verdict. The table has more than
-:data:`audit.report.document.STACK_COLUMNS` columns, so on a phone it becomes one card per
-row like the runs' verdict table. The headline counts the verdicts
-(:func:`library_headline`)."""
+``results.json``). One table per library and version (its verdict counts above it): mode,
+kind, ε claimed / recomputed / certified lower bound / noise-implied, conformance with the
+noise's observed/claimed ratio, the findings' codes, the verdict (and what was expected,
+for the benchmark's rows); below it what the audits did not test, modes that share a text
+joined. The tables have more than :data:`audit.report.document.STACK_COLUMNS` columns, so
+on a phone they become one card per row like the runs' verdict table. The headline counts
+the verdicts (:func:`library_headline`)."""
 
 from __future__ import annotations
 
@@ -21,22 +22,18 @@ from audit.report.document import format_cell as _fmt
 
 __all__ = ["LIBRARY_COLUMNS", "library_headline", "library_section", "read_all"]
 
-#: row key -> column header (``expected`` only when a row has one)
+#: row key -> column header (``expected`` only when a row has one); one table per library,
+#: its name and version above it, what was not tested in a list below it
 LIBRARY_COLUMNS = {
-    "library": "library",
-    "version": "version",
     "mode": "mode",
-    "kind": "kind",
-    "claimed_epsilon": "ε claimed",
-    "recomputed_epsilon": "ε recomputed (the run's mechanism)",
-    "epsilon_lower_bound": "empirical ε lower bound (one run)",
-    "implied_epsilon": "noise-implied ε",
-    "conformance": "conformance",
-    "noise_ratio": "noise observed/claimed",
-    "findings": "findings",
-    "untested": "not tested",
+    "kind": "case",
     "verdict": "verdict",
-    "expected": "expected",
+    "claimed_epsilon": "ε claimed",
+    "recomputed_epsilon": "ε recomputed",
+    "epsilon_lower_bound": "ε lower bound",
+    "implied_epsilon": "implied ε",
+    "conformance": "conformance (noise ratio)",
+    "findings": "findings",
 }
 
 
@@ -58,23 +55,35 @@ def _eps(x, at_least: bool = False) -> str:
 
 
 def _cells(r: dict, with_expected: bool) -> list:
+    ratio = "" if r["noise_ratio"] is None else f" ({_fmt(r['noise_ratio'], 3)})"
     cells = {
-        "library": r["library"],
-        "version": r["version"] or "–",
-        "mode": r["mode"] + (f" ({r['what']})" if r.get("what") else ""),
-        "kind": r["kind"] or "–",
+        "mode": r["mode"],
+        "kind": (r["kind"] or "–") + (f": {r['what']}" if r.get("what") else ""),
         "claimed_epsilon": _eps(r["claimed_epsilon"]),
         "recomputed_epsilon": _eps(r["recomputed_epsilon"], r["recomputed_at_least"]),
         "epsilon_lower_bound": _eps(r["epsilon_lower_bound"]),
         "implied_epsilon": _eps(r["implied_epsilon"], r["implied_at_least"]),
-        "conformance": r["conformance"],
-        "noise_ratio": "–" if r["noise_ratio"] is None else _fmt(r["noise_ratio"], 3),
+        "conformance": r["conformance"] + ratio,
         "findings": ", ".join(dict.fromkeys(r["findings"])) or "none",
-        "untested": "; ".join(r["untested"]) or "–",
-        "verdict": r["verdict"],
-        "expected": r.get("expected") or "–",
+        "verdict": r["verdict"]
+        + (
+            ""
+            if not (with_expected and r.get("expected"))
+            else " (as expected)"
+            if r["verdict"] == r["expected"]
+            else f" (expected {r['expected']})"
+        ),
     }
-    return [cells[k] for k in LIBRARY_COLUMNS if with_expected or k != "expected"]
+    return [cells[k] for k in LIBRARY_COLUMNS]
+
+
+def _untested(rows: list[dict]) -> list[tuple[str, str]]:
+    """(modes, what was not tested) with the modes that share a text joined."""
+    by_text: dict[str, list[str]] = {}
+    for r in rows:
+        for t in r["untested"]:
+            by_text.setdefault(t, []).append(r["mode"])
+    return [(", ".join(dict.fromkeys(m)), t) for t, m in by_text.items()]
 
 
 def library_headline(rows: list[dict]) -> str:
@@ -95,7 +104,7 @@ def library_section(doc: dict, summary: dict) -> Section:
     rows = doc["rows"]
     sec = Section("Library audits")
     with_expected = any(r.get("expected") for r in rows)
-    headers = [h for k, h in LIBRARY_COLUMNS.items() if with_expected or k != "expected"]
+    headers = list(LIBRARY_COLUMNS.values())
     sec.add(
         Paragraph.of(
             "DP libraries audited end to end (fedlora-audit's audit.libraries): canary records "
@@ -105,16 +114,29 @@ def library_section(doc: dict, summary: dict) -> Section:
             "the noise at the canaries (conformance, Holm-corrected) and bounds ε from below "
             "from one run. Here " + library_headline(rows).removeprefix("library audits: ") + "."
         ),
-        Table.of(headers, [_cells(r, with_expected) for r in rows]),
         Paragraph.of(
-            "ε in nats at the claim's δ. ≥: a lower bound (ε recomputed at a σ floor). The "
-            "noise-implied ε is the run's mechanism at the noise scale the conformance tests "
-            "observed (conditional on Gaussian noise, not certified); noise observed/claimed "
-            "is the smallest scale-test ratio. Not tested: the parts of the mechanism the "
-            "canaries could not travel through (the audit says which). Verdict fail: at least "
-            "one finding, exit code 1."
+            "ε in nats at the claim's δ: claimed (what a user of the library writes), "
+            "recomputed (dp-accounting's PLD for the mechanism the run used; ≥: at a σ floor, a "
+            "lower bound), the certified one-run lower bound, and the noise-implied ε (the "
+            "run's mechanism at the noise scale the conformance tests observed, conditional on "
+            "Gaussian noise, not certified). In brackets beside the conformance, the smallest "
+            "scale-test ratio of observed to claimed noise. Below each table, the parts of the "
+            "mechanism the canaries could not travel through (the audit says which). Verdict "
+            "fail: at least one error finding, exit code 1; a benchmark row says whether that "
+            "was expected."
         ),
     )
+    libs: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        libs.setdefault((r["library"], r["version"] or "–"), []).append(r)
+    for (lib, version), rs in libs.items():
+        sec.add(
+            Paragraph.of(Strong(f"{lib} {version}"), f": {library_headline(rs).split(': ')[1]}"),
+            Table.of(headers, [_cells(r, with_expected) for r in rs]),
+        )
+        missed = _untested(rs)
+        if missed:
+            sec.add(BulletList.of((Strong(f"not tested ({m})"), f": {t}") for m, t in missed))
     wrong = [r for r in rows if r.get("expected") and r["verdict"] != r["expected"]]
     if wrong:
         sec.add(
