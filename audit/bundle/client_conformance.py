@@ -24,9 +24,7 @@ from audit.findings import Code, Findings
 __all__ = ["run_client_conformance"]
 
 
-def run_client_conformance(
-    run: Path, manifest: dict, delta: float, findings: Findings
-) -> dict:
+def run_client_conformance(run: Path, manifest: dict, delta: float, findings: Findings) -> dict:
     """The conformance tests of a run's canary clients, the noise-implied ε, and a
     ``mechanism_mismatch`` finding per rejected test. ``tested`` False (FedPower, or a
     file without projections) says why in ``note``; ``implied_epsilon`` is then None."""
