@@ -103,8 +103,8 @@ def runs(tmp_path_factory):
     base = dict(
         epsilon=3.0,
         batch_size=20,
-        local_steps=20,
-        sampler_canaries=800,
+        local_steps=16,
+        sampler_canaries=400,
         canaries=500,
         canary_kind="gradient",
     )
@@ -123,7 +123,7 @@ def test_canary_rows_are_drawn_by_the_trainers_sampler(runs):
     obs = SC.read_observations(d)
     assert len(obs) == 6  # 3 clients × 2 rounds
     for ob in obs:
-        assert ob["obs"].shape == (20, 800)
+        assert ob["obs"].shape == (16, 400)
         assert ob["q"] == pytest.approx(0.25) and ob["clip"] == 1.0
         # C·s + N(0, σ²C²): about q of the entries carry the canary's C
         u = ob["obs"] / ob["clip"]
