@@ -63,6 +63,11 @@ __all__ = [
     "audit_flower",
 ]
 
+#: the inner strategies whose aggregation the audit's ε covers: a stateless mean of the
+#: clipped updates weighted by the reported num_examples (FedProx only adds a client-side
+#: proximal term); anything else is refused before training
+COVERED_INNER = ("FedAvg", "FedProx")
+
 #: the canary block's key in the model's ArrayRecord (Message API); last array in legacy
 BLOCK_KEY = "fedlora_canary_block"
 #: node ids: real clients from here, canaries after them (1 is Flower's SuperLink id)
@@ -304,9 +309,39 @@ class FlowerRun:
             raise ValueError(f"rounds must be an int >= 2 (the audit needs 2), got {rounds!r}")
         self.strategy, self.mods = strategy, mods
         self.inner = getattr(strategy, "strategy", strategy)
+        pool = num_clients + (canaries or FlowerCanaries()).m
+        for name in ("min_available_nodes", "min_available_clients", "min_fit_clients",
+                     "min_train_nodes"):  # fmt: skip
+            need = getattr(self.inner, name, None)
+            if isinstance(need, int) and need > pool:
+                raise ValueError(
+                    f"the inner strategy's {name} = {need} exceeds the {pool} nodes of the "
+                    f"run ({num_clients} clients + canaries): Flower would wait for them forever"
+                )
+        frac_eval = getattr(self.inner, "fraction_evaluate", 0.0)
+        if self.api == "message" and frac_eval:
+            raise ValueError(
+                f"fraction_evaluate = {frac_eval:g}: the audit runs training rounds only; build "
+                "the inner strategy with fraction_evaluate=0.0"
+            )
+        if type(self.inner).__name__ not in COVERED_INNER:
+            raise ValueError(
+                f"the inner strategy {type(self.inner).__name__} is not covered: the audit "
+                "recomputes ε for a stateless (weighted) mean of the clipped updates, which "
+                f"only {', '.join(COVERED_INNER)} compute; a robust aggregator (Krum, "
+                "FedMedian, FedTrimmedAvg, Bulyan) can release one client's whole update, and a "
+                "server optimizer (FedAdam, FedYogi, FedAdagrad, FedAvgM) keeps an un-noised "
+                "state each release exposes again"
+            )
         self.k, self.rounds, self.seed = num_clients, rounds, seed
         self.client_fn, self.train = client_fn, train
         self.canaries = canaries or FlowerCanaries()
+        if not self.canaries.included.any():
+            raise ValueError(
+                f"none of the {self.canaries.m} canary clients was drawn in (inclusion "
+                f"probability {self.canaries.p_include:g}): nothing would carry a contribution; "
+                "use more canaries or another seed"
+            )
         self.local = next((m for m in mods if type(m).__name__ == "LocalDpMod"), None)
         self.names, self.arrays = self._initial(initial_arrays)
         self.records: list[RoundRecord] = []

@@ -36,24 +36,32 @@ CASES = [
     ),
     (
         "legacy_server_adaptive",
-        "correct",
-        "legacy server-side adaptive clipping, C rising (updates below C)",
+        "library flaw",
+        "legacy server-side adaptive clipping, C rising (updates below C), claimed at the "
+        "nominal σ: Flower noises at the next clip, which can fall on other data",
     ),
-    ("message_client_adaptive", "correct", "Message API client-side adaptive clipping, C rising"),
+    (
+        "message_client_adaptive",
+        "library flaw",
+        "Message API client-side adaptive clipping, C rising, claimed at the nominal σ",
+    ),
     (
         "legacy_local_dp",
         "correct",
-        "legacy FedAvg + flwr.client.mod.LocalDpMod (C = 1, sensitivity 2C, ε = 1)",
+        "legacy FedAvg + flwr.client.mod.LocalDpMod (C = 1, sensitivity 2C, ε = 1 per "
+        "release), claimed composed over the rounds",
     ),
     (
         "legacy_client_adaptive",
-        "correct",
-        "legacy client-side adaptive clipping + adaptiveclipping_mod, C rising",
+        "library flaw",
+        "legacy client-side adaptive clipping + adaptiveclipping_mod, C rising, claimed at the "
+        "nominal σ",
     ),
     (
         "message_local_dp",
         "correct",
-        "Message API LocalDpMod (C = 1, sensitivity 2C, ε = 1, δ = 1e-5)",
+        "Message API LocalDpMod (C = 1, sensitivity 2C, ε = 1 per release, δ = 1e-5), "
+        "claimed composed over the rounds",
     ),
     (
         "legacy_unequal_weights",
@@ -290,7 +298,12 @@ def build(mode: str, quick: bool = False, seed: int = 0) -> dict:
             mod = cls(clipping_norm=1.0, sensitivity=1.0, epsilon=4.0, delta=1e-5)
         mods = [mod]
         std = mod.sensitivity * np.sqrt(2 * np.log(1.25 / mod.delta)) / mod.epsilon
-        claim = claim_for(std / mod.clipping_norm, 1, m, eps=mod.epsilon)
+        # the claim composes a client's releases over every round (it may be drawn in each),
+        # at the mod's own sensitivity (2C in the correct cases: any two inputs of a client)
+        from audit.bounds.hypothesis import gdp_epsilon
+
+        eps = gdp_epsilon(np.sqrt(rounds) * mod.sensitivity / std, mod.delta)
+        claim = claim_for(std / mod.clipping_norm, rounds, m, eps=eps)
     else:
         raise ValueError(f"unknown case {mode!r}; known: {[c[0] for c in CASES]}")
     kw = (
