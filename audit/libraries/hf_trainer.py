@@ -421,7 +421,20 @@ class OpacusAuditCallback(TrainerCallback):
             noise_seeded_by_trainer=bool(
                 gen is None and not secure and torch.equal(torch.random.get_rng_state(), public)
             ),
+            save_strategy=str(getattr(args.save_strategy, "value", args.save_strategy)),
+            push_to_hub=bool(getattr(args, "push_to_hub", False)),
+            global_generator_noise=bool(gen is None and not secure),
         )
+        if torch.cuda.is_available() and gen is None and not secure:
+            # on a GPU Opacus draws the noise on the parameters' device: the CUDA generator,
+            # which set_seed seeds too (a CPU draw after the Trainer hides only the CPU one)
+            try:
+                dev = next(p.device for p in self.optimizer.params if p.is_cuda)
+                g = torch.Generator(device=dev).manual_seed(int(args.seed))
+                if torch.equal(torch.cuda.get_rng_state(dev), g.get_state()):
+                    self.trainer["noise_seeded_by_trainer"] = True
+            except StopIteration:
+                pass
         if own:
             # the run's sampling is what the Trainer's loader drew (OpacusAudit reads it)
             self.audit_state.poisson = poisson
@@ -499,6 +512,20 @@ class OpacusAuditCallback(TrainerCallback):
                     "(torch.manual_seed(secrets.randbits(63))) or use secure_mode",
                 }
             )
+        if tr.get("global_generator_noise") and (
+            tr.get("save_strategy") not in (None, "no") or tr.get("push_to_hub")
+        ):
+            findings.append(
+                {
+                    "code": "noise_state_in_checkpoints",
+                    "message": "Opacus drew its noise from torch's global generator (secure_mode "
+                    "off), and the Trainer writes that generator's state into every checkpoint "
+                    f"(rng_state.pth; save_strategy = {tr.get('save_strategy')!r}"
+                    + (", push_to_hub" if tr.get("push_to_hub") else "")
+                    + "): whoever reads a checkpoint regenerates the noise of every later step. "
+                    "Set save_strategy='no', or give Opacus secure_mode",
+                }
+            )
         if tr.get("trainer_built_loader") and not a.poisson:
             for f in findings:  # OpacusAudit names make_private's flag; here the Trainer did it
                 if f["code"] == "sampling_mismatch":
@@ -519,7 +546,7 @@ class OpacusAuditCallback(TrainerCallback):
         k_run = max(micro) if micro else 1
         if k_args > 1 or k_run > 1:
             k = max(k_args, k_run)
-            sigma = float(np.max(res["run"]["noise_multiplier"]))
+            sigma = float(np.min(res["run"]["noise_multiplier"]))  # the least noise: ε's max
             eps_ga = None
             if a.poisson:
                 try:

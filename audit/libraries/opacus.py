@@ -373,7 +373,7 @@ class OpacusAudit:
                     f"q {run['sample_rate']}",
                 }
             )
-            sigma = float(np.max(run["noise_multiplier"]))
+            sigma = float(np.min(run["noise_multiplier"]))  # the least noise: the largest ε
             q = float(np.max(run["sample_rate"]))
         else:
             sigma, q = float(run["noise_multiplier"]), float(run["sample_rate"])

@@ -292,6 +292,14 @@ class PflCanaries:
         for j in np.flatnonzero(self.included):
             n = len(base[0])
             out[self.canary_id(int(j))] = [*(np.copy(a) for a in base), np.full(n, j, np.int64)]
+        # the users in a random order: a sampler that walks the dict in order (pfl's
+        # 'minimize_reuse' cycles it) reaches the canaries as soon as any user, not after
+        # every real one (appended last, they were never drawn in a run shorter than a pass)
+        keys = list(out)
+        order = np.random.default_rng(None if self.seed is None else self.seed + 1).permutation(
+            len(keys)
+        )
+        out = {keys[i]: out[keys[i]] for i in order}
         self.user_ids = list(out)
         return out
 

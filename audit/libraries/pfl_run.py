@@ -28,6 +28,17 @@ def sampling_of(rounds: list[dict], user_ids: list) -> dict:
     dups = sum(len(r["users"]) - len(set(r["users"])) for r in rounds)
     unknown = sorted({str(u) for r in rounds for u in r["users"] if u not in pop})[:5]
     every = all(set(r["users"]) == pop and len(r["users"]) == len(pop) for r in rounds)
+    # a fixed cycle (pfl's 'minimize_reuse': itertools.cycle over the users, never
+    # reshuffled): the concatenated cohorts repeat with the period of the users seen; a
+    # neighbour's cycle is shifted by one more place each pass, so round t's cohort differs
+    # in up to 2·min(pass + 1, B) users, not 2 (only visible after one pass)
+    seq = [u for r in rounds for u in r["users"]]
+    period = len(set(seq))
+    cyclic = (
+        not dups
+        and len(seq) > period
+        and all(seq[i] == seq[i - period] for i in range(period, len(seq)))
+    )
     if dups:
         kind = "with_replacement"
     elif every:
@@ -38,6 +49,8 @@ def sampling_of(rounds: list[dict], user_ids: list) -> dict:
         kind = "variable"
     return {
         "sampling": kind,
+        "cyclic": bool(cyclic and kind != "all"),
+        "cycle_length": period if cyclic else None,
         "cohort_sizes": sorted(set(sizes)),
         "duplicate_draws": int(dups),
         "unknown_users": unknown,

@@ -64,6 +64,12 @@ CASES = [
         "gradient_accumulation_steps = 4 after model.allow_grad_accumulation() (Opacus's "
         "error silenced): four Poisson batches per noised step, accounted by Opacus as one at 4q",
     ),
+    (
+        "trainer_checkpoints",
+        "misuse",
+        "the correct recipe with save_strategy = 'steps': every checkpoint holds rng_state.pth, "
+        "the state of the generator Opacus draws its noise from",
+    ),
 ]
 
 #: misuses no audit of this run can see, with the reason
@@ -191,7 +197,8 @@ def run_case(mode: str, seed: int = 0, quick: bool = False, permutations: int = 
         label_names=["labels"],
         logging_strategy="steps" if mode == "trainer_logs_grad_norm" else "no",
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if mode == "trainer_checkpoints" else "no",
+        save_steps=10_000,  # checkpoints: only the state the setting declares, none written
         report_to="none",
         use_cpu=True,
         disable_tqdm=True,

@@ -37,9 +37,10 @@ CASES = [
     ),
     (
         "cohort_fixed_claim",
-        "correct",
-        "cohort 10 (minimize_reuse); σ from pfl's PLD accountant; the claim states the "
-        "fixed cohort and its ε (σ/2 per round, no amplification)",
+        "misuse",
+        "cohort 10 with minimize_reuse, a fixed cycle never reshuffled, claimed as a freshly "
+        "drawn fixed cohort (σ/2 per round): a neighbour's cycle shifts one more place each "
+        "pass",
     ),
     (
         "laplace_full",

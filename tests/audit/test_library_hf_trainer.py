@@ -285,3 +285,13 @@ def test_example_runs_and_passes(tmp_path, capsys):
     # the canaries Opacus's sampler drew (clipped to exactly C), none from the evaluation
     assert doc["canary_clip_error"] < 1e-5
     assert doc["conformance"]["passed"]
+
+
+def test_checkpoints_that_hold_the_noise_generator_are_a_finding():
+    """save_strategy != 'no' writes the global generator's state (rng_state.pth) into every
+    checkpoint; without secure_mode that generator draws Opacus's noise."""
+    from benchmarks.auditing.libraries_hf import run_case
+
+    res = run_case("trainer_checkpoints", quick=True, permutations=199)
+    assert res["verdict"] == "fail"
+    assert "noise_state_in_checkpoints" in {f["code"] for f in res["findings"]}

@@ -311,3 +311,59 @@ def test_clear_errors():
 
     with pytest.raises(ValueError, match="sampling_probability"):
         accountant_claim(Acc(), 1.0, 3, 10)
+
+
+def test_a_fixed_cycle_is_accounted_by_its_shift_per_pass():
+    """pfl's minimize_reuse cycles the users in a fixed order: a neighbour's cycle shifts one
+    more place each pass, so round t's cohort differs in 2·min(pass + 1, B) users; the
+    recomputed ε is that closed form (μ-GDP), and a fixed-cohort claim (σ/2 a round) fails."""
+    import math
+
+    from audit.bounds.hypothesis import gdp_epsilon
+    from benchmarks.auditing.libraries_pfl import simulate
+
+    audit, claim = simulate("cohort_fixed_claim", rounds=12)
+    res = audit.audit(claim, permutations=199, seed=0)
+    run = res["run"]
+    assert run["cyclic"] and run["cycle_length"] == run["population"]
+    P, B, T = run["cycle_length"], 10, 12
+    s = [min(2 * (t * B // P + 1), 2 * B) for t in range(T)]
+    sigma = float(run["noise_multiplier"])
+    mu = math.sqrt(sum((x / sigma) ** 2 for x in s))
+    assert res["recomputed_epsilon"] == pytest.approx(gdp_epsilon(mu, claim["delta"]), rel=1e-9)
+    assert res["recomputed_epsilon"] > 1.5 * claim["claimed_epsilon"]
+    assert res["verdict"] == "fail" and "epsilon_understated" in _codes(res)
+
+
+def test_canary_users_are_spread_through_the_users_order():
+    """A sampler that walks the users in order must meet the canaries early: they are
+    placed at random positions, not after 300 real users."""
+    import numpy as np
+
+    from audit.libraries.pfl import PflCanaries
+
+    can = PflCanaries(m=64, seed=0)
+    data = {u: [np.zeros((2, 4), np.float32), np.zeros(2, np.float32)] for u in range(300)}
+    order = list(can.users(data))
+    where = [i for i, u in enumerate(order) if can.canary_of(u) is not None]
+    assert len(where) == int(can.included.sum()) and min(where) < 50
+    assert sorted(order, key=str) == sorted(
+        [*data, *(can.canary_id(int(j)) for j in np.flatnonzero(can.included))], key=str
+    )
+
+
+def test_laplace_contribution_uses_the_exact_sign_flip_test():
+    """Under Laplace noise with few draws the t-test's tails are too light; the sign-flip
+    test is exact for symmetric noise: over 200 null runs with 4 draws each its rejection
+    rate at 0.05 is at most 0.05 + 3 SE, and a canary adding 3C is rejected at its floor."""
+    rng = np.random.default_rng(3)
+    ps = []
+    for _ in range(200):
+        k = np.zeros((4, 64))
+        k.flat[rng.choice(k.size, 4, replace=False)] = 1
+        t, _ = contribution_test(k + rng.laplace(size=k.shape), k, symmetric_exact=True)
+        ps.append(t.p_value)
+    assert np.mean(np.array(ps) <= 0.05) <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 200)
+    k = (rng.random((20, 64)) < 0.3).astype(float)
+    t, _ = contribution_test(3 * k + rng.laplace(size=k.shape), k, symmetric_exact=True)
+    assert t.p_value == pytest.approx(1 / 20_000)
