@@ -239,7 +239,17 @@ def _audit_central(run, recs, c, alpha, permutations, seed) -> dict:
     adaptive = run.mode.endswith("adaptive")
     clips = np.array([r.clip for r in recs])
     nclips = np.array([r.noise_clip for r in recs])
-    sig_lib = float(recs[-1].sigma)
+    sigmas = sorted({float(r.sigma) for r in recs})
+    sig_lib = sigmas[0]  # the least noise of any round: the largest ε (a schedule is named)
+    if len(sigmas) > 1:
+        findings.append(
+            _finding(
+                "run_not_constant",
+                f"the noise multiplier changed during the run ({sigmas[0]:.4g}…{sigmas[-1]:.4g}, "
+                "e.g. a schedule set through on_fit_config_fn): ε is recomputed at the "
+                "smallest, every round",
+            )
+        )
     sigma_b = float(getattr(s, "clipped_count_stddev", 0.0) or 0.0)
     if adaptive and sig_lib > 0:
         # the σ the user gave: Flower split it into σ_Δ (updates) and σ_b (count)
