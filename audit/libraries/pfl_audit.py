@@ -229,6 +229,11 @@ class PflAudit:
             )
         sigma = float(np.min(run["noise_multiplier"]))
         clip = float(np.max(run["clipping_norm"]))
+        if not (math.isfinite(sigma) and math.isfinite(clip)):
+            raise ValueError(
+                f"the mechanism's noise or clip could not be read (σ {sigma}, C {clip}): this "
+                f"audit reads pfl {PFL_VERSION}'s GaussianMechanism / LaplaceMechanism fields"
+            )
         findings += claim_findings(self.kind, c, run, sigma, clip)
         # --- ε of the mechanism that ran
         at_least = run["sampling"] == "with_replacement"

@@ -165,7 +165,10 @@ class CanaryObserver(Postprocessor):
         if isinstance(mech, GaussianMechanism):
             noise = float(mech.relative_noise_stddev)
         elif isinstance(mech, LaplaceMechanism):
-            noise = 1.0 / float(mech._epsilon)  # b / C (LaplaceMechanism has no public ε)
+            # b / C: LaplaceMechanism has no public ε (pfl 0.6.0); read without failing the
+            # user's training if a later pfl renames it (the audit then says it is unknown)
+            eps = getattr(mech, "_epsilon", None)
+            noise = 1.0 / float(eps) if eps else math.nan
         else:
             noise = math.nan
         self.rounds.append(
