@@ -447,7 +447,26 @@ def _audit_central(run, recs, c, alpha, permutations, seed) -> dict:
         q=q,
         p_include=run.canaries.p_include,
     )
-    conf = conformance([block], extra=tuple(extra))
+    blocks = [block]
+    if adaptive:
+        # the claim's σ says little here (Flower's update noise is σ_Δ·C_(t+1)/C_t, 1.8–4.7×
+        # it in the benchmark): the same observations also tested, round by round, against
+        # the noise Flower says it adds that round (σ_Δ·C_noise/C_t), as a group of its own
+        # (tracks apart, so the predictors do not mix)
+        blocks += [
+            Block(
+                u=u[t : t + 1],
+                tracks=M + np.arange(M),
+                groups=np.array(["canary (round's σ)"] * M),
+                sigma=float(sig_t[t]),
+                included=inc.copy(),
+                coins=coins[t : t + 1],
+                q=q,
+                p_include=run.canaries.p_include,
+            )
+            for t in range(T)
+        ]
+    conf = conformance(blocks, extra=tuple(extra))
     f, group = implied_noise_factor(conf)
     eps_implied, at_least = _implied(
         lambda: epsilon_of_scaled_claim(reference(run_claim), c.noise_multiplier, f, c.delta)

@@ -294,3 +294,23 @@ def test_runs_that_could_not_be_audited_are_refused_before_training():
     )
     with pytest.raises(ValueError, match="min_available_nodes = 500"):
         FlowerRun(**{**kw, "strategy": waiting})
+
+
+def test_adaptive_noise_below_flowers_own_is_seen_round_by_round(monkeypatch):
+    """In adaptive modes the claim's σ is far below the noise Flower adds (σ_Δ·C_(t+1)/C_t),
+    so the claim-level scale test is blind to a halved σ_Δ; the per-round group tests each
+    round against Flower's own σ_Δ·C_noise/C_t and rejects it."""
+    import flwr.server.strategy.dp_adaptive_clipping as dpa
+
+    real = dpa.add_gaussian_noise_to_params
+
+    def halved(params, noise_multiplier, clipping_norm, num_sampled_clients):
+        return real(params, noise_multiplier / 2, clipping_norm, num_sampled_clients)
+
+    ok = run_case("legacy_server_adaptive", quick=True, permutations=199)
+    per_round = [t for t in ok["conformance"]["tests"] if t["group"] == "canary (round's σ)"]
+    assert per_round and not any(t["rejected"] for t in per_round)
+    monkeypatch.setattr(dpa, "add_gaussian_noise_to_params", halved)
+    bad = run_case("legacy_server_adaptive", quick=True, permutations=199)
+    assert "canary (round's σ):scale" in bad["conformance_rejected"]
+    assert "canary:scale" not in bad["conformance_rejected"]  # the claim's σ is too low to see it
