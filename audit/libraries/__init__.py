@@ -15,6 +15,8 @@ One module per library; each gives one call that instruments a training the libr
   clients (``audit_flower``; docs/audit_flower.md).
 * :mod:`audit.libraries.pfl` — pfl-research's central Gaussian and Laplace mechanisms on
   its simulated federation, with canary users (the ``[pfl]`` extra; docs/audit_pfl.md).
+* :mod:`audit.libraries.common` — what every library audit computes alike: the one-run
+  lower bound and the sampling tests as members of the conformance family.
 * :mod:`audit.libraries.results` — a library audit on disk (``save_result``) and the rows
   ``fedlora report --library-audit DIR`` reads (``load_library_audits``).
 
@@ -41,6 +43,7 @@ _EXPORTS = {
     "flower_audit": "audit.libraries.flower_audit",
     "pfl": "audit.libraries.pfl",
     "results": "audit.libraries.results",
+    "common": "audit.libraries.common",
 }
 
 __all__ = list(_EXPORTS)

@@ -36,15 +36,13 @@ import time
 import numpy as np
 from scipy import stats
 
-from audit.bounds.conformance import Block, GroupTest, conformance, implied_noise_factor
-from audit.bounds.fdp import fdp_one_run_bound
+from audit.bounds.conformance import Block, conformance, implied_noise_factor
 from audit.bounds.hypothesis import gdp_epsilon
-from audit.bounds.one_run import epsilon_one_run
-from audit.bounds.sampling import sampling_test
 from audit.claims.check import check_claim
 from audit.claims.implied import epsilon_of_scaled_claim
 from audit.claims.mistakes import reference
 from audit.claims.schema import Claim, validate_claim
+from audit.libraries.common import one_run_lower_bound, sampling_group_tests
 from audit.libraries.results import conformance_warnings
 
 __all__ = ["audit_run", "check_claim_fields", "worst_weight"]
@@ -87,23 +85,6 @@ def _finding(code: str, message: str, severity: str = "error") -> dict:
     if severity != "error":
         f["severity"] = severity
     return f
-
-
-def _lower_bound(scores: np.ndarray, inc: np.ndarray, p: float, delta: float, alpha: float):
-    if inc.all() or not inc.any() or p != 0.5:
-        return None
-    st = epsilon_one_run(scores, inc, delta, alpha=alpha / 2)
-    fd = fdp_one_run_bound(scores, inc, delta, alpha=alpha / 2, family="dp")
-    s_lb, f_lb = float(st["epsilon_lb"]), float(fd["epsilon_lb"])
-    return {
-        "epsilon_lb": max(s_lb, f_lb),
-        "bound": "f-DP" if f_lb > s_lb else "Steinke et al.",
-        "epsilon_lb_steinke": s_lb,
-        "epsilon_lb_fdp": f_lb,
-        "canaries": int(len(inc)),
-        "included": int(inc.sum()),
-        "alpha": alpha,
-    }
 
 
 def _check_fields(c: Claim, checks, findings: list) -> None:
@@ -194,38 +175,17 @@ def _result(run, c, run_mech, findings, untested, conf, lb, **kw) -> dict:
 
 
 def _sampling_extra(u, coins, inc, sig_u, q, permutations, seed):
-    extra: list[GroupTest] = []
-    samp = sampling_test([(u[:, inc], sig_u, q)], permutations=permutations, seed=seed)
-    coin_t = sampling_test(
-        [(coins[:, inc].astype(float), sig_u, q)], permutations=permutations, seed=seed
+    samp, tests, _ = sampling_group_tests(
+        u,
+        coins,
+        inc,
+        sig_u,
+        q,
+        permutations=permutations,
+        seed=seed,
+        note="cohorts drawn afresh each round are exchangeable",
     )
-    n_draw, k_draw = int(coins.shape[0] * inc.sum()), int(coins[:, inc].sum())
-    if n_draw:
-        # a fixed cohort draws a node with probability q each round (the count over rounds
-        # is Binomial(T, q) per node; summed over nodes less spread: conservative)
-        p_rate = float(stats.binomtest(k_draw, n_draw, q).pvalue)
-        extra.append(
-            GroupTest(
-                group="sampling:rate",
-                test="binomial",
-                terms=n_draw,
-                statistic=k_draw / (n_draw * q),
-                log10_p=math.log10(max(p_rate, 1e-300)),
-                note="the included canaries' draws against Binomial(T·n, q)",
-            )
-        )
-    for name, t in (("release", samp), ("sampler", coin_t)):
-        extra.append(
-            GroupTest(
-                group=f"sampling:{name}",
-                test="exchangeable",
-                terms=t.canaries * t.steps,
-                statistic=t.z_window,
-                log10_p=math.log10(t.p_value),
-                note="permutation test: cohorts drawn afresh each round are exchangeable",
-            )
-        )
-    return samp, extra
+    return samp, tests
 
 
 def _audit_central(run, recs, c, alpha, permutations, seed) -> dict:
@@ -504,7 +464,7 @@ def _audit_central(run, recs, c, alpha, permutations, seed) -> dict:
                     f"({run.canaries.gain_factor:g}·C) reached the aggregate unclipped" + hint,
                 )
             )
-    lb = _lower_bound(u.sum(axis=0), inc, run.canaries.p_include, c.delta, alpha)
+    lb = one_run_lower_bound(u.sum(axis=0), inc, run.canaries.p_include, c.delta, alpha)
     return _result(
         run,
         c,
@@ -623,7 +583,7 @@ def _audit_local(run, recs, c, alpha) -> dict:
     eps_implied, _ = _implied(lambda: (gdp_epsilon(2 / (c.noise_multiplier * f), c.delta), False))
     seen = np.array([bool(rows[j]) for j in range(M)])
     first = np.array([rows[j][0] if rows[j] else 0.0 for j in range(M)])
-    lb = _lower_bound(first[seen], inc[seen], run.canaries.p_include, c.delta, alpha)
+    lb = one_run_lower_bound(first[seen], inc[seen], run.canaries.p_include, c.delta, alpha)
     untested += [
         "the central aggregate (no central DP claim with LocalDpMod alone)",
         "which rounds draw a given client: the ε composes all the claim's rounds, as if the "

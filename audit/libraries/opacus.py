@@ -64,23 +64,19 @@ finding, exit 1), and ε is recomputed for it with :func:`audit.claims.check.che
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from scipy import stats
 from torch import nn
 
 from audit.bounds.conformance import Block, GroupTest, conformance, implied_noise_factor
-from audit.bounds.fdp import fdp_one_run_bound
-from audit.bounds.one_run import epsilon_one_run
-from audit.bounds.sampling import sampling_test
 from audit.claims.check import check_claim
 from audit.claims.implied import SIGMA_FLOOR, epsilon_of_scaled_claim
 from audit.claims.mistakes import reference
 from audit.claims.schema import Claim, validate_claim
+from audit.libraries.common import one_run_lower_bound, sampling_group_tests
 from audit.libraries.results import conformance_warnings
 
 __all__ = [
@@ -329,25 +325,11 @@ class OpacusAudit:
     # --- the audit
 
     def _lower_bound(self, u: np.ndarray, c: Claim, alpha: float) -> dict | None:
-        """The one-run ε lower bound (Steinke et al. and f-DP, each at α/2; the larger):
+        """The one-run ε lower bound (:func:`audit.libraries.common.one_run_lower_bound`):
         canary j's score is the sum of its block coordinate over the steps (an included
         canary adds C each time the sampler draws it, an excluded one never)."""
-        inc = self.canaries.included
-        if inc.all() or not inc.any() or self.canaries.p_include != 0.5:
-            return None  # the bounds assume bits drawn with probability 1/2
-        scores = u.sum(axis=0)
-        st = epsilon_one_run(scores, inc, c.delta, alpha=alpha / 2)
-        fd = fdp_one_run_bound(scores, inc, c.delta, alpha=alpha / 2, family="dp")
-        s_lb, f_lb = float(st["epsilon_lb"]), float(fd["epsilon_lb"])
-        return {
-            "epsilon_lb": max(s_lb, f_lb),
-            "bound": "f-DP" if f_lb > s_lb else "Steinke et al.",
-            "epsilon_lb_steinke": s_lb,
-            "epsilon_lb_fdp": f_lb,
-            "canaries": int(len(inc)),
-            "included": int(inc.sum()),
-            "alpha": alpha,
-        }
+        can = self.canaries
+        return one_run_lower_bound(u.sum(axis=0), can.included, can.p_include, c.delta, alpha)
 
     def audit(
         self,
@@ -459,49 +441,27 @@ class OpacusAudit:
         samp = None
         if carried:
             inc = self.canaries.included
-            samp = sampling_test([(u[:, inc], sig_u, q)], permutations=permutations, seed=seed)
-            coin_t = sampling_test(
-                [(ob["coins"][:, inc].astype(float), sig_u, q)],
+            samp, tests, draws = sampling_group_tests(
+                u,
+                ob["coins"],
+                inc,
+                sig_u,
+                q,
                 permutations=permutations,
                 seed=seed,
+                note="Poisson coins are exchangeable over steps",
             )
-            # the rate: under Poisson sampling at q the included canaries' draws are
-            # Binomial(T·n, q) (a shuffled epoch draws each record once per 1/q steps: the
-            # same mean, so this test sees a wrong q, not the shuffle)
-            n_draw = int(T * inc.sum())
-            k_draw = int(ob["coins"][:, inc].sum())
-            if n_draw:
-                p_rate = float(stats.binomtest(k_draw, n_draw, q).pvalue)
-                extra.append(
-                    GroupTest(
-                        group="sampling:rate",
-                        test="binomial",
-                        terms=n_draw,
-                        statistic=k_draw / (n_draw * q),
-                        log10_p=math.log10(max(p_rate, 1e-300)),
-                        note="the included canaries' draws against Binomial(T·n, q)",
-                    )
-                )
-                if k_draw == 0 and n_draw * q > 5:
-                    findings.append(
-                        {
-                            "code": "canaries_never_drawn",
-                            "message": f"no included canary entered a training forward in {T} "
-                            f"steps (expected {n_draw * q:.0f} draws): train on the loader "
-                            "make_private returned, built over SamplerCanaries.dataset(...), "
-                            "and call model(x, cid) in train mode",
-                        }
-                    )
-            for name, t in (("release", samp), ("sampler", coin_t)):
-                extra.append(
-                    GroupTest(
-                        group=f"sampling:{name}",
-                        test="exchangeable",
-                        terms=t.canaries * t.steps,
-                        statistic=t.z_window,
-                        log10_p=math.log10(t.p_value),
-                        note="permutation test: Poisson coins are exchangeable over steps",
-                    )
+            extra += tests
+            n_draw, k_draw = draws["possible"], draws["drawn"]
+            if k_draw == 0 and n_draw * q > 5:
+                findings.append(
+                    {
+                        "code": "canaries_never_drawn",
+                        "message": f"no included canary entered a training forward in {T} "
+                        f"steps (expected {n_draw * q:.0f} draws): train on the loader "
+                        "make_private returned, built over SamplerCanaries.dataset(...), "
+                        "and call model(x, cid) in train mode",
+                    }
                 )
             coins = ob["coins"]
         else:

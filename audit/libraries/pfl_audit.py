@@ -9,7 +9,6 @@ import math
 import time
 
 import numpy as np
-from scipy import stats
 
 from audit.bounds.conformance import (
     ALPHA_WARN,
@@ -18,14 +17,12 @@ from audit.bounds.conformance import (
     conformance,
     implied_noise_factor,
 )
-from audit.bounds.fdp import fdp_one_run_bound
 from audit.bounds.hypothesis import gdp_epsilon
-from audit.bounds.one_run import epsilon_one_run
-from audit.bounds.sampling import sampling_test
 from audit.claims.check import check_claim
 from audit.claims.implied import epsilon_of_scaled_claim
 from audit.claims.mistakes import reference
 from audit.claims.schema import Claim, validate_claim
+from audit.libraries.common import one_run_lower_bound, sampling_group_tests
 from audit.libraries.pfl_canaries import (
     PFL_VERSION,
     CentrallyAppliedPrivacyMechanism,
@@ -178,22 +175,8 @@ class PflAudit:
         }
 
     def _lower_bound(self, u: np.ndarray, c: Claim, alpha: float) -> dict | None:
-        inc = self.canaries.included
-        if inc.all() or not inc.any() or self.canaries.p_include != 0.5:
-            return None
-        scores = u.sum(axis=0)
-        st = epsilon_one_run(scores, inc, c.delta, alpha=alpha / 2)
-        fd = fdp_one_run_bound(scores, inc, c.delta, alpha=alpha / 2, family="dp")
-        s_lb, f_lb = float(st["epsilon_lb"]), float(fd["epsilon_lb"])
-        return {
-            "epsilon_lb": max(s_lb, f_lb),
-            "bound": "f-DP" if f_lb > s_lb else "Steinke et al.",
-            "epsilon_lb_steinke": s_lb,
-            "epsilon_lb_fdp": f_lb,
-            "canaries": int(len(inc)),
-            "included": int(inc.sum()),
-            "alpha": alpha,
-        }
+        can = self.canaries
+        return one_run_lower_bound(u.sum(axis=0), can.included, can.p_include, c.delta, alpha)
 
     def audit(
         self,
@@ -375,37 +358,17 @@ class PflAudit:
         )
         if c.sampling == "poisson" and q_claim < 1 and inc.any():
             sd = claimed_noise * (math.sqrt(2) if self.kind == "laplace" else 1.0)
-            samp = sampling_test([(u[:, inc], sd, q_claim)], permutations=permutations, seed=seed)
-            coin = sampling_test([(k[:, inc], sd, q_claim)], permutations=permutations, seed=seed)
-            if 1 / (permutations + 1) > alpha / 6:
-                untested.append(
-                    f"the sampling permutation tests' reach: {permutations} permutations give "
-                    f"p >= {1 / (permutations + 1):.2g}, which Holm at α = {alpha:g} over the "
-                    "family cannot reject (use more permutations)"
-                )
-            for name, t in (("release", samp), ("sampler", coin)):
-                extra.append(
-                    GroupTest(
-                        group=f"sampling:{name}",
-                        test="exchangeable",
-                        terms=t.canaries * t.steps,
-                        statistic=t.z_window,
-                        log10_p=math.log10(t.p_value),
-                        note="permutation test: Poisson draws are exchangeable over rounds",
-                    )
-                )
-            n_draw, k_draw = int(T * inc.sum()), int((k[:, inc] > 0).sum())
-            p_rate = float(stats.binomtest(k_draw, n_draw, q_claim).pvalue)
-            extra.append(
-                GroupTest(
-                    group="sampling:rate",
-                    test="binomial",
-                    terms=n_draw,
-                    statistic=k_draw / (n_draw * q_claim),
-                    log10_p=math.log10(max(p_rate, 1e-300)),
-                    note="the included canary users' rounds in a cohort against Binomial(T·n, q)",
-                )
+            samp, tests, _ = sampling_group_tests(
+                u,
+                k,
+                inc,
+                sd,
+                q_claim,
+                permutations=permutations,
+                seed=seed,
+                note="Poisson draws are exchangeable over rounds",
             )
+            extra += tests
         m = self.canaries.m
         if self.kind == "gaussian":
             block = Block(
