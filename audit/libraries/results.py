@@ -64,6 +64,20 @@ MAX_BYTES = 32 * 1024 * 1024
 
 VERDICTS = ("pass", "fail")
 
+#: the keys every library audit result and every benchmark row must hold
+REQUIRED = (
+    "library",
+    "mode",
+    "claimed_epsilon",
+    "recomputed_epsilon",
+    "epsilon_lower_bound",
+    "implied_epsilon",
+    "conformance",
+    "findings",
+    "untested",
+    "verdict",
+)
+
 
 def conformance_warnings(conf) -> list[dict]:
     """A ``conformance_weak`` warning per test of ``conf`` (an
@@ -207,18 +221,7 @@ def _audit_row(doc: dict, where: str) -> dict:
         raise _bad(where, f"a library audit is a JSON object, got {type(doc).__name__}")
     _has(
         doc,
-        (
-            "library",
-            "mode",
-            "claimed_epsilon",
-            "recomputed_epsilon",
-            "epsilon_lower_bound",
-            "implied_epsilon",
-            "conformance",
-            "findings",
-            "untested",
-            "verdict",
-        ),
+        REQUIRED,
         where,
     )
     conf = doc["conformance"]
@@ -292,18 +295,7 @@ def _benchmark_row(r: dict, where: str) -> dict:
         raise _bad(where, f"a row is a JSON object, got {type(r).__name__}")
     _has(
         r,
-        (
-            "library",
-            "mode",
-            "claimed_epsilon",
-            "recomputed_epsilon",
-            "epsilon_lower_bound",
-            "implied_epsilon",
-            "conformance",
-            "findings",
-            "untested",
-            "verdict",
-        ),
+        REQUIRED,
         f"{where} (a row as benchmarks.auditing.libraries.row writes it)",
     )
     conf = _text(r["conformance"], where, "conformance")
