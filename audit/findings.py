@@ -121,6 +121,17 @@ class Code(StrEnum):
     EPSILON_INVALID = "epsilon_invalid"
     #: the released adapter holds NaN or Inf values
     ADAPTER_NONFINITE = "adapter_nonfinite"
+    #: a release (a noisy step or round) holds NaN or Inf: its implied ε is ∞
+    RELEASE_NONFINITE = "release_nonfinite"
+    #: the releases carry no noise at all (observed noise factor 0): implied ε = ∞
+    NOISE_ABSENT = "noise_absent"
+    # --- neighbour replay (audit.replay)
+    #: on neighbours D, D′ a noise primitive's input moved more than the declared sensitivity
+    SENSITIVITY_EXCEEDED = "sensitivity_exceeded"
+    #: something released without noise differs between neighbours D and D′
+    DATA_DEPENDENT_RELEASE = "data_dependent_release"
+    #: the replay intercepted no noise call at all: nothing was compared, never a pass
+    REPLAY_EMPTY = "replay_empty"
     # --- noise keys
     #: the run's noise key was reused from another run on a different configuration
     KEY_REUSED = "key_reused"

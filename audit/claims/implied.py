@@ -12,6 +12,11 @@ The figure is conditional on the noise being Gaussian at the observed scale; it 
 certified bound. Below :data:`SIGMA_FLOOR` the PLD grid of a subsampled Gaussian grows past
 memory: an effective σ below it is raised to it (never above the unscaled σ), which gives a
 *lower* bound on the implied ε (ε falls as σ grows), reported as "at least".
+
+Never an exception for what was observed: a factor of 0 (no noise observed: the caller's
+finding ``noise_absent``), a factor that is not a finite number (a release that holds NaN
+or Inf: ``release_nonfinite``) and an effective σ so small that ε leaves the float range
+all give ε = ∞ (:func:`noise_finding` names the first two).
 """
 
 from __future__ import annotations
@@ -23,10 +28,56 @@ from dataclasses import replace
 from audit.claims.mistakes import Eps, Mech
 from fl.privacy.accounting import Event, epsilon_of_events
 
-__all__ = ["SIGMA_FLOOR", "epsilon_of_scaled_claim", "epsilon_of_scaled_events"]
+__all__ = [
+    "SIGMA_FLOOR",
+    "epsilon_of_scaled_claim",
+    "epsilon_of_scaled_events",
+    "noise_finding",
+]
 
 #: below this effective σ the PLD grid grows past memory (see the module doc)
 SIGMA_FLOOR = 0.25
+
+
+def _unusable(factor) -> bool:
+    """A factor that implies no noise at all (0, negative) or is not a number."""
+    try:
+        f = float(factor)
+    except (TypeError, ValueError):
+        return True
+    return not (math.isfinite(f) and f > 0)
+
+
+def _or_infinite(compute) -> float:
+    """``compute()``, or ∞ where an effective σ near 0 takes ε out of the float range (the
+    PLD grid and the μ-GDP solver overflow there)."""
+    try:
+        eps = float(compute())
+    except (OverflowError, ZeroDivisionError, FloatingPointError):
+        return math.inf
+    return eps if not math.isnan(eps) else math.inf
+
+
+#: a μ-GDP parameter above this is ε = ∞ in floats (ε ≈ μ²/2 overflows the solver)
+MU_MAX = 1e150
+
+
+def noise_finding(factor) -> tuple[str, str] | None:
+    """(code, why) of the finding an observed noise ``factor`` calls for, or None: not a
+    finite number → ``release_nonfinite`` (the releases held NaN or Inf); 0 →
+    ``noise_absent`` (the releases carry no noise at all). Either way the implied ε is ∞."""
+    try:
+        f = float(factor)
+    except (TypeError, ValueError):
+        return "release_nonfinite", f"the observed noise factor is not a number ({factor!r})"
+    if not math.isfinite(f):
+        return (
+            "release_nonfinite",
+            f"the observed noise factor is {f} (the releases hold NaN or Inf)",
+        )
+    if f <= 0:
+        return "noise_absent", "the releases carry no noise: observed noise factor 0"
+    return None
 
 
 def _scaled(e: Event, factor: float) -> tuple[Event, bool]:
@@ -43,8 +94,9 @@ def epsilon_of_scaled_events(
     """(ε, at_least): the largest over accounting ``units`` (each an iterable of events) of
     the ε(δ) of its events with every σ multiplied by ``factor`` (PLD); ``factor`` <= 0 →
     ∞. ``at_least``: some effective σ was raised to :data:`SIGMA_FLOOR`, so ε is a lower
-    bound on the implied ε."""
-    if factor <= 0:
+    bound on the implied ε. A factor that is not a finite number, or an effective σ so small
+    that ε overflows: ∞, never an exception."""
+    if _unusable(factor):
         return math.inf, False
     floored, eps = False, 0.0
     for events in units:
@@ -53,7 +105,7 @@ def epsilon_of_scaled_events(
             s, f = _scaled(e, factor)
             scaled.append(s)
             floored = floored or f
-        eps = max(eps, epsilon_of_events(scaled, delta))
+        eps = max(eps, _or_infinite(lambda ev=scaled: epsilon_of_events(ev, delta)))
     return eps, floored
 
 
@@ -65,13 +117,18 @@ def epsilon_of_scaled_claim(
     computes the claim's own ε (so ``factor`` = 1 gives exactly its ``epsilon_pld``):
     Poisson-subsampled steps by PLD, with the floor of :data:`SIGMA_FLOOR` on the step's
     multiplier (``at_least``); plain Gaussians in closed form (μ-GDP), no floor needed.
-    σ or ``factor`` <= 0 → ∞."""
-    if factor <= 0 or sigma <= 0:
+    σ or ``factor`` <= 0, or not a finite number → ∞; an effective σ so small that ε
+    overflows → ∞ (never an exception)."""
+    if _unusable(factor) or _unusable(sigma):
         return math.inf, False
     s = sigma * factor
+    if not s > 0:  # σ·factor underflowed
+        return math.inf, False
     if mech.poisson and mech.q < 1.0:
         ev, floored = _scaled(mech.event(sigma), factor)
         if not floored:
-            return Eps(s, delta)(mech, "pld"), False
-        return epsilon_of_events([ev], delta), True
-    return Eps(s, delta)(mech, "pld"), False
+            return _or_infinite(lambda: Eps(s, delta)(mech, "pld")), False
+        return _or_infinite(lambda: epsilon_of_events([ev], delta)), True
+    if mech.sens * math.sqrt(mech.count) / s > MU_MAX:
+        return math.inf, False
+    return _or_infinite(lambda: Eps(s, delta)(mech, "pld")), False
