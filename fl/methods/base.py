@@ -30,7 +30,7 @@ from fl.errors import UsageError
 from fl.methods.context import ClientView, ServerView  # noqa: F401 - the contract's views
 from fl.methods.rounds import Replies, RoundInfo  # noqa: F401 - the method contract's types
 from fl.models import factors as F
-from fl.privacy import clipping
+from fl.privacy import clipping, tap
 
 
 @dataclass
@@ -247,7 +247,8 @@ class Method:
         privatized = []  # the noisy sums, kept only for the canary clients' observation
         for k in names:
             noise = srv.noise(tuple(total[k].shape), sigma * srv.clip, gen)
-            noisy = total[k] + noise
+            # one release over all keys: Σ clipped client updates, sensitivity C per client
+            noisy = tap.release("client-aggregate", total[k], noise, srv.clip, part=k)
             out[k] = (base[k].float() + noisy / m).to(base[k].dtype)
             if canaries is not None:
                 privatized.append(noisy)

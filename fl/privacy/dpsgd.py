@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fl.privacy import tap
 from fl.privacy.rng import draw_normal
 
 
@@ -319,7 +320,8 @@ def clip_and_noise(
         noise = flat_noise(params, dp.noise_multiplier * dp.clip, generator, device)
     else:
         noise = fault.noise(params, dp.noise_multiplier * dp.clip, generator, device)
-    released = summed.add_(noise.to(summed.dtype))
+    # the release: q(D) = the clipped sum (canaries included), sensitivity C (add/remove)
+    released = tap.release("dpsgd", summed, noise, dp.clip)
     if canaries is not None:
         canaries.observe(released)
     released = released.div_(dp.expected_batch)

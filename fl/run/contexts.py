@@ -15,6 +15,7 @@ import torch
 from fl.errors import ClientFailure, UsageError
 from fl.methods.rounds import RoundInfo
 from fl.privacy import rng as R
+from fl.privacy import tap
 from fl.privacy.accounting import Event
 from fl.privacy.canary_clients import CanaryClients, check_supported
 from fl.privacy.dpsgd import DpSgdParams, server_noise_fault
@@ -107,20 +108,10 @@ class ClientContext:
             grad_transform=grad_transform,
             grad_mask=grad_mask,
         )
-        result, opt_sd = eng.trainer.run(
-            start,
-            eng.members_data,
-            self.positions,
-            steps,
-            set(trainable),
-            privatizer,
-            hooks,
-            eng.rand.round_stream("poisson-batches", r, cid, stage),
-            dropout_seed=derive_seed(eng.cfg.seed, "round", r, "client", cid, stage, "dropout"),
-            opt_state=opt_state,
-            lr_scale=eng.cfg.lr_scale(r),
-            sample_size=self.n,
-        )
+        with tap.scope(client=cid, stage=stage):  # labels this training's releases
+            result, opt_sd = self._run_trainer(
+                start, steps, trainable, privatizer, hooks, stage, opt_state
+            )
         if not eng.cfg.reset_optimizer:
             self.state["_opt"] = opt_sd
         if dp is not None:
@@ -137,6 +128,23 @@ class ClientContext:
                 )
             )
         return result
+
+    def _run_trainer(self, start, steps, trainable, privatizer, hooks, stage, opt_state):
+        eng, cid, r = self.engine, self.id, self.round.index
+        return eng.trainer.run(
+            start,
+            eng.members_data,
+            self.positions,
+            steps,
+            set(trainable),
+            privatizer,
+            hooks,
+            eng.rand.round_stream("poisson-batches", r, cid, stage),
+            dropout_seed=derive_seed(eng.cfg.seed, "round", r, "client", cid, stage, "dropout"),
+            opt_state=opt_state,
+            lr_scale=eng.cfg.lr_scale(r),
+            sample_size=self.n,
+        )
 
 
 class InProcessTransport:

@@ -41,6 +41,7 @@ from fl.methods.base import RoundInfo, parse_options
 from fl.models.base import load_tokenizer, resolve_device
 from fl.models.causal_lm import check_setup as check_task
 from fl.privacy import rng as R
+from fl.privacy import tap
 from fl.privacy.accounting import Event, PrivacyError, epsilon
 from fl.privacy.gradient_canaries import GradientCanaries
 from fl.privacy.rng import derive_seed
@@ -96,6 +97,11 @@ class Engine(RunFiles, PrivacyPlan):
         self.rejected_updates = 0
         self._inflight_charged: dict[int, list[Event]] = {}
         self._reenact: dict[int, list[Event]] = {}
+        #: the neighbour replay's change of the members (audit.replay.engine), applied in
+        #: :meth:`setup` after the public sizes are read: callable(engine, texts, labels,
+        #: prompts) -> (texts, labels, prompts), editing ``client_positions`` and
+        #: ``position_ids`` as it adds or removes rows; None on every ordinary run
+        self.neighbour = None
 
     # ---- output helpers ----------------------------------------------------------
     def progress(self, it, **kw):
@@ -175,6 +181,8 @@ class Engine(RunFiles, PrivacyPlan):
                 self.position_ids.append(c["id"])
                 cid = c["client"]
                 self.client_positions[cid] = np.append(self.client_positions[cid], pos)
+        if self.neighbour is not None:  # the neighbour replay's D′ (audit.replay.engine)
+            texts, labels, prompts = self.neighbour(self, texts, labels, prompts)
         self.members_data = tokenize(
             cfg.task, texts, labels, tok, cfg.max_length, prompts, self.position_ids
         )
@@ -294,7 +302,8 @@ class Engine(RunFiles, PrivacyPlan):
                 def send(cl, stage, payload, per_client=False, _rnd=rnd):
                     return dispatcher.send(self.method, _rnd, cl, stage, payload, per_client)
 
-                extra = self.method.server_round(rnd, clients, send) or {}
+                with tap.scope(round=r):  # labels the round's releases (fl.privacy.tap)
+                    extra = self.method.server_round(rnd, clients, send) or {}
             else:
                 extra = {"skipped": "no client sampled"}
             row = {"round": r + 1, "clients": clients}

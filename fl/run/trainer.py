@@ -28,6 +28,7 @@ from fl.models import factors as F
 from fl.models.base import LoraSpec, load_base_model, wrap_lora
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams, DpStats
+from fl.privacy.tap import batches as batches_tap
 from fl.run.batches import fixed_batches, poisson_masks, release_freed_memory
 from fl.run.config import TrainConfig
 from fl.run.local_step import DpSgd, Hook, local_step
@@ -245,6 +246,7 @@ class LocalTrainer(TrainerProbes):
                     canaries.coins = [slot == t % nb for t in range(steps)]
             else:
                 masks = poisson_masks(batch_source, rows, q, steps)
+            masks = batches_tap(masks, n)  # the neighbour replay's frozen coins (fl.privacy.tap)
             for mask in masks:
                 if sampler is not None:  # the sampler canaries' rows, drawn with the rest
                     mask, tail = mask[:n], mask[n:]

@@ -1,0 +1,308 @@
+"""Neighbour replay of the engine's runs (``fedlora audit RUN --neighbours``).
+
+The run is trained again from its configuration and key with a :class:`Recorder` tapped
+into every release (:mod:`fl.privacy.tap`: DP-SGD's steps, the client-level aggregate),
+then once per neighbour D′ (:mod:`audit.replay.neighbours`) with the same key, the
+recorded Poisson coins of the records both datasets share (the neighbour's added record
+drawn at every step), and the recorded outputs handed back at every release. Per
+neighbour: every release's ‖q(D) − q(D′)‖ against its bound, the sequence of releases,
+and everything the run releases without noise — the public manifest, the public
+per-round metrics, the adapter — identical, else ``data_dependent_release`` naming the
+field; an exception on D′ is one too (a crash is observable).
+
+Two things are held fixed on purpose, and said in the result: the clients' public sizes
+(q = B/n_k is computed from them; the toolkit discloses n_k, docs/privacy.md) and
+dropout (off in both runs: a dropout mask drawn per batch position would move with the
+neighbour and change other records' gradients, which is randomness, not data).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from audit.findings import Code
+from audit.replay.neighbours import Neighbour, engine_neighbours, parse_kinds
+from audit.replay.record import Recorder
+from fl.errors import UsageError
+from fl.io import read_json
+
+__all__ = ["replay_neighbours", "REPLAY_VOLATILE"]
+
+#: public manifest fields a replay legitimately changes (when/where it ran)
+REPLAY_VOLATILE = {"created", "versions", "tool_version", "device", "wall_seconds", "log"}
+
+
+def _no_dropout(model) -> int:
+    import torch
+
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout) and mod.p:
+            mod.p = 0.0
+            n += 1
+    return n
+
+
+def _release_view(out: Path) -> dict:
+    """What a run releases without noise, for comparison: the public manifest (volatile
+    fields and the MAC removed), the public metrics rows, the adapter's sha256."""
+    from fl.run.release import PUBLIC_METRICS, public_manifest
+    from fl.run.rundir import read_metrics
+
+    m = public_manifest(read_json(out / "manifest.json"))
+    for k in REPLAY_VOLATILE:
+        m.pop(k, None)
+    (m.get("integrity") or {}).pop("mac", None)
+    (m.get("integrity") or {}).pop("files", None)
+    rows = [
+        {k: r[k] for k in PUBLIC_METRICS if k in r} for r in read_metrics(out, strict=False) or []
+    ]
+    adapter = out / "adapter" / "adapter_model.safetensors"
+    sha = hashlib.sha256(adapter.read_bytes()).hexdigest() if adapter.is_file() else None
+    return {"manifest": m, "metrics": rows, "adapter_sha256": sha}
+
+
+def _diff(a, b, path: str, out: list[str], limit: int = 8) -> None:
+    if len(out) >= limit:
+        return
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            _diff(a.get(k), b.get(k), f"{path}.{k}", out, limit)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _diff(x, y, f"{path}[{i}]", out, limit)
+    elif json.dumps(a, sort_keys=True, default=str) != json.dumps(b, sort_keys=True, default=str):
+        out.append(path)
+
+
+def _hook(nb: Neighbour, state: dict, max_length: int) -> Callable:
+    """The engine's ``neighbour`` hook for ``nb`` (edits the members before tokenizing)."""
+
+    def apply(eng, texts, labels, prompts):
+        pos = np.asarray(eng.client_positions[nb.client])
+        j = state["row"]  # the typical record: an index into the client's positions
+        src = int(pos[j])
+        if nb.removes:
+            pos = np.delete(pos, j)
+        if nb.adds:
+            text, label = texts[src], labels[src]
+            if nb.kind == "empty":
+                text = ""
+            elif nb.kind == "max-length":
+                text = " ".join(["privacy"] * (2 * max_length))
+            elif nb.kind in ("flipped", "replace"):
+                classes = sorted(set(labels))
+                label = classes[(classes.index(label) + 1) % len(classes)]
+            texts = [*texts, text]
+            labels = [*labels, label]
+            if prompts is not None:
+                prompts = [*prompts, ""]
+            eng.position_ids.append(f"replay-{nb.kind}")
+            new = len(texts) - 1
+            pos = np.insert(pos, 0 if nb.at == "start" else len(pos), new)
+        eng.client_positions[nb.client] = pos
+        return texts, labels, prompts
+
+    return apply
+
+
+def _mask_map(nb: Neighbour, state: dict) -> Callable:
+    """Frozen coins for D′: the recorded masks of D, the removed row deleted, the added
+    row inserted with its coin at 1 (drawn at every step)."""
+    import torch
+
+    def apply(scope: dict, masks, n_dp: int):
+        if str(scope.get("client")) != nb.client:
+            return [m.clone() for m in masks]
+        n_d = n_dp + (1 if nb.removes else 0) - (1 if nb.adds else 0)
+        out = []
+        for m in masks:
+            ex, tail = m[:n_d], m[n_d:]
+            if nb.removes:
+                ex = torch.cat([ex[: state["row"]], ex[state["row"] + 1 :]])
+            if nb.adds:
+                one = torch.ones(1, dtype=ex.dtype)
+                ex = torch.cat([one, ex]) if nb.at == "start" else torch.cat([ex, one])
+            out.append(torch.cat([ex, tail]))
+        return out
+
+    return apply
+
+
+def _typical_row(rec: Recorder, client: str, n: int) -> int:
+    """The client's record drawn most often on D (ties: the first): a removal then
+    changes the most releases."""
+    counts = np.zeros(n)
+    for key, masks in rec.masks.items():
+        if str(dict(key).get("client")) == client:
+            for m in masks:
+                counts += m[:n].numpy().astype(float)
+    return int(np.argmax(counts))
+
+
+def replay_neighbours(
+    run: Path,
+    key_path: Path | None = None,
+    kinds: str | tuple | None = None,
+    log: Callable[[str], None] | None = None,
+    work: Path | None = None,
+) -> dict:
+    """Replay ``run`` on D and on each neighbour of ``kinds`` (module doc). Returns
+    ``{"performed", "verdict" ("pass" | "fail"), "neighbours": [per neighbour: the
+    neighbour, the comparison, the differing public fields, an exception], "findings":
+    [{"code", "severity", "message"}], "releases", "seconds" (D, each neighbour),
+    "held_fixed"}``."""
+    from fl.privacy.rng import NoiseKey
+    from fl.privacy.tap import tapped
+    from fl.run.config import TrainConfig
+    from fl.run.engine import Engine
+
+    run = Path(run)
+    say = log or (lambda s: None)
+    kinds = parse_kinds(kinds) if not isinstance(kinds, tuple) else kinds
+    m = read_json(run / "manifest.json")
+    cfg_dict = (
+        read_json(run / "config.json") if (run / "config.json").is_file() else m.get("config")
+    )
+    if not isinstance(cfg_dict, dict):
+        raise UsageError(f"{run}: no configuration to replay (config.json or the manifest's)")
+    cfg = TrainConfig.from_dict(cfg_dict)
+    cfg.device, cfg.progress = "cpu", False
+    if cfg.dp_level == "none":
+        raise UsageError(f"{run}: the run claims no DP; there is no release to replay")
+    key = None
+    if not cfg.insecure_deterministic_noise:
+        key_path = Path(key_path) if key_path else run / "private" / "noise.key"
+        if not key_path.is_file():
+            raise UsageError(
+                f"{run}: the neighbour replay needs the run's noise key ({key_path} not found; "
+                "give it with --key)"
+            )
+        key = NoiseKey.read(key_path)
+    findings: list[dict] = []
+    rec = Recorder()
+    tmp = tempfile.TemporaryDirectory(prefix="fedlora-replay-", dir=work)
+    root = Path(tmp.name)
+    seconds = {}
+    try:
+        t0 = time.time()
+        say("replay: training on D (the run's data) with the releases recorded")
+        eng = Engine(cfg, root / "D", quiet=True, noise_key=key)
+        eng.setup()
+        dropped = _no_dropout(eng.trainer.model)
+        with tapped(rec):
+            eng.run()
+        seconds["D"] = round(time.time() - t0, 2)
+        view_d = _release_view(root / "D")
+        classification = cfg.task == "classification"
+        nbs = engine_neighbours(kinds, dict(eng.public_sizes), classification, cfg.dp_level)
+        results = []
+        for i, nb in enumerate(nbs):
+            t0 = time.time()
+            state = {"row": _typical_row(rec, nb.client, eng.public_sizes[nb.client])}
+            say(f"replay: neighbour {i + 1}/{len(nbs)}: {nb.describe()}")
+            rec.start_replay(_mask_map(nb, state))
+            e2 = Engine(cfg, root / f"N{i}", quiet=True, noise_key=key)
+            e2.neighbour = _hook(nb, state, cfg.max_length)
+            error = None
+            try:
+                e2.setup()
+                _no_dropout(e2.trainer.model)
+                with tapped(rec):
+                    e2.run()
+            except Exception as exc:  # an exception on D′ is itself a release
+                error = f"{type(exc).__name__}: {exc}"
+            cmp = rec.compare(factor=nb.factor)
+            diffs: list[str] = []
+            if error is None and rec.releases:  # with nothing frozen, every output moves
+                _diff(view_d, _release_view(root / f"N{i}"), "release", diffs)
+            seconds[f"N{i}"] = round(time.time() - t0, 2)
+            results.append(
+                {
+                    "neighbour": nb.to_dict(),
+                    "row": state["row"],
+                    "comparison": cmp,
+                    "public_diffs": diffs,
+                    "exception": error,
+                }
+            )
+            findings += _findings(nb, cmp, diffs, error)
+    finally:
+        tmp.cleanup()
+    if not rec.releases:
+        # never a pass: nothing was compared (an incomplete replay, not a finding against
+        # the run: its releases are made where the tap does not reach)
+        findings.append(
+            {
+                "code": str(Code.REPLAY_EMPTY),
+                "severity": "warning",
+                "message": f"the replay intercepted no release: {cfg.method}'s noise at "
+                f"{cfg.dp_level} level does not pass through the release tap "
+                "(fl.privacy.tap), so no sensitivity was compared",
+            }
+        )
+    if any(f["severity"] == "error" for f in findings):
+        verdict = "fail"
+    else:
+        verdict = "pass" if rec.releases else "incomplete"
+    return {
+        "performed": True,
+        "verdict": verdict,
+        "releases": len(rec.releases),
+        "neighbours": results,
+        "findings": findings,
+        "seconds": seconds,
+        "held_fixed": {
+            "public_sizes": "each client's n_k (disclosed; q = B/n_k is computed from it)",
+            "dropout": f"off in every replayed training ({dropped} dropout layers)",
+        },
+    }
+
+
+def _findings(nb: Neighbour, cmp: dict, diffs: list[str], error: str | None) -> list[dict]:
+    out = []
+    for v in cmp["violations"]:
+        bound = v["bound"]
+        measured = "not finite" if v["nonfinite"] else f"{v['distance']:.6g}"
+        out.append(
+            {
+                "code": str(Code.SENSITIVITY_EXCEEDED),
+                "severity": "error",
+                "message": f"{v['where']}: ‖q(D) − q(D′)‖ = {measured} > {bound:.6g} "
+                f"({nb.relation}, {nb.factor:g}·C) for the neighbour '{nb.describe()}'",
+            }
+        )
+    if cmp["n_violations"] > len(cmp["violations"]):
+        out[-1]["message"] += f" (and {cmp['n_violations'] - len(cmp['violations'])} more)"
+    if cmp["divergence"]:
+        out.append(_ddr(nb, cmp["divergence"]))
+    if error:
+        out.append(_ddr(nb, f"the training on D′ raised {error} (on D it did not)"))
+    if diffs:
+        out.append(_ddr(nb, f"released without noise and different on D′: {', '.join(diffs)}"))
+    return out
+
+
+def _ddr(nb: Neighbour, what: str) -> dict:
+    return {
+        "code": str(Code.DATA_DEPENDENT_RELEASE),
+        "severity": "error",
+        "message": f"neighbour '{nb.describe()}': {what}",
+    }
+
+
+def summary_line(res: dict) -> str:
+    """One line for the CLI and the verdict table."""
+    n = len(res.get("neighbours", []))
+    worst = [r["comparison"]["max_ratio"] for r in res.get("neighbours", [])]
+    worst = [w for w in worst if w is not None and math.isfinite(w)]
+    ratio = f", largest ‖Δq‖/bound {max(worst):.3f}" if worst else ""
+    return f"{res['verdict']} ({n} neighbours × {res['releases']} releases{ratio})"

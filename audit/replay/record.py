@@ -1,0 +1,206 @@
+"""Record a training's releases on D, replay them on a neighbour D′, compare.
+
+:class:`Recorder` is a :class:`fl.privacy.tap.Tap`. In ``record`` mode it lets every
+release through (``q(D) + noise``) and keeps, per release, the value q(D), the released
+output and the sensitivity the mechanism's accounting assumes, with where it happened
+(the tap's scope: round, client, stage). In ``replay`` mode, run on a neighbour D′ with
+every random draw frozen (the same key, the recorded Poisson coins of the records both
+datasets share), it hands back the *recorded output* at each release, so the two runs
+follow one trajectory (the same model at every step), and keeps q(D′). Then
+:meth:`Recorder.compare` checks, release by release:
+
+* ‖q(D) − q(D′)‖₂ ≤ the declared sensitivity (all parts of one release together);
+  a larger distance — or a value that is not finite in either run — is a
+  ``sensitivity_exceeded`` finding: a concrete neighbouring pair, certain, not a p-value;
+* the same releases in the same order (kind and scope): a release missing, added or moved
+  on D′ is a ``data_dependent_release`` (the number of steps, rounds or clients depended
+  on the data);
+* a replay that intercepted no release is never a pass (``replay_empty``).
+
+What a pass covers: only the neighbours and positions tried (docs/audit.md, "Neighbour
+replay"). A violation is certain (up to the float tolerance :data:`RTOL`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fl.privacy.tap import Tap, current_scope
+
+__all__ = ["Recorder", "Release", "RTOL", "ATOL_REL", "distance"]
+
+#: relative slack on the declared sensitivity (float32 rounding of the clipped sums)
+RTOL = 1e-4
+#: slack relative to the size of the sums compared (float32 summation order)
+ATOL_REL = 1e-5
+
+
+@dataclass
+class Release:
+    """One release: where (``kind``, ``scope``), its declared ``sensitivity`` and, per
+    part, q(D) (``value``), the output released on D, and q(D′) (``neighbour``)."""
+
+    index: int
+    kind: str
+    scope: dict
+    sensitivity: float
+    value: dict[str, torch.Tensor] = field(default_factory=dict)
+    output: dict[str, torch.Tensor] = field(default_factory=dict)
+    neighbour: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def where(self) -> str:
+        s = ", ".join(f"{k} {v}" for k, v in self.scope.items())
+        return f"release #{self.index} ({self.kind}{'; ' + s if s else ''})"
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(‖a − b‖₂ over all parts jointly, max(‖a‖, ‖b‖)); NaN when either holds a
+    non-finite value or the parts differ (never a small number for a broken input)."""
+    if set(a) != set(b):
+        return math.nan, math.nan
+    sq, na, nb = 0.0, 0.0, 0.0
+    for k in a:
+        x, y = a[k].double().reshape(-1), b[k].double().reshape(-1)
+        if x.shape != y.shape or not (torch.isfinite(x).all() and torch.isfinite(y).all()):
+            return math.nan, math.nan
+        sq += float((x - y).square().sum())
+        na += float(x.square().sum())
+        nb += float(y.square().sum())
+    return math.sqrt(sq), math.sqrt(max(na, nb))
+
+
+class Recorder(Tap):
+    """The record/replay tap (module doc). One recorder serves one run on D and any
+    number of neighbour replays after it (:meth:`start_replay` for each)."""
+
+    def __init__(self):
+        self.mode = "record"
+        self.releases: list[Release] = []
+        self.masks: dict[tuple, list[torch.Tensor]] = {}
+        self._mask_seen: dict[tuple, int] = {}
+        self._cursor = 0
+        self._group: Release | None = None
+        self.divergence: str | None = None
+        self.extra_releases = 0
+        self.mask_map = None  # replay: callable(scope, masks_D, n) -> masks for D′
+
+    # ---- the tap -----------------------------------------------------------------------
+    def release(self, kind, value, noise, sensitivity, part=""):
+        scope = current_scope()
+        if self.mode == "record":
+            out = value + noise.to(value.dtype)
+            rel = self._group
+            if rel is None or rel.kind != kind or rel.scope != scope or part in rel.value:
+                rel = Release(len(self.releases), kind, scope, float(sensitivity))
+                self.releases.append(rel)
+                self._group = rel
+            rel.value[part] = value.detach().to("cpu", copy=True)
+            rel.output[part] = out.detach().to("cpu", copy=True)
+            return out
+        return self._replay(kind, value, noise, sensitivity, part, scope)
+
+    def _replay(self, kind, value, noise, sensitivity, part, scope):
+        if self.divergence is None:
+            rel = self._group
+            if rel is None or part in rel.neighbour or part not in rel.value:
+                rel = self.releases[self._cursor] if self._cursor < len(self.releases) else None
+                self._cursor += 1
+                self._group = rel
+            if rel is None:
+                self.divergence = (
+                    f"the run on D′ made more releases than on D ({len(self.releases)}); the "
+                    f"first extra one: {kind} at {scope or 'top level'}"
+                )
+            elif rel.kind != kind or rel.scope != scope or part not in rel.value:
+                self.divergence = (
+                    f"{rel.where()} on D was {kind} at {scope or 'top level'} (part "
+                    f"{part!r}) on D′: the releases' order or number depends on the data"
+                )
+            elif tuple(rel.value[part].shape) != tuple(value.shape):
+                self.divergence = (
+                    f"{rel.where()}: part {part!r} has shape {tuple(value.shape)} on D′, "
+                    f"{tuple(rel.value[part].shape)} on D"
+                )
+            else:
+                rel.neighbour[part] = value.detach().to("cpu", copy=True)
+                # a copy: the caller may change it in place (DP-SGD divides it by B)
+                return rel.output[part].to(value.device, value.dtype, copy=True)
+        self.extra_releases += 1
+        return value + noise.to(value.dtype)  # off the recorded path: nothing frozen
+
+    def batches(self, masks, n):
+        scope = tuple(sorted(current_scope().items()))
+        k = self._mask_seen.get(scope, 0)
+        self._mask_seen[scope] = k + 1
+        key = scope + (("call", k),)
+        if self.mode == "record":
+            self.masks[key] = [m.clone() for m in masks]
+            return masks
+        recorded = self.masks.get(key)
+        if recorded is None or self.mask_map is None:
+            return masks
+        return self.mask_map(dict(scope), recorded, n)
+
+    # ---- replay ----------------------------------------------------------------------
+    def start_replay(self, mask_map=None) -> None:
+        """Replay the recorded run on a neighbour next: ``mask_map(scope, masks_D, n′)``
+        gives the frozen batches of D′ for a local training (None: as drawn)."""
+        self.mode = "replay"
+        self._cursor = 0
+        self._group = None
+        self._mask_seen = {}
+        self.divergence = None
+        self.extra_releases = 0
+        self.mask_map = mask_map
+        for rel in self.releases:
+            rel.neighbour = {}
+
+    def compare(self, factor: float = 1.0, limit: int = 5) -> dict:
+        """The replay's verdict against the recording (module doc), each release held to
+        ``factor`` × its declared sensitivity (2 for a replace-one neighbour): ``releases``
+        (recorded), ``compared``, ``violations`` (the first ``limit``, each with where,
+        distance, bound), ``n_violations``, ``max_ratio`` (largest distance / bound),
+        ``divergence`` (or None), ``empty``, ``passed``."""
+        violations, compared, worst = [], 0, 0.0
+        for rel in self.releases:
+            if not rel.neighbour:
+                continue
+            compared += 1
+            if set(rel.neighbour) != set(rel.value):
+                continue  # a partial release: the divergence names it
+            d, scale = distance(rel.value, rel.neighbour)
+            bound = rel.sensitivity * factor
+            ok = math.isfinite(d) and d <= bound * (1 + RTOL) + ATOL_REL * scale
+            ratio = d / bound if math.isfinite(d) and bound > 0 else math.inf
+            worst = max(worst, ratio)
+            if not ok:
+                violations.append(
+                    {
+                        "where": rel.where(),
+                        "kind": rel.kind,
+                        "scope": rel.scope,
+                        "distance": d if math.isfinite(d) else None,
+                        "bound": bound,
+                        "nonfinite": not math.isfinite(d),
+                    }
+                )
+        missing = self._cursor < len(self.releases) and self.divergence is None
+        divergence = self.divergence
+        if missing:
+            divergence = (
+                f"the run on D′ made {self._cursor} of the {len(self.releases)} releases of "
+                "the run on D: the number of releases depends on the data"
+            )
+        return {
+            "releases": len(self.releases),
+            "compared": compared,
+            "violations": violations[:limit],
+            "n_violations": len(violations),
+            "max_ratio": worst if compared else None,
+            "divergence": divergence,
+            "empty": not self.releases,
+            "passed": bool(self.releases) and not violations and divergence is None,
+        }
