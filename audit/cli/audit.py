@@ -9,8 +9,11 @@ claim file; `fedlora report`: write the report of run directories (:mod:`audit.r
 ``--key FILE`` (the run's ``private/noise.key``) retrains the whole run on the CPU and
 verifies the release against it; without it the output lists the fields taken on trust.
 
-Exit codes: 0 = nothing understated and no error finding; 1 = ε understated, tampering,
-or any other error-severity finding (e.g. δ >= 1/n); 2 = bad input (one line on stderr).
+Exit codes (:mod:`audit.coverage`): 0 = pass: nothing understated, no error finding, and
+every part of the mechanism the verdict rests on tested; 1 = fail: ε understated,
+tampering, or any other error-severity finding (e.g. δ >= 1/n); 2 = bad input (one line on
+stderr); 4 = incomplete: nothing found, but some part (sampling, clipping, noise,
+accounting) untested — the output names which and why.
 ``--json`` prints only the JSON document (non-finite numbers as the strings "inf"/"nan").
 """
 
@@ -22,8 +25,19 @@ import math
 import sys
 from pathlib import Path
 
+from audit.coverage import EXIT_INCOMPLETE
 from audit.findings import Finding
 from fl.errors import UsageError
+
+#: the exit codes, as ``fedlora audit --help`` prints them
+EXIT_HELP = """exit codes:
+  0  pass: nothing understated, no error finding, every part of the mechanism tested
+     (sampling, clipping, noise, accounting; a part may not apply, e.g. sampling at q = 1)
+  1  fail: an error finding (ε understated, tampering, a conformance test rejects the
+     claim, leaks more than claimed, a release not finite or without noise, ...)
+  2  bad input: missing or unreadable files, flags that do not go together (one line)
+  4  incomplete: nothing found, but some part of the mechanism untested (e.g. the
+     training's own sampler never observed): the output says which part and why"""
 
 
 def register(sub) -> None:
@@ -41,13 +55,14 @@ def register(sub) -> None:
             "(keyed_csprng|csprng|seeded|unknown), claimed_epsilon, delta; name/source/notes "
             "free text. Opacus users: batch_size/dataset_size are read as Opacus's q = "
             "1/ceil(dataset_size/batch_size) when that explains the claim (warning "
-            "opacus_sample_rate). Every field and finding: docs/audit.md."
+            "opacus_sample_rate). Every field and finding: docs/audit.md.\n\n" + EXIT_HELP
         ),
         description=(
             "Recompute ε (PLD, RDP beside) from a run's recorded mechanism, or from a claim "
             "file describing a mechanism, and name the accounting mistakes that explain an "
-            "understated ε. Exit 0: ok; 1: understated, tampered or other error finding; "
-            "2: bad input."
+            "understated ε. Exit 0: pass; 1: fail (understated, tampered or other error "
+            "finding); 2: bad input; 4: incomplete (nothing found, a part of the mechanism "
+            "untested)."
         ),
     )
     p.add_argument(
@@ -92,6 +107,17 @@ def register(sub) -> None:
         "and check that it reproduces the released adapter and privacy block; with "
         "--canaries: the set's key (re-derives and checks the set, re-draws the canaries' "
         "coins for the clipping test)",
+    )
+    p.add_argument(
+        "--neighbours",
+        metavar="KINDS",
+        nargs="?",
+        const="auto",
+        help="neighbour replay (a run directory with its key): retrain the run on its data "
+        "and on neighbours with every random draw frozen and compare what enters each noise "
+        "call (‖q(D) − q(D′)‖ ≤ the sensitivity) and everything released without noise; "
+        "KINDS: auto (remove,max-length), all, or a comma list of remove, duplicate, empty, "
+        "max-length, flipped, replace (docs/audit.md, 'Neighbour replay')",
     )
     p.set_defaults(func=cmd_audit)
 
@@ -170,10 +196,14 @@ def _num(x) -> str:
 
 
 def exit_code(result: dict) -> int:
-    """0 when nothing is understated and no error finding, else 1."""
+    """1 when something is understated, tampered, or an error finding; else 4 when the
+    result says ``incomplete`` (a part of the mechanism untested, :mod:`audit.coverage`);
+    else 0."""
     bad = result.get("understated") or result.get("tampered")
     bad = bad or any(Finding.from_dict(f).is_error for f in result.get("findings", []))
-    return 1 if bad else 0
+    if bad:
+        return 1
+    return EXIT_INCOMPLETE if result.get("verdict") == "incomplete" else 0
 
 
 def _human(result: dict, title: str) -> str:
@@ -298,6 +328,10 @@ def _human(result: dict, title: str) -> str:
         lines.append(f"replay: not performed ({rep.get('reason')})")
     if result.get("trusted"):
         lines.append("taken on trust (no --key): " + ", ".join(result["trusted"]))
+    if result.get("neighbour_replay"):
+        from audit.replay.engine import summary_line
+
+        lines.append(f"neighbour replay: {summary_line(result['neighbour_replay'])}")
     findings = [Finding.from_dict(f) for f in result.get("findings", [])]
     if findings:
         lines.append("findings:")
@@ -338,6 +372,9 @@ def cmd_audit(args) -> int:
         result = audit_run(
             args.run_dir, one_run=args.one_run, alpha=args.alpha, key=args.key, log=log
         )
+        if args.neighbours is not None:
+            result = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+            _neighbour_replay(args, result, log)
         kind = "release bundle" if result.get("kind") == "bundle" else "run directory"
         title = (
             f"fedlora audit {args.run_dir}  ({kind}, method {result['method']}, "
@@ -348,6 +385,22 @@ def cmd_audit(args) -> int:
     else:
         sys.stdout.write(_human(result, title) + "\n")
     return exit_code(result)
+
+
+def _neighbour_replay(args, result: dict, log) -> None:
+    """``--neighbours``: the replay's record into ``result`` (``neighbour_replay``), its
+    findings appended (a violation is an error: exit 1)."""
+    from audit.replay.engine import replay_neighbours, summary_line
+
+    if result.get("kind") == "bundle":
+        raise UsageError("--neighbours needs the run directory (the data), not a bundle")
+    try:
+        rep = replay_neighbours(Path(args.run_dir), args.key, args.neighbours, log=log)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    result["neighbour_replay"] = rep
+    result.setdefault("findings", []).extend(rep["findings"])
+    log(f"neighbour replay: {summary_line(rep)}")
 
 
 def _audit_outside(args) -> int:
@@ -390,14 +443,39 @@ def _human_outside(r: dict) -> str:
             (f"estimate {name}", f"{_num(e['epsilon'])} [{_num(lo)}, {_num(hi)}] (not a bound)")
         )
     rows += _conformance_rows(r.get("conformance"), r["alpha"])
-    rows.append(("verdict", r["verdict"].upper() if r["verdict"] != "ok" else "ok"))
+    v = r["verdict"]
+    if v == "incomplete":
+        untested = (r.get("coverage") or {}).get("untested") or []
+        v = f"INCOMPLETE: {', '.join(untested)} untested (exit 4)"
+    elif v != "ok":
+        v = f"{v.upper()} (exit 1)"
+    else:
+        v = "ok: every part tested (exit 0)"
+    rows.append(("verdict", v))
     w = max(len(k) for k, _ in rows)
     lines = [f"fedlora audit --canaries {r['canaries']}"]
     lines += [f"  {k:<{w}}  {v}" for k, v in rows]
+    lines += _coverage_lines(r.get("coverage"))
     lines += [f"note: {n}" for n in r.get("notes") or []]
     for d in r["findings"]:
         lines.append(f"  [{d['severity']}] {d['code']}: {d['message']}")
     return "\n".join(lines)
+
+
+def _coverage_lines(cov: dict | None) -> list[str]:
+    """What tested each part of the mechanism (audit.coverage), one line per part."""
+    if not cov:
+        return []
+    lines = ["tested:"]
+    for part, insts in cov.get("tested", {}).items():
+        if insts:
+            lines.append(f"  {part}: {', '.join(insts)}")
+        elif part in (cov.get("not_applicable") or {}):
+            lines.append(f"  {part}: not applicable ({cov['not_applicable'][part]})")
+        else:
+            why = (cov.get("why") or {}).get(part)
+            lines.append(f"  {part}: UNTESTED" + (f" ({why})" if why else ""))
+    return lines
 
 
 def _conformance_rows(c: dict | None, alpha: float) -> list[tuple[str, str]]:

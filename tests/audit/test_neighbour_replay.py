@@ -1,0 +1,152 @@
+"""Neighbour replay (audit.replay): record on D, replay on D′ with every draw frozen.
+
+The engine's tests train tiny runs (tiny-bert, synthetic text, < 1 s each on one core);
+the Recorder's tests drive the tap by hand with a toy mechanism whose sensitivity is
+known in closed form.
+"""
+
+import math
+
+import pytest
+import torch
+
+from audit.replay.engine import replay_neighbours
+from audit.replay.neighbours import Neighbour, engine_neighbours, parse_kinds
+from audit.replay.record import Recorder, distance
+from fl.privacy import tap
+from pipeline.cli import main
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from fl.run.engine import train
+    from fl.testing import tiny_config
+
+    root = tmp_path_factory.mktemp("replay")
+    out = {}
+    for name, kw in {
+        "correct": {},
+        "no_clip": {"inject_fault": "no_clip"},
+        "client": {"dp_level": "client", "clients": 4},
+        "fedpower": {"dp_level": "client", "method": "fedpower"},
+    }.items():
+        cfg = tiny_config(**{"dp_level": "sample", "noise_multiplier": 1.0, **kw})
+        train(cfg, root / name, quiet=True)
+        out[name] = root / name
+    return out
+
+
+def test_a_correct_run_passes_every_neighbour_at_its_bound(runs):
+    res = replay_neighbours(runs["correct"], kinds="all")
+    assert res["verdict"] == "pass", res["findings"]
+    assert res["releases"] > 0
+    kinds = [r["neighbour"]["kind"] for r in res["neighbours"]]
+    assert kinds == ["remove", "duplicate", "empty", "max-length", "flipped", "replace"]
+    for r in res["neighbours"]:
+        cmp = r["comparison"]
+        assert cmp["compared"] == res["releases"] and cmp["divergence"] is None
+        # the tiny model's gradients exceed C = 1: a clipped record moves the sum by
+        # exactly C (replace-one: up to 2C), so the replay meets its bound with equality
+        assert 0.9 < cmp["max_ratio"] <= 1 + 1e-4
+        assert r["public_diffs"] == [] and r["exception"] is None
+
+
+def test_clipping_skipped_is_a_sensitivity_violation(runs):
+    res = replay_neighbours(runs["no_clip"], kinds="remove")
+    assert res["verdict"] == "fail"
+    codes = {f["code"] for f in res["findings"]}
+    assert codes == {"sensitivity_exceeded"}
+    v = res["neighbours"][0]["comparison"]["violations"][0]
+    assert v["distance"] > v["bound"] == 1.0
+
+
+def test_client_level_record_neighbours_are_held_to_2C(runs):
+    res = replay_neighbours(runs["client"], kinds="remove,duplicate")
+    assert res["verdict"] == "pass"
+    assert {r["neighbour"]["relation"] for r in res["neighbours"]} == {"replace-one-client"}
+    assert all(r["neighbour"]["bound"] == "2·C" for r in res["neighbours"])
+
+
+def test_a_method_whose_noise_bypasses_the_tap_is_never_a_pass(runs):
+    res = replay_neighbours(runs["fedpower"], kinds="remove")
+    assert res["verdict"] == "incomplete"
+    assert res["releases"] == 0
+    assert [f["code"] for f in res["findings"]] == ["replay_empty"]
+
+
+def test_cli_neighbours_exit_codes(runs, capsys):
+    assert main(["audit", str(runs["no_clip"]), "--neighbours", "remove"]) == 1
+    assert "sensitivity_exceeded" in capsys.readouterr().out
+    assert main(["audit", str(runs["correct"]), "--neighbours"]) == 0
+    assert "neighbour replay: pass (2 neighbours" in capsys.readouterr().out
+    assert main(["audit", str(runs["correct"]), "--neighbours", "bogus"]) == 2
+
+
+def test_parse_and_place_neighbours():
+    assert parse_kinds(None) == ("remove", "max-length")
+    with pytest.raises(ValueError, match="unknown kind"):
+        parse_kinds("remove,nope")
+    nbs = engine_neighbours(("remove", "duplicate", "empty", "flipped"), {"0": 5, "1": 9}, False)
+    assert [(n.kind, n.client, n.at) for n in nbs] == [
+        ("remove", "1", "end"),
+        ("duplicate", "1", "end"),
+        ("empty", "0", "start"),
+    ]  # no label flip for a causal LM
+    assert Neighbour("replace", "0").factor == 2.0 and Neighbour("remove", "0").factor == 1.0
+
+
+# ---- the Recorder on a toy mechanism: q(D) = Σ_i clip(x_i), one release per step ------
+def _toy(rec, data, clip=1.0, steps=3, extra_step_if=None):
+    outs = []
+    with tap.tapped(rec):
+        for t in range(steps + (1 if extra_step_if and extra_step_if(data) else 0)):
+            with tap.scope(step=t):
+                s = torch.zeros(2)
+                for x in data:
+                    s += x * min(1.0, clip / float(x.norm()))
+                outs.append(tap.release("toy", s, torch.randn(2), clip))
+    return outs
+
+
+def test_recorder_freezes_outputs_and_measures_each_release():
+    d = [torch.tensor([3.0, 4.0]), torch.tensor([0.3, 0.4])]
+    rec = Recorder()
+    out_d = _toy(rec, d)
+    rec.start_replay()
+    out_dp = _toy(rec, d[:1])  # the small record removed: moves each sum by 0.5
+    assert all(torch.equal(a, b) for a, b in zip(out_d, out_dp))  # one trajectory
+    cmp = rec.compare()
+    assert cmp["passed"] and cmp["compared"] == 3
+    assert math.isclose(cmp["max_ratio"], 0.5, rel_tol=1e-6)
+
+
+def test_recorder_flags_unclipped_nonfinite_extra_and_empty():
+    d = [torch.tensor([3.0, 4.0])]
+    rec = Recorder()
+    _toy(rec, d, clip=1.0)
+    rec.start_replay()
+    _toy(rec, d + [torch.tensor([30.0, 40.0])], clip=100.0)  # a bug: the clip ignored
+    cmp = rec.compare()
+    assert not cmp["passed"] and cmp["n_violations"] == 3
+    assert cmp["violations"][0]["distance"] > 40
+    rec.start_replay()
+    _toy(rec, d + [torch.tensor([float("nan"), 0.0])], clip=1.0)
+    cmp = rec.compare()
+    assert not cmp["passed"] and cmp["violations"][0]["nonfinite"]
+    rec.start_replay()
+    _toy(rec, d * 2, extra_step_if=lambda data: len(data) > 1)  # steps depend on the data
+    cmp = rec.compare()
+    assert not cmp["passed"] and "more releases" in cmp["divergence"]
+    rec.start_replay()
+    _toy(rec, d, steps=2)
+    assert "2 of the 3 releases" in rec.compare()["divergence"]
+    empty = Recorder()
+    empty.start_replay()
+    assert empty.compare()["empty"] and not empty.compare()["passed"]
+
+
+def test_distance_never_small_for_broken_input():
+    a = {"": torch.tensor([1.0, 2.0])}
+    assert math.isnan(distance(a, {"": torch.tensor([1.0, float("inf")])})[0])
+    assert math.isnan(distance(a, {"x": torch.tensor([1.0, 2.0])})[0])
+    assert distance(a, {"": torch.tensor([4.0, 6.0])})[0] == pytest.approx(5.0)
