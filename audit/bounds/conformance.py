@@ -77,6 +77,7 @@ __all__ = [
     "GroupTest",
     "TESTS",
     "conformance",
+    "contribution_test",
     "holm",
     "implied_noise_factor",
 ]
@@ -442,3 +443,53 @@ def implied_noise_factor(result: ConformanceResult) -> tuple[float, str | None]:
         if t.ratio_upper is not None and t.ratio_upper < best:
             best, who = t.ratio_upper, t.group
     return best, who
+
+
+def contribution_test(
+    u: np.ndarray, drawn: np.ndarray, *, group: str = "canary", expected: float = 1.0
+) -> GroupTest | None:
+    """Two-sided: does each drawn canary add EXACTLY ``expected`` (units of C), not only at
+    most? For a mechanism that clips each example, a canary whose pre-clip gradient is K·C
+    (K ≫ 1) adds exactly C; one that shares a clip with other records (the batch sum clipped
+    instead of each example) adds less, one counted twice more.
+
+    ``u``: (T, n) the release at the canaries' coordinates in units of C; ``drawn``: (T, n)
+    bool, the canary entered that step (inclusion bit and coin). Valid where the data add
+    exactly 0 at these coordinates (coordinates of the canaries' own, e.g. a canary block)
+    and the noise is i.i.d. over steps and coordinates: then the drawn entries are
+    N(expected, s²) and the others N(0, s²) with s unknown, and the pooled two-sample t
+    statistic of mean(drawn) − mean(others) − expected has Student's t law (n_d + n_o − 2
+    degrees of freedom) whatever s is, so noise larger than claimed does not make it reject.
+    ``statistic`` is the estimated contribution; None when fewer than one drawn or two
+    other entries (nothing to test). Not part of :func:`conformance` (whose ``clip`` test is
+    one-sided and needs no zero data): pass it in ``extra``."""
+    u = np.asarray(u, dtype=np.float64)
+    d = np.asarray(drawn, dtype=bool)
+    if u.shape != d.shape:
+        raise ValueError(f"u {u.shape} and drawn {d.shape} must have one shape")
+    x, y = u[d], u[~d]
+    nx, ny = x.size, y.size
+    if nx < 1 or ny < 2 or nx + ny < 3:
+        return None
+    a = float(x.mean() - y.mean())
+    ss = float(((x - x.mean()) ** 2).sum() + ((y - y.mean()) ** 2).sum())
+    dof = nx + ny - 2
+    se = math.sqrt(ss / dof * (1 / nx + 1 / ny)) if ss > 0 else 0.0
+    if se == 0:
+        t_stat = 0.0 if a == expected else math.copysign(math.inf, a - expected)
+        log10_p = 0.0 if a == expected else MIN_LOG10_P
+    else:
+        t_stat = (a - expected) / se
+        log10_p = (float(stats.t.logsf(abs(t_stat), dof)) + math.log(2)) / math.log(10)
+        log10_p = max(MIN_LOG10_P, min(0.0, log10_p))
+    return GroupTest(
+        group=group,
+        test="contribution",
+        terms=int(nx),
+        statistic=a,
+        log10_p=log10_p,
+        note=(
+            f"a drawn canary adds {a:.4g} C (expected exactly {expected:g}; {nx} draws, "
+            f"{ny} noise-only entries, t = {t_stat:.3g}): two-sided pooled t test"
+        ),
+    )
