@@ -52,6 +52,14 @@ B (``GradientCanaryHook.observe`` given the batch mean without ``scale=B``) carr
 not (its canaries add C whole): :func:`audit.canaries.outside_conformance.averaged_hint`,
 the finding ``observations_look_averaged`` (a warning beside the failing conformance
 test: the run still fails).
+
+**No pass without a test** (:mod:`audit.coverage`): ``ok`` (exit 0) only when the noise
+(the scale and freshness tests), the clipping (the clipping test: it needs the canaries'
+coins, re-drawn from the set's key), the accounting (the claim check, against what the file
+records of the run) and the sampling were each tested, or do not apply. The training's own
+sampler is not observed here, so a claim that takes amplification by Poisson sampling at
+q < 1 reads ``incomplete`` (exit 4, ``untested`` names the parts and why) when nothing is
+found; the library audits (:mod:`audit.libraries`) observe their samplers.
 """
 
 from __future__ import annotations
@@ -88,7 +96,12 @@ from audit.canaries.outside_conformance import (
     obs_array,
     outside_conformance,
 )
+from audit.coverage import EXIT_INCOMPLETE, Coverage, decide
 from fl.errors import UsageError
+
+#: the findings that say what ran is not the claim's mechanism (verdict "does not implement
+#: its claim")
+NOT_THE_MECHANISM = frozenset({"release_nonfinite", "noise_absent"})
 
 # --------------------------------------------------------------------------- the audit
 
@@ -129,6 +142,22 @@ def _bounds(scores, included, delta: float, alpha: float) -> dict:
     }
 
 
+def _nonfinite(where: str, unit: str, bad, values: int, final: bool = False) -> dict:
+    """The finding ``release_nonfinite``: releases that hold NaN or Inf (never a usage error:
+    the strongest evidence there is that the noise is not the claim's Gaussian)."""
+    steps = np.flatnonzero(np.asarray(bad)).tolist()
+    at = f"{len(steps)} {unit}(s) (first: {', '.join(map(str, steps[:5]))})" if steps else ""
+    if final:
+        at += (" and " if at else "") + "the final model's projection"
+    return {
+        "code": "release_nonfinite",
+        "severity": "error",
+        "message": f"{where}: what was released holds NaN or Inf at {at} ({values} value(s)): "
+        "a release that is not finite carries no Gaussian noise a claim can rest on; the "
+        "noise-implied ε is ∞. The finite releases are scored, the conformance tests skipped.",
+    }
+
+
 def _check_level(kind: str, claim) -> None:
     if kind == "gradient" and claim.level != "sample":
         raise UsageError(
@@ -160,17 +189,23 @@ def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, o
     from audit.canaries import gradient as GC
 
     m = cs.count
-    x = obs_array(obs, "obs", (None, m), where)
+    x = obs_array(obs, "obs", (None, m), where, finite=False)
     if x.shape[0] < 1:
         raise UsageError(f"{where}: no steps observed")
     run = gradient_run(obs, x.shape[0], claim, cs.spec, where, notes)
     own += run["findings"]
     sigma, clip, q, sampling = run["sigma"], run["clip"], run["q"], run["sampling"]
     steps, sp = x.shape[0], cs.spec
+    bad = ~np.isfinite(x).all(axis=1)
+    if bad.any():
+        own.append(_nonfinite(where, "step", bad, int((~np.isfinite(x)).sum())))
+    finite_x = x[~bad]
     # the run audit's scorer: records name their group after the last "/" (group_of)
     group = {p["name"]: p["group"] for p in sp["params"]}
     records = [{"param": f"{c['param']}/{group[c['param']]}"} for c in sp["coordinates"]]
-    ob = {"ids": np.arange(m), "obs": x, "sigma": claim.noise_multiplier, "clip": clip, "q": q}
+    # scored on the finite steps only (a release with NaN or Inf is its own finding)
+    ob = {"ids": np.arange(m), "obs": finite_x, "sigma": claim.noise_multiplier, "clip": clip}
+    ob["q"] = q
     noise = GC.observed_noise(records, [ob])
     scores = GC.canary_scores(records, [ob], GC.DEFAULT_STATISTIC, noise)
     info = {
@@ -200,7 +235,7 @@ def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, o
     if "scale" in obs:
         scale = obs_array(obs, "scale", (x.shape[0],), where)
     raw = {"x": x, "q": q, "clip": clip, "sigma": sigma, "expected_batch": expected}
-    raw["scale"] = scale
+    raw["scale"], raw["nonfinite"] = scale, int(bad.sum())
     return scores, info, raw
 
 
@@ -219,13 +254,18 @@ def _input_scores(cs: CanarySet, obs: dict, where: str) -> tuple:
 
 def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, own: list) -> tuple:
     m = cs.count
-    inner = obs_array(obs, "inner", (None, m), where)
+    inner = obs_array(obs, "inner", (None, m), where, finite=False)
     t = inner.shape[0]
     if t < 1:
         raise UsageError(f"{where}: no rounds observed")
-    norms = obs_array(obs, "norms", (t,), where)
-    final_inner = obs_array(obs, "final_inner", (m,), where)
-    final_norm = scalar(obs, "final_norm", where)
+    norms = obs_array(obs, "norms", (t,), where, finite=False)
+    final_inner = obs_array(obs, "final_inner", (m,), where, finite=False)
+    final_norm = float(obs_array(obs, "final_norm", (), where, finite=False))
+    bad = ~(np.isfinite(inner).all(axis=1) & np.isfinite(norms))
+    final_bad = not (np.isfinite(final_inner).all() and math.isfinite(final_norm))
+    if bad.any() or final_bad:
+        n_bad = int((~np.isfinite(inner)).sum() + (~np.isfinite(norms)).sum())
+        own.append(_nonfinite(where, "round", bad, n_bad, final_bad))
     sigma, clip = scalar(obs, "sigma", where), scalar(obs, "clip", where)
     per_round = scalar(obs, "clients_per_round", where)
     sp = cs.spec
@@ -250,8 +290,8 @@ def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, own
                 f"clients_per_round / total_clients = {q:g}"
             )
     with np.errstate(divide="ignore", invalid="ignore"):
-        cos = np.where(norms[:, None] > 0, inner / norms[:, None], 0.0)
-    fin = final_inner / final_norm if final_norm > 0 else np.zeros(m)
+        cos = np.where(norms[:, None] > 0, inner / norms[:, None], 0.0)[~bad]
+    fin = final_inner / final_norm if final_norm > 0 and not final_bad else np.zeros(m)
     return {"all_iterates": cos.sum(axis=0), "final_model": fin}, {
         "rounds": t,
         "sigma": sigma,
@@ -260,6 +300,7 @@ def _client_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, own
         "participation": sp["participation"],
         "rate": float(sp["rate"]),
         "directions": sp["directions"],
+        "nonfinite": int(bad.sum()) + int(final_bad),
     }
 
 
@@ -280,8 +321,12 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
     ``run_differs``), ``"leaks more than claimed"`` (the certified
     bound exceeds what the claimed ε allows one canary), ``"claim understated"`` (the
     recomputed ε exceeds the claimed one, or the claim check has another error),
-    ``"claim not supported"`` (the observation file states a σ below the claim's), else
-    ``"ok"``.
+    ``"claim not supported"`` (the observation file states a σ below the claim's, or another
+    error finding), ``"incomplete"`` (nothing found, but a part of the mechanism —
+    sampling, clipping, noise, accounting — was not tested: ``coverage``, ``untested``;
+    exit 4), else ``"ok"`` (every part tested or not applicable; exit 0). A release that
+    holds NaN or Inf (``release_nonfinite``) or carries no noise at all (``noise_absent``)
+    does not implement its claim: its noise-implied ε is ∞ (never an exception).
 
     Where the observations look divided by a batch size (``observe()`` given the batch
     mean without ``scale=B``), the finding ``observations_look_averaged`` (a warning beside
@@ -320,7 +365,8 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
             own.append(f)
     if cs.kind == "gradient":
         scores, info, raw = _gradient_scores(cs, obs, c, where, notes, own)
-        block, how = gradient_block(cs, raw, c)
+        if not raw["nonfinite"]:
+            block, how = gradient_block(cs, raw, c)
     elif cs.kind == "input":
         scores, info = _input_scores(cs, obs, where)
         not_tested = (
@@ -338,9 +384,18 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
             }
         info["statistic"] = "all_iterates"
         info["score"] = STATISTICS["all_iterates"]
-        block, how, not_tested = client_block(cs, obs, c, where)
+        if info.get("nonfinite"):
+            block, how = None, ""
+        else:
+            block, how, not_tested = client_block(cs, obs, c, where)
     if block is not None and not c.noise_multiplier > 0:
         block, not_tested = None, "the claim's σ is 0: it claims no noise to test"
+    nonfinite = raw["nonfinite"] if cs.kind == "gradient" else info.get("nonfinite", 0)
+    if nonfinite:
+        block, not_tested = (
+            None,
+            ("the releases hold NaN or Inf (release_nonfinite): no noise scale to test"),
+        )
     if block is not None:
         conf = outside_conformance(block, how, claim_clip(cs, c), c, checked, alpha, own)
         if conf["skipped"]:
@@ -362,6 +417,8 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
                 conf["averaged"] = {k: hint[k] for k in ("batch", "batch_range", "evidence")}
     else:
         conf = {"performed": False, "reason": not_tested}
+        if nonfinite:
+            conf.update(implied_epsilon=math.inf, implied_factor=math.nan)
     eps_c, eps_r = c.claimed_epsilon, float(checked["epsilon_pld"])
     allowed, d_used, relation = _relation(cs.kind, c.level, eps_c, c.delta)
     b = _bounds(scores, y, d_used, alpha)
@@ -403,14 +460,20 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
     understated = bool(checked["understated"])
     mismatch = bool(conf["performed"] and not conf["passed"])
     differs = sorted({f["code"] for f in own if f["code"] in RUN_DIFFERS})
-    if mismatch or differs:
+    broken = any(f["code"] in NOT_THE_MECHANISM for f in own)
+    coverage = _coverage(cs.kind, c, checked, conf, how)
+    errors = sum(f.get("severity", "error") == "error" for f in findings)
+    outcome, _ = decide(errors, coverage)
+    if mismatch or differs or broken:
         verdict = "does not implement its claim"
     elif leaks:
         verdict = "leaks more than claimed"
     elif understated or claim_errors:
         verdict = "claim understated"
-    elif any(f["severity"] == "error" for f in own):
+    elif outcome == "fail":
         verdict = "claim not supported"
+    elif outcome == "incomplete":
+        verdict = "incomplete"
     else:
         verdict = "ok"
     res = {
@@ -454,7 +517,10 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
         },
         "notes": notes,
         "findings": findings,
+        "coverage": coverage.to_dict(),
+        "untested": coverage.describe(),
         "verdict": verdict,
+        "exit_code": _exit(verdict),
     }
     if estimate is not None:
         res["estimate"] = estimate
@@ -462,12 +528,66 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
     return res
 
 
+def _coverage(kind: str, c, checked: dict, conf: dict, how: str) -> Coverage:
+    """Which part of the mechanism this audit tested (:mod:`audit.coverage`): the noise by
+    the conformance tests' scale and freshness tests, the clipping by their clipping test
+    (it needs the canaries' coins), the accounting by the claim check (ε recomputed, the
+    run's C, q, steps compared with the claim's; input canaries record nothing of the run).
+    The training's own sampler is never observed here: where the claim takes amplification
+    by sampling (Poisson at q < 1), sampling is untested; elsewhere it does not apply."""
+    from audit.canaries.outside_conformance import claim_mechanism
+
+    cov = Coverage()
+    ran = {t["test"] for t in conf.get("tests") or []} if conf.get("performed") else set()
+    if ran & {"scale", "fresh"}:
+        cov.add("noise", "canaries")
+    else:
+        cov.skip("noise", str(conf.get("reason") or "no conformance test ran"))
+    if "clip" in ran:
+        cov.add("clipping", "canaries")
+    elif conf.get("performed"):
+        cov.skip("clipping", f"the clipping test needs the canaries' coins, which are {how}")
+    else:
+        cov.skip("clipping", str(conf.get("reason") or "no conformance test ran"))
+    mech = claim_mechanism(c, checked)
+    if not (mech.poisson and mech.q < 1.0):
+        cov.inapplicable(
+            "sampling", "the claim takes no amplification by sampling (q = 1 or no Poisson)"
+        )
+    else:
+        cov.skip(
+            "sampling",
+            "the training's own sampler was not observed (the canaries' coins are the hook's, "
+            f"not the {'server' if kind == 'client' else 'data loader'}'s): a sampling test "
+            "needs the sampler's draws, as the library audits record them",
+        )
+    if kind == "input":
+        cov.skip(
+            "accounting",
+            "input canaries record nothing of the run (steps, rate, C): the claim's ε was "
+            "recomputed, not checked against what ran",
+        )
+    elif math.isfinite(float(checked["epsilon_pld"])):
+        cov.add("accounting", "claim check")
+    else:
+        cov.skip("accounting", "the claim's ε could not be recomputed")
+    return cov
+
+
+def _exit(verdict: str) -> int:
+    if verdict == "ok":
+        return 0
+    return EXIT_INCOMPLETE if verdict == "incomplete" else 1
+
+
 def exit_code(result: dict) -> int:
-    """1 when a conformance test rejects the claim, the run's C, q, sampling or steps differ
-    from the claim's, the training leaks more than claimed,
-    the claim check has an error finding (e.g. an understated ε) or the observation file
-    states a σ below the claim's; else 0."""
-    return 0 if result.get("verdict") == "ok" else 1
+    """0 (verdict ``ok``): every part of the mechanism tested, nothing found; 4
+    (``incomplete``, :data:`audit.coverage.EXIT_INCOMPLETE`): nothing found, but some part
+    untested (``untested`` says which and why); 1: a conformance test rejects the claim,
+    the run's C, q, sampling or steps differ from the claim's, a release is not finite or
+    carries no noise, the training leaks more than claimed, the claim check has an error
+    finding (e.g. an understated ε) or the observation file states a σ below the claim's."""
+    return _exit(str(result.get("verdict")))
 
 
 __all__ = [

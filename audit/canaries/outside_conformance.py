@@ -14,7 +14,10 @@ from audit.canaries.canary_set import CanarySet
 from fl.errors import UsageError
 
 
-def obs_array(obs: dict, key: str, shape: tuple, where: str) -> np.ndarray:
+def obs_array(obs: dict, key: str, shape: tuple, where: str, finite: bool = True) -> np.ndarray:
+    """Field ``key`` as a float array of ``shape`` (None: any length). ``finite=False``
+    (the releases themselves): NaN and Inf are kept, for the audit's finding
+    ``release_nonfinite``; elsewhere they are bad input."""
     if key not in obs:
         raise UsageError(f"{where}: field {key!r} missing")
     try:
@@ -24,7 +27,7 @@ def obs_array(obs: dict, key: str, shape: tuple, where: str) -> np.ndarray:
     if a.ndim != len(shape) or any(s is not None and a.shape[i] != s for i, s in enumerate(shape)):
         want = "×".join("T" if s is None else str(s) for s in shape)
         raise UsageError(f"{where}: field {key!r} has shape {a.shape}, expected {want}")
-    if not np.isfinite(a).all():
+    if finite and not np.isfinite(a).all():
         raise UsageError(f"{where}: field {key!r} holds non-finite values")
     return a
 
@@ -167,7 +170,7 @@ def outside_conformance(
     """The conformance tests of one block against the claim, the noise-implied ε of the
     claim's mechanism, and a ``mechanism_mismatch`` finding per rejected test."""
     from audit.bounds.conformance import TESTS, conformance, implied_noise_factor
-    from audit.claims.implied import epsilon_of_scaled_claim
+    from audit.claims.implied import epsilon_of_scaled_claim, noise_finding
     from audit.findings import Code
 
     # the family's levels are the conformance module's (verdict 0.001, warning 0.05);
@@ -176,6 +179,17 @@ def outside_conformance(
     factor, group = implied_noise_factor(res)
     mech = claim_mechanism(c, checked)
     eps_implied, at_least = epsilon_of_scaled_claim(mech, c.noise_multiplier, factor, c.delta)
+    absent = noise_finding(factor)
+    if absent is not None:
+        findings.append(
+            {
+                "code": absent[0],
+                "severity": "error",
+                "message": f"{absent[1]} (group {group}): what was released carries none of "
+                f"the claim's noise N(0, σ²C²) at σ = {c.noise_multiplier:g}; the "
+                "noise-implied ε is ∞.",
+            }
+        )
     for t in res.rejected + res.weak:
         where = f"Group {t.group}, {t.test} test ({TESTS[t.test]})"
         against = f"tested against the claim's σ = {c.noise_multiplier:g}"
@@ -333,8 +347,8 @@ def averaged_hint(
     q0 = float((dev**2).sum()) / sigma**2
     rho = math.sqrt(q0 / dof)
     rho_lo, rho_hi = _chi2_ci(q0, dof, alpha)
-    if rho_hi >= AVERAGED_BELOW:
-        return None
+    if rho_hi >= AVERAGED_BELOW or not rho_hi > 0:
+        return None  # noise as claimed, or none at all (noise_absent): not a division
     a = a_lo = a_hi = None
     if entered is not None:
         a, a_lo, a_hi = _contribution(u, ent, rho * sigma, alpha)

@@ -92,10 +92,12 @@ def _audit_json(out, obs, claim, tmp_path, capsys):
 
 
 def test_an_honest_run_passes(tmp_path, capsys):
+    """Nothing found; the claim's Poisson sampling at q = 0.5 is the one part the outside
+    audit cannot test (the hook's coins are not the sampler's): incomplete, exit 4."""
     out, obs = _honest_obs(tmp_path)
     rc, doc = _audit_json(out, obs, _claim(), tmp_path, capsys)
-    assert rc == 0 and doc["verdict"] == "ok" and doc["run_differs"] == []
-    assert doc["conformance"]["passed"]
+    assert rc == 4 and doc["verdict"] == "incomplete" and doc["run_differs"] == []
+    assert doc["conformance"]["passed"] and doc["coverage"]["untested"] == ["sampling"]
 
 
 @pytest.mark.parametrize(
@@ -127,7 +129,7 @@ def test_a_run_that_differs_from_its_claim_is_a_finding(change, claim, code, wor
 def test_fewer_steps_than_claimed_is_a_note_not_a_finding(tmp_path, capsys):
     out, obs = _honest_obs(tmp_path)
     rc, doc = _audit_json(out, obs, _claim(steps_per_round=50), tmp_path, capsys)
-    assert rc == 0 and doc["run_differs"] == []
+    assert rc == 4 and doc["run_differs"] == []  # incomplete: sampling untested, as above
     assert any("40 of the claim's 50 steps" in n for n in doc["notes"])
 
 
@@ -244,7 +246,9 @@ def test_the_mean_without_scale_is_named_and_still_fails(tmp_path):
 
 def test_the_mean_with_scale_passes(tmp_path):
     res, said = _slip_run(tmp_path, "scaled", mean_by=8.0, scale=8.0)
-    assert res["verdict"] == "ok", res["findings"]
+    # nothing found (the sampler itself is not observed: incomplete, not a finding)
+    assert res["verdict"] == "incomplete", res["findings"]
+    assert res["coverage"]["untested"] == ["sampling"]
     assert not _averaged(res) and not said
 
 

@@ -182,7 +182,7 @@ def _obs(tmp_path, cs, **kw):
         # a q, C or count of steps other than the claim's is a finding (exit 1), not a
         # usage error: tests/audit/test_hook_slips.py
         (dict(obs=np.zeros((4, 19))), ["shape"]),
-        (dict(obs=np.full((4, 20), np.nan)), ["non-finite"]),
+        (dict(sigma=np.nan), ["sigma", "not finite"]),
         (dict(set_sha256="0" * 64), ["another canary set"]),
         (dict(kind="client"), ["kind"]),
     ],
@@ -221,6 +221,32 @@ def test_audit_flag_combinations(params, tmp_path, capsys):
     assert any(f["code"] == "mechanism_mismatch" for f in doc["findings"])
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_release_that_is_not_finite_is_a_finding_not_a_crash(bad, params, tmp_path, capsys):
+    """NaN or Inf in what was released (a noisy step): the finding release_nonfinite (error),
+    the noise-implied ε ∞, exit 1 with a JSON document; the finite steps are still scored."""
+    out = tmp_path / "set"
+    CS.new_canary_set("gradient", 20, out, params=str(params), clip=1.0)
+    cs = CS.load_canary_set(out)
+    x = np.random.default_rng(0).normal(size=(4, 20)) * 2.0
+    x[2, 3] = bad
+    obs = _obs(tmp_path, cs, obs=x)
+    rc = main(["audit", "--canaries", str(out), "--observations", str(obs), "--claim",
+               str(_claim(tmp_path)), "--json"])  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1 and doc["verdict"] == "does not implement its claim"
+    (f,) = [f for f in doc["findings"] if f["code"] == "release_nonfinite"]
+    assert f["severity"] == "error" and "1 step(s) (first: 2)" in f["message"]
+    c = doc["conformance"]
+    assert not c["performed"] and c["implied_epsilon"] == "inf" and "NaN or Inf" in c["reason"]
+    assert doc["observations"]["steps"] == 4 and doc["epsilon_lb"] >= 0
+    # the human output says it too, without a traceback
+    assert main(["audit", "--canaries", str(out), "--observations", str(obs), "--claim",
+                 str(_claim(tmp_path))]) == 1  # fmt: skip
+    text = capsys.readouterr().out
+    assert "release_nonfinite" in text and "DOES NOT IMPLEMENT ITS CLAIM" in text
+
+
 def _fixed_key(tmp_path):
     """A fixed key (tests only: reproducible draws)."""
     from fl.privacy.rng import NoiseKey
@@ -231,12 +257,17 @@ def _fixed_key(tmp_path):
 
 @pytest.mark.parametrize(
     "stated, rc, verdict, severity",
-    [(2.0, 0, "ok", None), (0.5, 1, "claim not supported", "error"), (3.0, 0, "ok", "warning")],
+    [
+        (2.0, 4, "incomplete", None),
+        (0.5, 1, "claim not supported", "error"),
+        (3.0, 4, "incomplete", "warning"),
+    ],
 )
 def test_audit_reports_a_different_sigma(stated, rc, verdict, severity, params, tmp_path, capsys):
     """Observations with the claim's noise (σ = 2) and the canaries' C where their coins say:
     a σ the file states otherwise is a finding naming both (not exit 2); the tests use the
-    claim's σ."""
+    claim's σ. Nothing wrong found, but the claim's Poisson sampling at q = 0.5 was never
+    observed (the hook's coins are not the sampler's): incomplete, exit 4."""
     kp = _fixed_key(tmp_path)
     out = tmp_path / "set"
     CS.new_canary_set("gradient", 20, out, params=str(params), clip=1.0, key_file=kp)
@@ -248,6 +279,9 @@ def test_audit_reports_a_different_sigma(stated, rc, verdict, severity, params, 
                 str(_claim(tmp_path)), "--key", str(kp), "--json"])  # fmt: skip
     doc = json.loads(capsys.readouterr().out)
     assert got == rc and doc["verdict"] == verdict
+    if rc == 4:
+        assert doc["coverage"]["untested"] == ["sampling"]
+        assert "sampler was not observed" in doc["coverage"]["why"]["sampling"]
     c = doc["conformance"]
     assert c["passed"] and c["sigma"] == 2.0 and c["coins"].startswith("re-drawn")
     found = [f for f in doc["findings"] if f["code"] == "stated_sigma_differs"]
@@ -268,3 +302,53 @@ def test_audit_unreadable_observations(content, params, tmp_path, capsys):
     line = _one_line_exit_2(["audit", "--canaries", str(out), "--observations", str(obs),
                              "--claim", str(_claim(tmp_path))], capsys)  # fmt: skip
     assert "--observations" in line
+
+
+def _q1(tmp_path, params, *, noise=2.0, key=True):
+    """A gradient set of 20 canaries at q = 1 (every canary in every step), observations with
+    ``noise`` × C of Gaussian noise plus the included canaries' C; (set, obs, claim, key)."""
+    kp = _fixed_key(tmp_path)
+    out = tmp_path / "set"
+    CS.new_canary_set("gradient", 20, out, params=str(params), clip=1.0, key_file=kp)
+    cs = CS.load_canary_set(out, key_file=kp)
+    x = np.random.default_rng(1).normal(size=(6, 20)) * noise + cs.included[None, :]
+    obs = _obs(tmp_path, cs, obs=x, q=1.0)
+    claim = _claim(tmp_path, "q1.json", sample_rate=1.0, steps_per_round=6, claimed_epsilon=9.0)
+    return out, obs, claim, (["--key", str(kp)] if key else [])
+
+
+def test_every_part_tested_is_ok_and_a_missing_clip_test_is_incomplete(params, tmp_path, capsys):
+    """q = 1 (sampling does not apply), the key at hand (the clipping test runs): ok, exit 0.
+    Without the key the canaries' coins are unknown: the clipping test is skipped, the
+    verdict incomplete, exit 4, and the output names the untested part and why."""
+    out, obs, claim, key = _q1(tmp_path, params)
+    argv = ["audit", "--canaries", str(out), "--observations", str(obs), "--claim", str(claim)]
+    assert main(argv + key + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "ok" and doc["coverage"]["untested"] == []
+    assert doc["coverage"]["tested"]["clipping"] == ["canaries"]
+    assert doc["coverage"]["tested"]["accounting"] == ["claim check"]
+    assert "sampling" in doc["coverage"]["not_applicable"]
+    assert O.exit_code(doc) == 0
+    # the set's key withheld: its private/ copy is what load_canary_set finds, so move it
+    (out / "private" / "noise.key").unlink(missing_ok=True)
+    assert main(argv) == 4
+    text = capsys.readouterr().out
+    assert "INCOMPLETE: clipping untested (exit 4)" in text
+    assert "clipping: UNTESTED (the clipping test needs the canaries' coins" in text
+    assert "noise: canaries" in text and "sampling: not applicable" in text
+
+
+def test_no_noise_at_all_is_noise_absent_not_a_crash(params, tmp_path, capsys):
+    """The canaries' C and nothing else (a noise that never reached the release): the scale
+    test rejects, the finding noise_absent (error) names it, the implied ε is ∞, exit 1."""
+    out, obs, claim, key = _q1(tmp_path, params, noise=0.0)
+    rc = main(["audit", "--canaries", str(out), "--observations", str(obs), "--claim",
+               str(claim), "--json"] + key)  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1 and doc["verdict"] == "does not implement its claim"
+    codes = {f["code"]: f["severity"] for f in doc["findings"]}
+    assert codes.get("noise_absent") == "error" and "mechanism_mismatch" in codes
+    assert (
+        doc["conformance"]["implied_factor"] == 0 and doc["conformance"]["implied_epsilon"] == "inf"
+    )

@@ -56,11 +56,15 @@ def _codes(res):
 
 @pytest.mark.parametrize("variant", ["correct", "average"])
 def test_right_noise_passes(example, variant):
-    """Noise N(0, σ²C²) on the sum, or N(0, (σC/B)²) on the average (the same mechanism)."""
+    """Noise N(0, σ²C²) on the sum, or N(0, (σC/B)²) on the average (the same mechanism):
+    nothing found. The loop's own Poisson sampler (q = 0.05) is not observed by the hook:
+    sampling untested, the verdict incomplete (exit 4), every other part tested."""
     _, out, _ = example
     res, rc, true_ratio, _ = out[variant]
     c = res["conformance"]
-    assert rc == 0 and res["verdict"] == "ok", c["rejected"]
+    assert rc == 4 and res["verdict"] == "incomplete", c["rejected"]
+    assert res["coverage"]["untested"] == ["sampling"]
+    assert res["coverage"]["tested"]["clipping"] == ["canaries"]
     assert c["performed"] and c["passed"] and "mechanism_mismatch" not in _codes(res)
     assert c["coins"] == "re-drawn from the set's key" and not c["skipped"]
     assert {t["test"] for t in c["tests"]} == {"scale", "fresh", "clip"}
@@ -97,7 +101,8 @@ def test_noise_divided_twice_is_a_mechanism_mismatch(example):
 def test_example_prints_the_verdicts(example):
     text = example[2]
     assert "(expected batch B = 10), 60 steps" in text and "claimed ε = 2" in text
-    assert "correct: verdict OK (exit 0)" in text and "average: verdict OK (exit 0)" in text
+    assert "correct: verdict INCOMPLETE (exit 4)" in text
+    assert "average: verdict INCOMPLETE (exit 4)" in text
     assert "bug: verdict DOES NOT IMPLEMENT ITS CLAIM (exit 1)" in text
     assert "true 0.1000" in text and "conformance tests rejected: other:scale, other:fresh" in text
 
@@ -140,26 +145,27 @@ def test_a_false_stated_sigma_does_not_rescue_the_bug(example, tmp_path, capsys)
 
 def test_a_stated_sigma_alone_is_reported_not_refused(example, tmp_path):
     """A correct training whose file states another σ: audited (no exit 2); below the claim's
-    it is an error finding (verdict 'claim not supported'), above it a warning (ok)."""
+    it is an error finding (verdict 'claim not supported'), above it a warning (nothing
+    found: incomplete, the sampler being unobserved)."""
     work, out, _ = example
     sigma = json.loads((work / "claim.json").read_text())["noise_multiplier"]
     kp = work / "key-correct" / "private" / "noise.key"
     for stated, severity, verdict in ((sigma / 2, "error", "claim not supported"),
-                                      (2 * sigma, "warning", "ok")):  # fmt: skip
+                                      (2 * sigma, "warning", "incomplete")):  # fmt: skip
         obs = _rewrite(work / "obs-correct.npz", tmp_path / "o.npz", sigma=stated)
         res = O.audit_outside(work / "canaries-correct", obs, work / "claim.json", key_file=kp)
         (f,) = [f for f in res["findings"] if f["code"] == O.STATED_SIGMA_DIFFERS]
         assert f["severity"] == severity and res["verdict"] == verdict
         assert res["conformance"]["passed"] and res["conformance"]["sigma"] == sigma
-        assert O.exit_code(res) == (1 if severity == "error" else 0)
+        assert O.exit_code(res) == (1 if severity == "error" else 4)
 
 
 def test_without_the_key_only_the_clipping_test_is_skipped(example, capsys):
     """The sets were made with --key: audited without it the coins are unknown; the scale
     and freshness tests still run (and still catch the bug), the clipping test is skipped
-    and the output says so."""
+    and the output says so (clipping untested beside sampling)."""
     work, out, _ = example
-    for variant, verdict in (("correct", "ok"), ("bug", "does not implement its claim")):
+    for variant, verdict in (("correct", "incomplete"), ("bug", "does not implement its claim")):
         res = O.audit_outside(work / f"canaries-{variant}", work / f"obs-{variant}.npz",
                               work / "claim.json")  # fmt: skip
         c = res["conformance"]
@@ -168,13 +174,15 @@ def test_without_the_key_only_the_clipping_test_is_skipped(example, capsys):
         assert c["skipped"] == ["clip (the canaries' coins are unknown)"]
         assert any("clipping test is skipped" in n for n in res["notes"])
         assert res["verdict"] == verdict
+        assert "clipping" in res["coverage"]["untested"]
         with_key = out[variant][0]["conformance"]
         assert _scale(res)["terms"] == _scale(out[variant][0])["terms"]
         assert {t["test"] for t in with_key["tests"]} == {"scale", "fresh", "clip"}
     rc = main(["audit", "--canaries", str(work / "canaries-correct"), "--observations",
                str(work / "obs-correct.npz"), "--claim", str(work / "claim.json")])  # fmt: skip
     text = capsys.readouterr().out
-    assert rc == 0 and "canaries' coins" in text and "unknown" in text
+    assert rc == 4 and "canaries' coins" in text and "unknown" in text
+    assert "INCOMPLETE: sampling, clipping untested (exit 4)" in text
     assert "clipping test is skipped" in text
 
 

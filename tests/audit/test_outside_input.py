@@ -68,7 +68,10 @@ def test_input_audit(level, tmp_path):
         assert res["delta_bound"] == pytest.approx((1 + np.exp(eps)) * 1e-5)
     else:
         assert res["allowed_epsilon"] == eps and res["delta_bound"] == 1e-5
-    # losses that say nothing: consistent
+    # losses that say nothing: consistent, but input canaries (one loss each after training)
+    # test neither the noise nor the clipping, nor what ran against the claim: incomplete
     obs = write_input_observations(tmp_path / "obs2.npz", out, losses=rng.normal(size=1000))
     res = O.audit_outside(out, obs, claim)
-    assert res["verdict"] == "ok" and res["epsilon_lb"] < eps
+    assert res["verdict"] == "incomplete" and res["epsilon_lb"] < eps and O.exit_code(res) == 4
+    assert {"noise", "clipping", "accounting"} <= set(res["coverage"]["untested"])
+    assert "no per-step release" in res["coverage"]["why"]["noise"]
