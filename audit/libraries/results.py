@@ -11,13 +11,24 @@ values made plain and non-finite numbers as the strings ``"inf"`` / ``"-inf"`` /
 (:data:`ROW_KEYS`): library, version, mode, kind, claimed ε, recomputed ε (and whether it
 is a lower bound, "≥"), the certified one-run ε lower bound, the noise-implied ε (and "≥"),
 conformance (``"pass"`` or ``"reject: group:test, …"``), the worst observed/claimed noise
-ratio of the scale tests, the findings' codes, what the audit did not test, the verdict.
+ratio of the scale tests, the findings' codes, what the audit did not test, which part of
+the mechanism each instrument tested (``coverage``, :class:`audit.coverage.Coverage`), the
+neighbour replay's outcome (``replay``), the verdict.
+
+Verdicts (:mod:`audit.coverage`): ``pass`` (exit 0: every part of the mechanism — sampling,
+clipping, noise, accounting — tested), ``incomplete`` (exit 4: nothing found, some part
+untested) and ``fail`` (exit 1: an error finding).
 
 The files are untrusted: they are parsed as JSON only (no pickle), every field the rows
 use is checked (type, range, NaN refused where a number is needed; ``∞`` accepted for an
 ε), and a problem raises :class:`fl.errors.UsageError` naming the file, the row and the
-field. A verdict that contradicts the file's own findings (``"pass"`` beside an error
-finding) is refused too.
+field. A verdict that contradicts the file's own findings (``"pass"`` or ``"incomplete"``
+beside an error finding, ``"fail"`` without one), its own coverage (``"pass"`` with a part
+untested, ``"incomplete"`` with none), its exit code or its replay (``"pass"`` beside a
+failed replay) is refused too; an ``"incomplete"`` must name what it did not test (its
+``coverage``, else ``untested``). ``replay`` (optional): ``{"verdict": "pass" | "fail" |
+"not run", "neighbours": int, "releases": int, "findings": [codes]}``; a replay that
+compared nothing (no neighbour, no release) is never a ``pass``.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ import json
 import math
 from pathlib import Path
 
+from audit.coverage import EXIT_CODES, PARTS, Coverage
+from audit.coverage import VERDICTS as _VERDICTS
 from fl.errors import UsageError
 from fl.io import atomic_write_text
 
@@ -54,6 +67,8 @@ ROW_KEYS = (
     "noise_ratio",
     "findings",
     "untested",
+    "coverage",
+    "replay",
     "verdict",
     "expected",
     "source",
@@ -62,7 +77,10 @@ ROW_KEYS = (
 #: the largest file read (a library audit's JSON is kilobytes; the benchmark's tens of them)
 MAX_BYTES = 32 * 1024 * 1024
 
-VERDICTS = ("pass", "fail")
+#: a library audit's verdicts (:data:`audit.coverage.VERDICTS`), from the best
+VERDICTS = _VERDICTS
+#: a neighbour replay's outcomes (``replay.verdict``)
+REPLAY_VERDICTS = ("pass", "fail", "not run")
 
 #: the keys every library audit result and every benchmark row must hold
 REQUIRED = (
@@ -207,12 +225,118 @@ def _has(doc: dict, keys, where: str) -> None:
 
 
 def _consistent(verdict: str, codes: list[str], errors: int, where: str) -> None:
-    if verdict == "pass" and errors:
+    if verdict in ("pass", "incomplete") and errors:
         raise _bad(
             where,
-            f"the verdict is 'pass' but the file lists error finding(s) {codes}: a file "
+            f"the verdict is {verdict!r} but the file lists error finding(s) {codes}: a file "
             "that contradicts itself is not shown",
         )
+
+
+def _count(v, where: str, key: str) -> int:
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise _bad(where, f"field {key!r} is {v!r}, not a whole number >= 0")
+    return v
+
+
+def _coverage(v, where: str) -> dict | None:
+    """The ``coverage`` field (:meth:`audit.coverage.Coverage.to_dict`) checked and
+    normalised, or None when absent: parts only from :data:`audit.coverage.PARTS`,
+    instruments and reasons as text, and the ``untested`` it states the one its own
+    ``tested`` and ``not_applicable`` give."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad(where, f"field 'coverage' is {type(v).__name__}, not an object")
+    for key in ("tested", "why", "not_applicable"):
+        sub = v.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, dict):
+            raise _bad(where, f"field 'coverage.{key}' is not an object")
+        for part, val in sub.items():
+            if part not in PARTS:
+                raise _bad(where, f"coverage.{key} names {part!r}, not one of {list(PARTS)}")
+            if key == "tested":
+                _texts(val, where, f"coverage.tested.{part}")
+            else:
+                _text(val, where, f"coverage.{key}.{part}")
+    cov = Coverage.from_dict(v)
+    stated = v.get("untested")
+    if stated is not None:
+        stated = _texts(stated, where, "coverage.untested")
+        if stated != cov.untested():
+            raise _bad(
+                where,
+                f"coverage.untested is {stated} but its own tested/not_applicable leave "
+                f"{cov.untested()} untested",
+            )
+    return cov.to_dict()
+
+
+def _replay(v, where: str) -> dict | None:
+    """The ``replay`` field checked and normalised, or None when absent."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad(where, f"field 'replay' is {type(v).__name__}, not an object")
+    verdict = v.get("verdict")
+    if verdict not in REPLAY_VERDICTS:
+        raise _bad(
+            where, f"field 'replay.verdict' is {verdict!r}, not one of {list(REPLAY_VERDICTS)}"
+        )
+    out = {
+        "verdict": verdict,
+        "neighbours": _count(v.get("neighbours"), where, "replay.neighbours"),
+        "releases": _count(v.get("releases"), where, "replay.releases"),
+        "findings": _texts(v.get("findings"), where, "replay.findings"),
+    }
+    if v.get("reason") is not None:
+        out["reason"] = _text(v["reason"], where, "replay.reason")
+    if verdict == "pass" and not (out["neighbours"] and out["releases"]):
+        raise _bad(
+            where,
+            f"replay.verdict is 'pass' with {out['neighbours']} neighbour(s) and "
+            f"{out['releases']} release(s) compared: a replay that compared nothing is never "
+            "a pass (replay_empty)",
+        )
+    if verdict == "fail" and not out["findings"]:
+        raise _bad(where, "replay.verdict is 'fail' but the replay lists no finding")
+    return out
+
+
+def _checked(doc: dict, verdict: str, codes: list, untested: list, where: str):
+    """(coverage, replay) of a result or row, checked against its verdict and exit code."""
+    coverage = _coverage(doc.get("coverage"), where)
+    replay = _replay(doc.get("replay"), where)
+    if verdict == "fail" and not codes:
+        raise _bad(where, "the verdict is 'fail' but the file lists no finding")
+    if coverage is not None and verdict == "pass" and coverage["untested"]:
+        raise _bad(
+            where,
+            f"the verdict is 'pass' but its coverage leaves {coverage['untested']} untested "
+            "(that is 'incomplete')",
+        )
+    if verdict == "incomplete":
+        if coverage is not None and not coverage["untested"]:
+            raise _bad(where, "the verdict is 'incomplete' but its coverage tested every part")
+        if coverage is None and not untested:
+            raise _bad(
+                where,
+                "the verdict is 'incomplete' but the file names nothing untested (give "
+                "'coverage' or 'untested')",
+            )
+    if replay is not None and replay["verdict"] == "fail" and verdict != "fail":
+        raise _bad(where, f"the verdict is {verdict!r} but the replay failed {replay['findings']}")
+    ec = doc.get("exit_code")
+    if ec is not None and ec != EXIT_CODES[verdict]:
+        raise _bad(
+            where,
+            f"exit_code {ec!r} does not match the verdict {verdict!r} (exit {EXIT_CODES[verdict]})",
+        )
+    return coverage, replay
 
 
 def _audit_row(doc: dict, where: str) -> dict:
@@ -252,11 +376,8 @@ def _audit_row(doc: dict, where: str) -> dict:
         errors += sev == "error"
     verdict = _verdict(doc["verdict"], where)
     _consistent(verdict, codes, errors, where)
-    if verdict == "fail" and not codes:
-        raise _bad(where, "the verdict is 'fail' but the file lists no finding")
-    ec = doc.get("exit_code")
-    if ec is not None and ec != (0 if verdict == "pass" else 1):
-        raise _bad(where, f"exit_code {ec!r} does not match the verdict {verdict!r}")
+    untested = _texts(doc["untested"], where, "untested")
+    coverage, replay = _checked(doc, verdict, codes, untested, where)
     run = doc.get("run") if isinstance(doc.get("run"), dict) else {}
     version = doc.get("version", doc.get("library_version", run.get("library_version")))
     return {
@@ -282,7 +403,9 @@ def _audit_row(doc: dict, where: str) -> dict:
         "conformance": "pass" if conf["passed"] else "reject: " + ", ".join(rejected),
         "noise_ratio": min(ratios) if ratios else None,
         "findings": codes,
-        "untested": _texts(doc["untested"], where, "untested"),
+        "untested": untested,
+        "coverage": coverage,
+        "replay": replay,
         "verdict": verdict,
         "expected": None,
         "source": where,
@@ -305,8 +428,8 @@ def _benchmark_row(r: dict, where: str) -> dict:
     verdict = _verdict(r["verdict"], where)
     # the table's rows carry codes only: every code there is an error finding
     _consistent(verdict, codes, len(codes), where)
-    if verdict == "fail" and not codes:
-        raise _bad(where, "the verdict is 'fail' but the row lists no finding")
+    untested = _texts(r["untested"], where, "untested")
+    coverage, replay = _checked(r, verdict, codes, untested, where)
     expected = r.get("expected")
     if expected is not None:
         expected = _verdict(expected, where + " (expected)")
@@ -329,7 +452,9 @@ def _benchmark_row(r: dict, where: str) -> dict:
         "conformance": conf,
         "noise_ratio": _ratio(r.get("noise_ratio"), where, "noise_ratio"),
         "findings": codes,
-        "untested": _texts(r["untested"], where, "untested"),
+        "untested": untested,
+        "coverage": coverage,
+        "replay": replay,
         "verdict": verdict,
         "expected": expected,
         "source": where,
