@@ -40,6 +40,29 @@ a :class:`flwr.serverapp.Grid` that calls the ClientApps directly. Legacy API: t
 over the same grid through Flower's grid client proxies. Two Flower internals are needed and
 wrapped in one place each (:mod:`audit.libraries.flower.compat`).
 
+**Failures, as Flower handles them.** A ClientApp that raises gets the SuperNode's error
+reply; a reply that times out is missing from what the grid returns; the legacy loop
+collects both as ``fit_clients`` does (``failures``). Flower's DP wrappers then skip the
+round (legacy: ``aggregate_fit`` returns None on any failure; Message API:
+``validate_replies`` refuses error replies, and a short count too when an accountant is
+set); a plain FedAvg (``LocalDpMod``) drops them and aggregates the rest. Without an
+accountant the Message API wrapper aggregates FEWER replies than ``num_sampled_clients``
+under the noise σ·C/m (it only logs a warning): each reply weighs 1/m' > 1/m, a finding of
+its own (``fewer_replies_than_sampled``, ε recomputed at the smallest m'). A skipped round
+releases nothing: fewer rounds than claimed is a warning (``fewer_rounds_than_claimed``).
+``inject_failures`` (:class:`ClientFailure`: a real client raising, timing out, replying
+NaN in a round) tries these paths. A release holding NaN or Inf (``release_nonfinite``) and
+a release without noise (``noise_absent``) are findings with ε = ∞, never an exception.
+
+**Verdict.** ``pass`` only when sampling, clipping, noise and accounting were each tested
+(``coverage``, :func:`audit.coverage.decide`); otherwise ``incomplete`` (exit 4) naming
+the untested parts (adaptive clipping: the clipped-count release's noise is not observed),
+``fail`` (exit 1) on an error finding.
+
+**Versions.** flwr 1.20 (2025-07) … 1.42: the legacy API from 1.20, the Message API from
+1.21 (:mod:`audit.libraries.flower.compat` says what differs); an older flwr is one
+``RuntimeError`` line naming it and the range (:data:`SUPPORTED`).
+
 **Layout.** :mod:`~audit.libraries.flower.canaries` (the canary clients, the block, the
 modes), :mod:`~audit.libraries.flower.compat` (what is read from flwr), :mod:`~audit.
 libraries.flower.grid` (the in-process grid), :mod:`~audit.libraries.flower.clients` (the
@@ -57,9 +80,11 @@ from fl.lazy import lazy_exports
 _EXPORTS = {
     "BLOCK_KEY": "audit.libraries.flower.canaries",
     "MODES": "audit.libraries.flower.canaries",
+    "ClientFailure": "audit.libraries.flower.canaries",
     "FlowerCanaries": "audit.libraries.flower.canaries",
     "FlowerRun": "audit.libraries.flower.run",
     "LocalGrid": "audit.libraries.flower.grid",
+    "SUPPORTED": "audit.libraries.flower.compat",
     "audit_flower": "audit.libraries.flower.run",
 }
 

@@ -15,8 +15,11 @@ __all__ = [
     "EXCLUDED_GAIN",
     "FIRST_NODE",
     "MODES",
+    "FAILURE_KINDS",
+    "ClientFailure",
     "FlowerCanaries",
     "RoundRecord",
+    "failures_of",
 ]
 
 #: the inner strategies whose aggregation the audit's ε covers: a stateless mean of the
@@ -85,6 +88,56 @@ class FlowerCanaries:
         )
 
 
+#: what an injected client failure does (:class:`ClientFailure`)
+FAILURE_KINDS = {
+    "raise": "the client's code raises: its ClientApp replies with an error, as a SuperNode "
+    "replies for a ClientApp that raised",
+    "timeout": "the reply never arrives: the grid returns without it, as send_and_receive "
+    "does when its timeout passes",
+    "nan": "the client replies with NaN in its model (a diverged local training)",
+}
+
+
+@dataclass(frozen=True)
+class ClientFailure:
+    """A failure injected into one real client's reply: in round ``round`` (1-based), the
+    real client ``client`` (its partition id, 0 … K − 1; None = the first real client the
+    sampler drew that round) fails as ``kind`` says (:data:`FAILURE_KINDS`). A failure
+    takes effect only when that client is drawn."""
+
+    round: int
+    client: int | None = None
+    kind: str = "raise"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.round, bool) or not isinstance(self.round, int) or self.round < 1:
+            raise ValueError(f"ClientFailure.round must be an int >= 1, got {self.round!r}")
+        if self.client is not None and (
+            isinstance(self.client, bool) or not isinstance(self.client, int) or self.client < 0
+        ):
+            raise ValueError(
+                f"ClientFailure.client must be a partition id >= 0 or None, got {self.client!r}"
+            )
+        if self.kind not in FAILURE_KINDS:
+            raise ValueError(
+                f"ClientFailure.kind must be one of {sorted(FAILURE_KINDS)}, got {self.kind!r}"
+            )
+
+
+def failures_of(spec, num_clients: int) -> tuple[ClientFailure, ...]:
+    """The injected failures: ``ClientFailure``s or ``(round, client, kind)`` tuples."""
+    out = []
+    for f in spec or ():
+        g = f if isinstance(f, ClientFailure) else ClientFailure(*f)
+        if g.client is not None and g.client >= num_clients:
+            raise ValueError(
+                f"an injected failure names client {g.client}, but the run has {num_clients} "
+                "real clients (partition ids 0 … K − 1; canaries cannot be made to fail)"
+            )
+        out.append(g)
+    return tuple(out)
+
+
 @dataclass
 class RoundRecord:
     """What one round released and used (numpy; the audit reads these)."""
@@ -98,3 +151,5 @@ class RoundRecord:
     sigma: float = float("nan")
     weights: list = field(default_factory=list)  # (node id, weight) the aggregation read
     canary_replies: dict = field(default_factory=dict)  # canary index -> block as received
+    failed: dict = field(default_factory=dict)  # node id -> "raise" | "timeout" | "error: …"
+    nonfinite: int = 0  # NaN/Inf values in the released model (all its arrays)

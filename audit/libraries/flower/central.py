@@ -16,8 +16,18 @@ from audit.claims.check import check_claim
 from audit.claims.implied import epsilon_of_scaled_claim
 from audit.claims.mistakes import reference
 from audit.claims.schema import Claim
+from audit.coverage import Coverage
 from audit.libraries.common import one_run_lower_bound, sampling_group_tests
-from audit.libraries.flower.verdict import check_fields, finding, implied, result, worst_weight
+from audit.libraries.flower.verdict import (
+    check_fields,
+    check_rounds,
+    finding,
+    implied,
+    noise_absent_finding,
+    nonfinite_finding,
+    result,
+    worst_weight,
+)
 
 __all__ = ["audit_central"]
 
@@ -36,10 +46,12 @@ def _sampling_extra(u, coins, inc, sig_u, q, permutations, seed):
     return samp, tests
 
 
-def audit_central(run, recs, c, alpha, permutations, seed) -> dict:
+def audit_central(run, recs, c, alpha, permutations, seed, findings: list) -> dict:
+    """The audit of a central DP wrapper's run: ``recs`` the released rounds, ``findings``
+    those found before (client failures)."""
     s = run.strategy
-    findings: list[dict] = []
     untested: list[str] = []
+    cov = Coverage().add("accounting", "claim check (ε recomputed for the mechanism that ran)")
     M, K = run.canaries.m, run.k
     pool = K + M
     m = int(s.num_sampled_clients)
@@ -67,25 +79,33 @@ def audit_central(run, recs, c, alpha, permutations, seed) -> dict:
         sig_user = sig_lib
     cohorts = [len(r.cohort) for r in recs]
     node_idx = {n: j for j, n in enumerate(run.canary_nodes)}
+    # the coins: the canary nodes whose replies the aggregation read (drawn and replied)
     coins = np.zeros((T, M), dtype=bool)
     for t, r in enumerate(recs):
-        for n in r.cohort:
+        for n, _ in r.weights:
             if n in node_idx:
                 coins[t, node_idx[n]] = True
-    # the weights the inner aggregation read (white box) and what they make of a client
-    a_run, a_canary = 1.0, []
+    # the weights the inner aggregation read (white box) and what they make of a client:
+    # a = m·w (1 under the noise σ·C/m); a_size = m'·w over the m' replies (the sizes' part)
+    a_run, a_size, a_canary = 1.0, 1.0, []
     for r in recs:
         tot = sum(w for _, w in r.weights)
         for n, w in r.weights:
             a = m * w / tot if tot > 0 else math.inf
             a_run = max(a_run, a)
+            a_size = max(a_size, len(r.weights) * w / tot if tot > 0 else math.inf)
             if n in node_idx:
                 a_canary.append(a)
     real_sizes = list(run.real_sizes.values())
+    # fewer replies than m under the noise σ·C/m (Flower only logs a warning)
+    replies = [(r.round, len(r.weights)) for r in recs]
+    short = [(rnd, n) for rnd, n in replies if n < m]
+    m_rep = min((n for _, n in replies), default=m)
     # the largest client's weight in the cohort that weighs it most: the smallest cohort
-    # drawn, and never below what the aggregation really applied in this run
-    k_min = min(cohorts) if cohorts else m
-    a_worst = max(worst_weight(real_sizes, k_min) * m / max(k_min, 1), a_run, 1.0)
+    # drawn or aggregated, and never below what the aggregation really applied in this run
+    k_min = max(1, min([*cohorts, m_rep]) if cohorts else m_rep)
+    a_sizes_worst = worst_weight(real_sizes, k_min)
+    a_worst = max(a_sizes_worst * m / k_min, a_run, 1.0)
     run_mech = {
         "api": run.api,
         "noise_multiplier": sig_user,
@@ -105,16 +125,18 @@ def audit_central(run, recs, c, alpha, permutations, seed) -> dict:
         "inner_strategy": type(run.inner).__name__,
         "weight_max": a_run,
         "weight_worst_case": a_worst,
+        "replies_min": m_rep,
+        "rounds_configured": run.rounds,
         "real_client_sizes": sorted(real_sizes),
     }
     checks = [
         ("noise_multiplier", c.noise_multiplier, sig_user),
         ("clients_per_round", c.clients_per_round, m),
-        ("rounds", c.rounds * c.steps_per_round, T),
     ]
     if not adaptive and c.clipping_norm is not None:
         checks.append(("clipping_norm", c.clipping_norm, float(clips[0])))
     check_fields(c, checks, findings)
+    check_rounds(c, T, run.rounds, findings)
     if any(k != m for k in cohorts):
         findings.append(
             finding(
@@ -132,7 +154,9 @@ def audit_central(run, recs, c, alpha, permutations, seed) -> dict:
                 f"{m} of {pool} nodes without replacement each round (random.sample)",
             )
         )
-    # the run's own mechanism and its ε
+    # the run's own mechanism and its ε (no noise: ε = ∞, the claim check has no mechanism)
+    if not sig_user > 0:
+        return _no_noise(run, recs, c, findings, untested, cov, run_mech, sig_user)
     run_claim = Claim(
         level="client",
         noise_multiplier=sig_user,
@@ -199,7 +223,20 @@ def audit_central(run, recs, c, alpha, permutations, seed) -> dict:
         mech = rec_plain["mechanism"] + (
             f"; the largest client weighs a = {a_worst:.4g} × 1/m" if a_worst > 1 + 1e-9 else ""
         )
-    if a_worst > 1 + 1e-9 or a_run > 1 + 1e-9:
+    if short:
+        findings.append(
+            finding(
+                "fewer_replies_than_sampled",
+                f"{len(short)} released round(s) aggregated fewer replies than the m = {m} the "
+                f"noise σ·C/m is for (round, replies: {short[:8]}"
+                + ("…" if len(short) > 8 else "")
+                + f"): each reply weighs 1/{m_rep}, not 1/{m}, so the noise is {m_rep}/{m} of "
+                f"what a client's contribution needs (Flower logs a warning and aggregates); "
+                f"at {m_rep} replies the run's ε is {eps_run:.4g} (claimed "
+                f"{c.claimed_epsilon:g})",
+            )
+        )
+    if a_size > 1 + 1e-9 or a_sizes_worst > 1 + 1e-9:
         findings.append(
             finding(
                 "unequal_weights",
@@ -237,10 +274,23 @@ def audit_central(run, recs, c, alpha, permutations, seed) -> dict:
         )
     else:
         untested.append("Flower's accountant (not enabled: accountant=None or legacy API)")
-    # the canary block in units of C_t/m
+    # the canary block in units of C_t/m; the rounds whose release is not finite are a
+    # finding of their own and left out of the tests
     before = np.array([r.before for r in recs])
     after = np.array([r.after for r in recs])
-    u = (after - before) * (m / clips[:, None])
+    with np.errstate(invalid="ignore", over="ignore"):
+        u = (after - before) * (m / clips[:, None])
+    bad = nonfinite_finding(recs, u, findings)
+    u, coins, clips, nclips, sig_t = (
+        x[~bad] for x in (u, coins, clips, nclips, sig_t if adaptive else clips)
+    )
+    T = len(u)
+    if T < 2:
+        why = f"{T} released round(s) with a finite canary block; the tests need 2"
+        for part in ("sampling", "clipping", "noise"):
+            cov.skip(part, why)
+        return result(run, c, run_mech, findings, untested, None, None, cov, why_no_tests=why,
+                      **_eps(eps_run, mech, rec_plain, eps_acc, acc_note, math.inf, None, None))  # fmt: skip
     inc = run.canaries.included
     q = m / pool
     sig_u = c.noise_multiplier
@@ -276,12 +326,33 @@ def audit_central(run, recs, c, alpha, permutations, seed) -> dict:
         ]
     conf = conformance(blocks, extra=tuple(extra))
     f, group = implied_noise_factor(conf)
-    eps_implied, at_least = implied(
-        lambda: epsilon_of_scaled_claim(reference(run_claim), c.noise_multiplier, f, c.delta)
-    )
+    absent = noise_absent_finding(conf, f, "the released global model's canary block")
+    if absent is not None:
+        findings.append(absent)
+    if absent is not None or any(x["code"] == "release_nonfinite" for x in findings):
+        eps_implied, at_least = math.inf, False
+    else:
+        eps_implied, at_least = implied(
+            lambda: epsilon_of_scaled_claim(reference(run_claim), c.noise_multiplier, f, c.delta)
+        )
+    if inc.any():
+        cov.add("sampling", "canaries (Flower's sampler draws, the release)")
+    else:
+        cov.skip("sampling", "no canary was included (inclusion bits all 0)")
+    if adaptive:
+        cov.skip(
+            "noise",
+            "the clipped-count release's noise (σ_b) lives in the server's state and is not "
+            "observed (the updates' noise was tested by the canaries, round by round)",
+        )
+    else:
+        cov.add("noise", "canaries (scale, freshness)")
     sel, noise_only = coins & inc[None, :], ~coins
     contrib = None
-    if sel.any():
+    if not sel.any():
+        cov.skip("clipping", "no included canary's reply was aggregated")
+    else:
+        cov.add("clipping", "canaries (a drawn canary adds C/m, clipping test)")
         est = float(u[sel].mean())
         sd = float(u[noise_only].std()) if noise_only.sum() > 1 else sig_u
         # at the verdict's level (two-sided 0.001), not 95 %: the rule decides a finding
@@ -321,15 +392,48 @@ def audit_central(run, recs, c, alpha, permutations, seed) -> dict:
         untested,
         conf,
         lb,
-        recomputed_epsilon=eps_run,
-        recomputed_epsilon_at_least=False,
-        recomputed={"mechanism": mech, "epsilon_equal_weights": rec_plain["epsilon_pld"]},
-        accountant_epsilon=eps_acc,
-        accountant_note=acc_note,
-        implied_epsilon=eps_implied,
-        implied_epsilon_at_least=at_least,
-        noise_factor=f,
-        noise_factor_group=group,
-        sampling=samp.to_dict(),
-        canary_contribution=contrib,
+        cov,
+        **{
+            **_eps(eps_run, mech, rec_plain, eps_acc, acc_note, eps_implied, f, group),
+            "implied_epsilon_at_least": at_least,
+            "sampling": samp.to_dict(),
+            "canary_contribution": contrib,
+        },
     )
+
+
+def _eps(eps_run, mech, rec_plain, eps_acc, acc_note, eps_implied, f, group) -> dict:
+    """The result's ε keys (recomputed, Flower's accountant, noise-implied)."""
+    return {
+        "recomputed_epsilon": eps_run,
+        "recomputed_epsilon_at_least": False,
+        "recomputed": {"mechanism": mech, "epsilon_equal_weights": rec_plain["epsilon_pld"]},
+        "accountant_epsilon": eps_acc,
+        "accountant_note": acc_note,
+        "implied_epsilon": eps_implied,
+        "implied_epsilon_at_least": False,
+        "noise_factor": f,
+        "noise_factor_group": group,
+        "sampling": None,
+        "canary_contribution": None,
+    }
+
+
+def _no_noise(run, recs, c, findings, untested, cov, run_mech, sigma) -> dict:
+    """A wrapper whose noise multiplier is 0: ``noise_absent``, every ε ∞ (white box: no
+    test is needed to know a deterministic release is not DP)."""
+    findings.append(
+        finding(
+            "noise_absent",
+            f"the wrapper's noise multiplier is {sigma:g}: the released rounds carry no noise, "
+            "ε = ∞",
+        )
+    )
+    nonfinite_finding(recs, None, findings)
+    mech = f"{len(recs)} rounds without noise (σ = {sigma:g})"
+    why = "no noise: nothing to test against the claim's σ"
+    for part in ("sampling", "clipping", "noise"):
+        cov.skip(part, why)
+    rec = {"epsilon_pld": math.inf}
+    return result(run, c, run_mech, findings, untested, None, None, cov, why_no_tests=why,
+                  **_eps(math.inf, mech, rec, None, None, math.inf, 0.0, None))  # fmt: skip

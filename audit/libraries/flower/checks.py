@@ -32,7 +32,7 @@ import time
 
 from audit.libraries.flower.central import audit_central
 from audit.libraries.flower.local import audit_local
-from audit.libraries.flower.verdict import check_claim_fields, worst_weight
+from audit.libraries.flower.verdict import check_claim_fields, failure_findings, worst_weight
 
 __all__ = ["audit_run", "check_claim_fields", "worst_weight"]
 
@@ -43,11 +43,10 @@ def audit_run(run, claim, *, alpha: float = 0.05, permutations: int = 19_999, se
     t0 = time.time()
     c = check_claim_fields(claim)
     recs = [r for r in run.records if r.after is not None]
-    if len(recs) < 2:
-        raise ValueError(f"the run released {len(recs)} round(s); the audit needs at least 2")
+    findings = failure_findings(run)
     if run.mode == "local_dp":
-        out = audit_local(run, recs, c, alpha)
+        out = audit_local(run, recs, c, alpha, findings)
     else:
-        out = audit_central(run, recs, c, alpha, permutations, seed)
+        out = audit_central(run, recs, c, alpha, permutations, seed, findings)
     out["audit_seconds"] = time.time() - t0
     return out

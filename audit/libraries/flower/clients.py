@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from audit.libraries.flower.canaries import BLOCK_KEY, FIRST_NODE
+from audit.libraries.flower.compat import client_app_class, recorddict_compat
 
 __all__ = ["build_apps", "record_reply"]
 
@@ -18,8 +19,9 @@ __all__ = ["build_apps", "record_reply"]
 def build_apps(run) -> dict:
     """node id -> (ClientApp, Context, is_canary) of every node of the run: the real clients
     behind a shim that hides and restores the canary block, and the canary clients."""
-    from flwr.app import Context, RecordDict
-    from flwr.clientapp import ClientApp
+    from flwr.common import Context, RecordDict
+
+    ClientApp = client_app_class()
 
     apps: dict = {}
     if run.api == "legacy":
@@ -32,9 +34,11 @@ def build_apps(run) -> dict:
                 self.inner, self.node = inner, node
 
             def fit(self, ins):
+                kind = run.fate(self.node)
                 nd = parameters_to_ndarrays(ins.parameters)
                 res = self.inner.fit(FitIns(ndarrays_to_parameters(nd[:-1]), ins.config))
                 out = parameters_to_ndarrays(res.parameters)
+                out = injected(kind, self.node, out)
                 if len(out) != len(nd) - 1:
                     raise ValueError(
                         f"client {self.node} returned {len(out)} arrays, the model has "
@@ -79,7 +83,7 @@ def build_apps(run) -> dict:
             ClientApp(client_fn=canary_fn(j), mods=run.mods) for j in range(run.canaries.m)
         ]
     else:
-        from flwr.app import Array, ArrayRecord, Message, MetricRecord
+        from flwr.common import Array, ArrayRecord, Message, MetricRecord
 
         real_app = ClientApp(mods=run.mods)
         last: dict = {}
@@ -90,6 +94,7 @@ def build_apps(run) -> dict:
             rec = msg.content[akey]
             block = rec[BLOCK_KEY].numpy()
             msg.content[akey] = ArrayRecord({k: rec[k] for k in rec.keys() if k != BLOCK_KEY})
+            kind = run.fate(ctx.node_id)
             try:  # the content may be shared by the round's messages: restore it
                 reply = run.train(msg, ctx)
             finally:
@@ -98,9 +103,11 @@ def build_apps(run) -> dict:
                 return reply
             (rkey,) = list(reply.content.array_records)
             out = reply.content[rkey]
-            reply.content[rkey] = ArrayRecord(
-                {**{k: out[k] for k in out.keys()}, BLOCK_KEY: Array(block)}
-            )
+            arrays = {k: out[k] for k in out.keys()}
+            if kind is not None:
+                new = injected(kind, ctx.node_id, [a.numpy() for a in arrays.values()])
+                arrays = {k: Array(v) for k, v in zip(arrays, new, strict=True)}
+            reply.content[rkey] = ArrayRecord({**arrays, BLOCK_KEY: Array(block)})
             (mkey,) = list(reply.content.metric_records)
             wkey = getattr(run.inner, "weighted_by_key", "num-examples")
             metrics = reply.content[mkey]
@@ -146,21 +153,40 @@ def build_apps(run) -> dict:
     return apps
 
 
-# --- the recording hooks (instance attributes, removed after the run)
+def injected(kind: str | None, node: int, arrays: list) -> list:
+    """A real client's reply arrays after an injected failure (:class:`~audit.libraries.
+    flower.canaries.ClientFailure`): ``raise`` raises here, inside the ClientApp (after the
+    user's code ran, before the mods see the reply); ``nan`` replaces every value by NaN."""
+    if kind == "raise":
+        raise RuntimeError(f"injected failure: client node {node} raised")
+    if kind == "nan":
+        return [np.full(np.shape(a), np.nan) for a in arrays]
+    return arrays
+
+
+# --- the recording hook
 
 
 def record_reply(run, msg, reply, is_canary: bool) -> None:
-    """The grid's ``on_reply``: with ``LocalDpMod``, each canary reply as the server
-    receives it (the block of its update), in the round's record."""
-    if not (is_canary and run.mode == "local_dp" and run.records):
+    """The grid's ``on_reply``: every failed reply (None: timed out; an error reply) in the
+    round's record, and with ``LocalDpMod`` each canary reply as the server receives it (the
+    block of its update)."""
+    if not run.records:
         return
-    j = run.canary_nodes.index(msg.metadata.dst_node_id)
+    node = msg.metadata.dst_node_id
+    if reply is None:
+        run.records[-1].failed[node] = "timeout"
+        return
     if reply.has_error():
-        raise RuntimeError(f"canary {j}'s ClientApp failed: {reply.error.reason}")
+        run.records[-1].failed[node] = f"error: {reply.error.reason}"
+        return
+    if not (is_canary and run.mode == "local_dp"):
+        return
+    j = run.canary_nodes.index(node)
     if run.api == "legacy":
         from flwr.common import parameters_to_ndarrays
-        from flwr.compat.common import recorddict_compat as compat
 
+        compat = recorddict_compat()
         nd = parameters_to_ndarrays(
             compat.recorddict_to_fitres(reply.content, keep_input=True).parameters
         )

@@ -4,18 +4,33 @@
 
 from __future__ import annotations
 
-__all__ = ["LocalGrid", "make_grid"]
+from audit.libraries.flower.compat import grid_class
+
+__all__ = ["LocalGrid", "error_reply", "make_grid"]
 
 
 class LocalGrid:
     """An in-process :class:`flwr.serverapp.Grid`: ``send_and_receive`` calls each
     destination's ClientApp directly (real clients first, then canaries) and lets
-    ``on_reply`` see every reply as the server receives it. Built by :func:`make_grid`
-    (the class derives from flwr's Grid there, so that this module imports without flwr)."""
+    ``on_reply`` see every reply as the server receives it. A ClientApp that raises gets
+    the error reply a SuperNode sends for it (``Error(CLIENT_APP_RAISED_EXCEPTION)``, flwr
+    1.42 supernode/runtime/run_clientapp.py); a node whose reply times out (``timed_out``)
+    is left out of the replies, as ``send_and_receive`` leaves out what has not arrived
+    when its timeout passes. Built by :func:`make_grid` (the class derives from flwr's Grid
+    there, so that this module imports without flwr)."""
 
 
-def make_grid(apps: dict, on_reply):
-    from flwr.serverapp import Grid
+def error_reply(msg, ex: BaseException):
+    """The reply Flower's SuperNode sends for a ClientApp that raised ``ex``."""
+    from flwr.common import Error, Message
+    from flwr.common.constant import ErrorCode
+
+    reason = str(type(ex)) + ":<'" + str(ex) + "'>"
+    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+
+
+def make_grid(apps: dict, on_reply, timed_out=lambda msg: False):
+    Grid = grid_class()
 
     class _Grid(Grid, LocalGrid):
         def __init__(self):
@@ -29,7 +44,7 @@ def make_grid(apps: dict, on_reply):
             return self._run
 
         def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-            from flwr.app import Message
+            from flwr.common import Message
 
             return Message(
                 content=content,
@@ -53,7 +68,13 @@ def make_grid(apps: dict, on_reply):
             out = []
             for msg in msgs:
                 app, ctx, is_canary = apps[msg.metadata.dst_node_id]
-                reply = app(msg, ctx)
+                if timed_out(msg):
+                    on_reply(msg, None, is_canary)
+                    continue
+                try:
+                    reply = app(msg, ctx)
+                except Exception as ex:  # the SuperNode's handling: an error reply
+                    reply = error_reply(msg, ex)
                 on_reply(msg, reply, is_canary)
                 out.append(reply)
             return out

@@ -10,8 +10,17 @@ import numpy as np
 
 from audit.bounds.conformance import Block, conformance, implied_noise_factor
 from audit.bounds.hypothesis import gdp_epsilon
+from audit.coverage import Coverage
 from audit.libraries.common import one_run_lower_bound
-from audit.libraries.flower.verdict import check_fields, finding, implied, result
+from audit.libraries.flower.verdict import (
+    check_fields,
+    check_rounds,
+    finding,
+    implied,
+    noise_absent_finding,
+    nonfinite_finding,
+    result,
+)
 
 __all__ = ["audit_local"]
 
@@ -30,19 +39,40 @@ def _ldp_block(u, tracks, bits, c, run, order) -> Block:
     )
 
 
-def audit_local(run, recs, c, alpha) -> dict:
-    """LocalDpMod: each canary reply, as the server receives it, against the mod's (ε, δ)."""
+def audit_local(run, recs, c, alpha, findings: list) -> dict:
+    """LocalDpMod: each canary reply, as the server receives it, against the mod's (ε, δ);
+    ``findings`` those found before (client failures)."""
     lm = run.local
-    findings: list[dict] = []
     untested: list[str] = []
+    cov = Coverage().add("accounting", "claim check (ε recomputed: the mod's releases composed)")
+    cov.inapplicable(
+        "sampling",
+        "local DP: each client noises its own reply; the ε composes every round as if the "
+        "client were drawn in each (no amplification by sampling)",
+    )
     C = float(lm.clipping_norm)
     std = float(lm.sensitivity * math.sqrt(2 * math.log(1.25 / lm.delta)) / lm.epsilon)
     M = run.canaries.m
     inc = run.canaries.included
     rows: dict[int, list[float]] = {j: [] for j in range(M)}
+    bad_replies = []
     for r in recs:
         for j, blk in sorted(r.canary_replies.items()):
-            rows[j].append(float(blk[j] - r.before[j]) / C)
+            x = float(blk[j] - r.before[j]) / C
+            if math.isfinite(x):
+                rows[j].append(x)
+            else:
+                bad_replies.append((r.round, j))
+    nonfinite_finding(recs, None, findings)
+    if bad_replies:
+        findings.append(
+            finding(
+                "release_nonfinite",
+                f"{len(bad_replies)} canary replies after LocalDpMod hold NaN or Inf ((round, "
+                f"canary) {bad_replies[:6]}): a release that is not a number is not noised, "
+                "ε = ∞; left out of the tests",
+            )
+        )
     releases = max((len(v) for v in rows.values()), default=0)
     run_mech = {
         "api": run.api,
@@ -62,10 +92,10 @@ def audit_local(run, recs, c, alpha) -> dict:
         [
             ("noise_multiplier", c.noise_multiplier, std / C),
             ("delta", c.delta, float(lm.delta)),
-            ("rounds", R, len(recs)),
         ],
         findings,
     )
+    check_rounds(c, len(recs), run.rounds, findings)
     # a client may be drawn in every round: its R releases compose (μ-GDP, √R·μ); one
     # release: two clipped updates differ by up to 2C (any two inputs of a client)
     rel = max(R, len(recs))
@@ -105,14 +135,29 @@ def audit_local(run, recs, c, alpha) -> dict:
             bits.append(inc[j])
     if rest:
         blocks.append(_ldp_block(np.array([rest]), np.array(tracks), np.array(bits), c, run, 1))
+    conf, f, group, lb, eps_implied = None, None, None, None, math.inf
+    why = "no canary reply was received (none drawn, or every one failed)"
     if not blocks:
-        raise ValueError("no canary client was drawn: nothing to audit (more rounds or canaries)")
-    conf = conformance(blocks)
-    f, group = implied_noise_factor(conf)
-    eps_implied, _ = implied(lambda: (gdp_epsilon(2 / (c.noise_multiplier * f), c.delta), False))
-    seen = np.array([bool(rows[j]) for j in range(M)])
-    first = np.array([rows[j][0] if rows[j] else 0.0 for j in range(M)])
-    lb = one_run_lower_bound(first[seen], inc[seen], run.canaries.p_include, c.delta, alpha)
+        for part in ("clipping", "noise"):
+            cov.skip(part, why)
+    else:
+        conf = conformance(blocks)
+        f, group = implied_noise_factor(conf)
+        absent = noise_absent_finding(conf, f, "the canary replies after LocalDpMod")
+        if absent is not None:
+            findings.append(absent)
+        elif not any(x["code"] == "release_nonfinite" for x in findings):
+            eps_implied, _ = implied(
+                lambda: (gdp_epsilon(2 / (c.noise_multiplier * f), c.delta), False)
+            )
+        cov.add("noise", "canaries (scale, freshness of each reply)")
+        if inc.any():
+            cov.add("clipping", "canaries (an included canary's reply clipped to C)")
+        else:
+            cov.skip("clipping", "no canary was included (inclusion bits all 0)")
+        seen = np.array([bool(rows[j]) for j in range(M)])
+        first = np.array([rows[j][0] if rows[j] else 0.0 for j in range(M)])
+        lb = one_run_lower_bound(first[seen], inc[seen], run.canaries.p_include, c.delta, alpha)
     untested += [
         "the central aggregate (no central DP claim with LocalDpMod alone)",
         "which rounds draw a given client: the ε composes all the claim's rounds, as if the "
@@ -126,6 +171,8 @@ def audit_local(run, recs, c, alpha) -> dict:
         untested,
         conf,
         lb,
+        cov,
+        why_no_tests=why,
         recomputed_epsilon=eps_2c,
         recomputed_epsilon_at_least=False,
         recomputed={

@@ -20,6 +20,7 @@ from audit.libraries.flower.canaries import (
     FIRST_NODE,
     FlowerCanaries,
     RoundRecord,
+    failures_of,
 )
 from audit.libraries.flower.clients import build_apps, record_reply
 from audit.libraries.flower.compat import classify, grid_proxy, task_identity
@@ -45,6 +46,7 @@ class FlowerRun:
         mods=(),
         canaries: FlowerCanaries | None = None,
         seed: int | None = None,
+        inject_failures=(),
     ) -> None:
         mods = list(mods)
         self.api, self.mode = classify(strategy, mods)
@@ -98,6 +100,8 @@ class FlowerRun:
         self.records: list[RoundRecord] = []
         self.real_sizes: dict[int, float] = {}
         self.canary_nodes = [FIRST_NODE + num_clients + j for j in range(self.canaries.m)]
+        self.failures = failures_of(inject_failures, num_clients)
+        self.fates: dict[int, str] = {}  # this round's injected failures: node id -> kind
         self._done = False
 
     @staticmethod
@@ -152,6 +156,30 @@ class FlowerRun:
             return np.asarray(parameters_to_ndarrays(arrays)[-1], dtype=np.float64).copy()
         return np.asarray(arrays[BLOCK_KEY].numpy(), dtype=np.float64).copy()
 
+    def fate(self, node: int) -> str | None:
+        """The failure injected into ``node``'s reply this round (None: none)."""
+        return self.fates.get(int(node))
+
+    def _set_fates(self, server_round: int, cohort: list[int]) -> None:
+        real = sorted(n for n in cohort if n not in set(self.canary_nodes))
+        self.fates = {}
+        for f in self.failures:
+            if f.round != server_round or not real:
+                continue
+            node = real[0] if f.client is None else FIRST_NODE + f.client
+            if node in real:
+                self.fates[node] = f.kind
+
+    @staticmethod
+    def _nonfinite(arrays, legacy: bool) -> int:
+        if legacy:
+            from flwr.common import parameters_to_ndarrays
+
+            nd = parameters_to_ndarrays(arrays)
+        else:
+            nd = arrays.to_numpy_ndarrays()
+        return int(sum(np.size(a) - np.count_nonzero(np.isfinite(a)) for a in nd))
+
     def _sigma_now(self) -> float:
         if self.local is not None:
             lm = self.local
@@ -173,6 +201,7 @@ class FlowerRun:
                 rec.cohort = [int(p.node_id) for p, _ in out]
             else:
                 rec.cohort = [int(m.metadata.dst_node_id) for m in out]
+            run._set_fates(server_round, rec.cohort)
             return out
 
         def inner_aggregate(server_round, results, *rest):
@@ -193,6 +222,7 @@ class FlowerRun:
             rec.noise_clip, rec.sigma = run.clip_now(), run._sigma_now()
             if out[0] is not None:
                 rec.after = run._block_of(out[0])
+                rec.nonfinite = run._nonfinite(out[0], legacy)
             return out
 
         setattr(s, conf_name, configure)
@@ -209,7 +239,11 @@ class FlowerRun:
         if self.seed is not None:  # Flower samples with `random` and noises with np.random
             random.seed(self.seed)
             np.random.seed(self.seed)
-        grid = make_grid(build_apps(self), lambda *a: record_reply(self, *a))
+        grid = make_grid(
+            build_apps(self),
+            lambda *a: record_reply(self, *a),
+            timed_out=lambda msg: self.fate(msg.metadata.dst_node_id) == "timeout",
+        )
         installed = self._install()
         quiet = logging.getLogger("flwr")
         level = quiet.level
@@ -224,7 +258,7 @@ class FlowerRun:
             if self.api == "legacy":
                 self._legacy_loop(grid, [*self.arrays, block0])
             else:
-                from flwr.app import Array, ArrayRecord, ConfigRecord
+                from flwr.common import Array, ArrayRecord, ConfigRecord
 
                 init = ArrayRecord(
                     {
@@ -245,8 +279,11 @@ class FlowerRun:
 
     def _legacy_loop(self, grid, arrays) -> None:
         """``flwr.server.Server.fit_round``'s loop, sequential (flwr 1.42
-        flwr/server/server.py: configure_fit, fit_clients, aggregate_fit)."""
-        from flwr.common import ndarrays_to_parameters
+        flwr/server/server.py: configure_fit, fit_clients, aggregate_fit): a client whose
+        ``fit`` raises (its ClientApp raised, or its reply timed out: the grid proxy raises)
+        or replies with a status other than OK is a failure, passed to ``aggregate_fit`` as
+        ``fit_clients`` collects it (Flower's DP wrappers then skip the round)."""
+        from flwr.common import Code, ndarrays_to_parameters
         from flwr.server.client_manager import SimpleClientManager
 
         cm = SimpleClientManager()
@@ -259,8 +296,20 @@ class FlowerRun:
             # the largest size the real clients reported)
             canary = set(self.canary_nodes)
             ins = sorted(ins, key=lambda pi: int(pi[0].node_id) in canary)
-            results = [(p, p.fit(i, timeout=None, group_id=r)) for p, i in ins]
-            new, _ = self.strategy.aggregate_fit(r, results, [])
+            results, failures = [], []
+            for p, i in ins:
+                try:
+                    res = p.fit(i, timeout=None, group_id=r)
+                except Exception as ex:  # fit_clients: the future's exception is a failure
+                    failures.append(ex)
+                    self.records[-1].failed.setdefault(int(p.node_id), f"raised: {ex}")
+                    continue
+                if res.status.code == Code.OK:
+                    results.append((p, res))
+                else:
+                    failures.append((p, res))
+                    self.records[-1].failed[int(p.node_id)] = f"status {res.status.code}"
+            new, _ = self.strategy.aggregate_fit(r, results, failures)
             if new is not None:
                 params = new
 
@@ -285,6 +334,7 @@ def audit_flower(
     mods=(),
     canaries: FlowerCanaries | None = None,
     seed: int | None = None,
+    inject_failures=(),
     alpha: float = 0.05,
     permutations: int = 19_999,
 ) -> dict:
@@ -294,7 +344,11 @@ def audit_flower(
 
     ``seed`` (tests and benchmarks; None in an audit) seeds Python's ``random`` and numpy's
     global generator, which Flower samples its cohorts and draws its noise from, for the
-    whole process; the canaries' inclusion bits come from ``canaries.seed``."""
+    whole process; the canaries' inclusion bits come from ``canaries.seed``.
+
+    ``inject_failures``: :class:`~audit.libraries.flower.canaries.ClientFailure`s (or
+    ``(round, client, kind)`` tuples) that make a real client raise, time out or reply NaN
+    in a round; the run handles them as Flower does and the audit names what they did."""
     check_claim_fields(claim)
     run = FlowerRun(
         strategy,
@@ -306,5 +360,6 @@ def audit_flower(
         mods=mods,
         canaries=canaries,
         seed=seed,
+        inject_failures=inject_failures,
     ).run()
     return run.audit(claim, alpha=alpha, permutations=permutations, seed=seed)
