@@ -18,6 +18,7 @@ from analysis import cli as analysis_cli
 from attacks import cli as attacks_cli
 from audit.cli import audit as audit_cli
 from audit.cli import canaries as canaries_cli
+from audit.cli import script as script_cli
 from benchmarks import cli as benchmarks_cli
 from fl.cli import export as cli_export
 from fl.cli import pretrain as cli_base
@@ -34,6 +35,7 @@ COMMAND_MODULES = (
     attacks_cli,
     audit_cli,
     canaries_cli,
+    script_cli,
     job,
     benchmarks_cli,
 )
