@@ -90,6 +90,14 @@ by default is the one the ``PrivacyEngine`` makes: σ and C as ``make_private`` 
 = the Poisson loader's sample rate, the ``Trainer``'s optimizer steps, Poisson sampling,
 its accountant's ε at δ), plus ``trainer`` (what the ``Trainer`` ran) and
 ``outside_releases``; it is written to ``<output_dir>/library_audit.json``.
+
+**The verdict** (#47): ``pass`` only when sampling, clipping, noise and accounting were
+each tested (the result's ``coverage``, :func:`audit.coverage.decide`); a part no canary
+reached (e.g. no canary included, none drawn) makes it ``incomplete`` (exit 4, logged as
+"incomplete: clipping untested"), any error finding ``fail`` (exit 1); warnings and infos
+are reported, not counted. The ``Trainer``'s logs are named in ``untested`` (outside the
+mechanism), not a part of it. Supported: opacus 1.4.0 … 1.6.x
+(:mod:`audit.libraries.opacus.versions`); the recipe is tried with transformers 5.24.
 """
 
 from __future__ import annotations
@@ -105,6 +113,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from audit.bounds.conformance import ALPHA, ALPHA_WARN
 from audit.claims.implied import SIGMA_FLOOR
+from audit.coverage import Coverage, decide
 from audit.libraries.opacus import OpacusAudit, SamplerCanaries
 from audit.libraries.results import save_result
 
@@ -618,23 +627,25 @@ class OpacusAuditCallback(TrainerCallback):
         res["library"] = "opacus (transformers Trainer)"
         res["version"] = _version()
         res["trainer"] = tr
-        # warnings (severity "warning": weak evidence) are reported, not counted
-        res["verdict"] = (
-            "fail" if [f for f in findings if f.get("severity") != "warning"] else "pass"
-        )
-        res["exit_code"] = 0 if res["verdict"] == "pass" else 1
+        # warnings and infos are reported, not counted; pass only when sampling, clipping,
+        # noise and accounting were each tested (audit.coverage.decide: incomplete, exit 4)
+        errors = sum(f.get("severity", "error") == "error" for f in findings)
+        res["verdict"], res["exit_code"] = decide(errors, Coverage.from_dict(res["coverage"]))
         self.result = res
         if output_dir is not None:
             out = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)
             save_result(res, out / FILENAME)  # strict JSON, atomic, checked readable
+        verdict = res["verdict"]
+        if verdict == "incomplete":
+            verdict += ": " + ", ".join(f"{p} untested" for p in res["coverage"]["untested"])
         msg = (
-            f"library audit: {res['verdict']} (claimed ε = {res['claimed_epsilon']:.4g}, "
+            f"library audit: {verdict} (claimed ε = {res['claimed_epsilon']:.4g}, "
             f"recomputed ε = {res['recomputed_epsilon']:.4g}, noise factor "
             f"{res['noise_factor']:.3g}); findings: "
             + (", ".join(f["code"] for f in findings) or "none")
         )
-        (logger.warning if res["verdict"] == "fail" else logger.info)(msg)
+        (logger.info if res["verdict"] == "pass" else logger.warning)(msg)
         return res
 
     def _grad_norm_leak(self, state) -> dict | None:

@@ -81,7 +81,7 @@ def test_peft_lora_model_carries_the_canaries():
     assert res["canary_clip_error"] < 1e-5
 
 
-def test_ghost_clipping_without_the_canary_criterion_is_incomplete_not_pass():
+def test_ghost_clipping_without_the_canary_criterion_is_incomplete_not_pass(tmp_path):
     # the benchmark's ghost case passes Opacus the plain criterion: the canaries' loss term
     # never reaches the loss, so they carry noise only and the verdict names what is untested
     res = train_and_audit("ghost", steps=40, permutations=199)
@@ -91,6 +91,12 @@ def test_ghost_clipping_without_the_canary_criterion_is_incomplete_not_pass():
     assert res["untested"][0].startswith("sampling untested: ghost clipping")
     assert res["sampling"] is None
     assert {t["test"] for t in res["conformance"]["tests"]} == {"scale", "fresh"}
+    # the report reads it as incomplete (exit 4), naming what was not tested
+    from audit.libraries.results import load_library_audits, save_result
+
+    save_result(res, tmp_path / "ghost.json")
+    (row,) = load_library_audits(tmp_path)
+    assert row["verdict"] == "incomplete"
 
 
 def test_hand_set_noise_below_the_calibrated_one_is_caught():

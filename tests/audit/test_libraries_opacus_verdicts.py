@@ -144,12 +144,17 @@ def test_contribution_test_against_its_closed_form():
     assert contribution_test(u, np.zeros_like(drawn)) is None
 
 
-def test_a_nonfinite_release_is_a_finding_not_a_crash():
+def test_a_nonfinite_release_is_a_finding_not_a_crash(tmp_path):
     audit, pe, q = _train(steps=30, nan_record=True)
     assert not np.isfinite(audit.observations()["obs"]).all()
     res = audit.audit(_claim(audit, q), permutations=99, seed=0)
     assert res["verdict"] == "fail" and "release_nonfinite" in _codes(res)
     assert res["implied_epsilon"] == math.inf
+    from audit.libraries.results import load_library_audits, save_result
+
+    save_result(res, tmp_path / "nan.json")  # strict JSON: ε = ∞ written as "inf"
+    (row,) = load_library_audits(tmp_path)
+    assert row["verdict"] == "fail" and row["implied_epsilon"] == math.inf
 
 
 def test_zero_noise_multiplier_is_noise_absent_with_infinite_epsilon():

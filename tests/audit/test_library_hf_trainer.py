@@ -69,6 +69,8 @@ def test_correct_recipe_passes_and_writes_the_audit():
     # each canary the sampler drew was clipped to exactly C on its coordinate
     assert res["canary_clip_error"] < 1e-5
     assert res["conformance"]["passed"] and res["trainer"]["micro_batches_per_noised_step"] == 1
+    # pass only because every part of the mechanism was tested (#47)
+    assert res["coverage"]["untested"] == [] and res["coverage"]["tested"]["clipping"]
     assert not res["trainer"]["noise_seeded_by_trainer"]  # reseeded after the Trainer's seed
     # the file in the Trainer's output_dir is the same audit
     doc = json.loads((Path(res["output_dir"]) / FILENAME).read_text())
@@ -185,6 +187,30 @@ def test_audit_on_demand_writes_a_file_the_report_reads(tmp_path):
     rows = load_library_audits(tmp_path)
     assert len(rows) == 1 and rows[0]["verdict"] == res["verdict"]
     assert rows[0]["version"] == res["version"]
+
+
+def test_canaries_that_never_travel_make_the_verdict_incomplete_not_pass(tmp_path, monkeypatch):
+    """No canary included (every inclusion bit 0): nothing carries a contribution, so the
+    sampling and the clipping are untested; the verdict says so (exit 4), the file too."""
+    from audit.libraries.results import load_library_audits
+
+    post = SamplerCanaries.__post_init__
+
+    def none_included(self):
+        post(self)
+        self.included[:] = False
+
+    monkeypatch.setattr(SamplerCanaries, "__post_init__", none_included)
+    trainer = _recipe(steps=8, audit_on_train_end=False)
+    torch.manual_seed(12_345)  # reseed after the Trainer (its args.seed is public)
+    trainer.train()
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, OpacusAuditCallback))
+    res = cb.run_audit(tmp_path)
+    assert res["verdict"] == "incomplete" and res["exit_code"] == 4, res["findings"]
+    assert res["coverage"]["untested"] == ["sampling", "clipping"]
+    assert res["coverage"]["tested"]["noise"] and res["coverage"]["tested"]["accounting"]
+    (row,) = load_library_audits(tmp_path)
+    assert row["verdict"] == "incomplete"
 
 
 def test_gradient_accumulation_with_poisson_sampling_is_a_clear_error():

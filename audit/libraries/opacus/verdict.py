@@ -228,17 +228,17 @@ def audit_run(rec, claim, *, alpha: float, permutations: int, seed) -> dict:
         for part in ("noise", "sampling", "clipping"):
             cov.skip(part, why)
     else:
-        if carried:
+        if carried and not inc.any():
+            why = "no canary was included (every inclusion bit 0): none travelled"
+            cov.skip("sampling", why).skip("clipping", why)
+        elif carried:
             samp, tests, draws = sampling_group_tests(
                 u, coins_all, inc, sig_u, q, permutations=permutations, seed=seed,
                 note="Poisson coins are exchangeable over steps",
             )  # fmt: skip
             extra += tests
             n_draw, k_draw = draws["possible"], draws["drawn"]
-            if n_draw:
-                cov.add("sampling", "canaries (sampler coins and release)")
-            else:
-                cov.skip("sampling", "no canary was included (inclusion bits all 0)")
+            cov.add("sampling", "canaries (sampler coins and release)")
             if k_draw == 0 and n_draw * q > 5:
                 findings.append(
                     _finding(
