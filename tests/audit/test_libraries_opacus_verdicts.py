@@ -38,6 +38,7 @@ def _train(
     poisson=True,
     nan_record=False,
     closure=False,
+    zero_in_closure=False,
     m=M,
     **private,
 ):
@@ -67,6 +68,8 @@ def _train(
             if closure:  # re-runs forward and backward on the same batch, no zero_grad
 
                 def again(xb=xb, yb=yb, cid=cid):
+                    if zero_in_closure:
+                        opt.zero_grad()
                     loss = crit(model(xb, cid), yb)
                     loss.backward()
                     return loss
@@ -186,3 +189,12 @@ def test_a_closure_that_runs_the_forward_twice_is_named():
     # the canary was summed twice: the contribution test sees 2·C
     t = next(t for t in res["conformance"]["tests"] if t["test"] == "contribution")
     assert t["statistic"] == pytest.approx(2.0, abs=0.4)
+
+
+def test_a_closure_that_zeroes_the_gradients_first_is_named_but_harmless():
+    audit, pe, q = _train(steps=20, closure=True, zero_in_closure=True)
+    assert max(audit.iterations) == 1 and max(audit.repeats) == 1
+    res = audit.audit(_claim(audit, q, eps=pe.get_epsilon(DELTA)), permutations=99, seed=0)
+    assert res["verdict"] == "pass", res["findings"]
+    warned = [f for f in res["findings"] if f["code"] == "forward_run_twice"]
+    assert warned and warned[0]["severity"] == "warning"

@@ -85,9 +85,11 @@ def audit_run(rec, claim, *, alpha: float, permutations: int, seed) -> dict:
     T = run["steps"]
     if T < 2:
         raise ValueError(f"the run took {T} noised step(s); the audit needs at least 2")
+    # a forward that re-read the step's batch; summed twice where Opacus counted 2 iterations
     repeated = int(sum(r > 0 for r in rec.repeats))
+    twice = int(sum(r > 0 and k > 1 for r, k in zip(rec.repeats, rec.iterations)))
     iters = max(rec.iterations) if rec.iterations else 1
-    rate_moved = isinstance(run["sample_rate"], list) and not repeated
+    rate_moved = isinstance(run["sample_rate"], list) and not twice
     if isinstance(run["noise_multiplier"], list) or rate_moved:
         findings.append(
             _finding(
@@ -98,20 +100,31 @@ def audit_run(rec, claim, *, alpha: float, permutations: int, seed) -> dict:
         )
     sigma = float(np.min(run["noise_multiplier"]))  # the least noise: the largest ε
     q = float(np.max(run["sample_rate"]))
-    if repeated:
+    if twice:
         # Opacus counted the re-read batch as a second iteration and accounts k·q: the
-        # mechanism's q is the loader's (1/len(loader)); what happened is named below
+        # mechanism's q is the loader's (1/len(loader)); what happened is named here
         q = 1.0 / rec.loader_len
         findings.append(
             _finding(
                 "forward_run_twice",
-                f"in {repeated} of {T} noised steps a forward read the step's batch again "
-                "(e.g. optimizer.step(closure) after a forward and backward of the same "
-                "batch): Opacus summed the batch's clipped gradients twice (a record adds up "
-                f"to 2·C, the noise is for C) and counted {iters} iterations (its accountant's "
-                f"q = {float(np.max(run['sample_rate'])):.4g}, {iters}× the loader's). Zero "
-                "the gradients inside the closure, or call step() without a closure",
+                f"in {twice} of {T} noised steps a forward read the step's batch again and "
+                "its backward was kept (e.g. optimizer.step(closure) after a forward and "
+                "backward of the same batch): Opacus summed the batch's clipped gradients "
+                f"twice (a record adds up to 2·C, the noise is for C) and counted {iters} "
+                f"iterations (its accountant's q = {float(np.max(run['sample_rate'])):.4g}, "
+                f"{iters}× the loader's). Zero the gradients inside the closure, or call "
+                "step() without a closure",
             )
+        )
+    elif repeated:
+        findings.append(
+            {
+                "code": "forward_run_twice",
+                "severity": "warning",
+                "message": f"in {repeated} of {T} noised steps a forward read the step's "
+                "batch again (e.g. a closure); Opacus kept one backward (accumulated "
+                "iterations 1), so the release and its accounting are unaffected",
+            }
         )
     findings += _claim_fields(c, run, sigma, q, T, skip_rate=False)
     if c.sampling != run["sampling"]:
