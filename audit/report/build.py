@@ -61,7 +61,7 @@ from audit.report.figures import (
     accuracy_series,
     roc_figure,
 )
-from audit.report.libraries import library_headline, library_section, read_all
+from audit.report.libraries import library_headline, library_overview, library_section, read_all
 from audit.report.lm import client_section, lm_section
 from audit.report.verdict import CHANCE_BALANCED
 from audit.report.verdict_table import (  # noqa: F401 (VERDICT_COLUMNS, run_verdict re-exported)
@@ -228,8 +228,11 @@ def build_report(
 
     report = Report(title, datetime.now(UTC).isoformat(timespec="seconds"))
     summary: dict = {"runs": [], "sections": list(SECTIONS), "missing": []}
-    report.sections.append(verdict_section(rows, figdir, summary))
-    if not rows:
+    if rows or libs is None:
+        report.sections.append(verdict_section(rows, figdir, summary))
+    else:  # library audits alone: the report opens on their verdicts
+        report.sections.append(Section("Verdict", blocks=library_overview(libs)))
+    if not rows and libs is None:
         report.sections[-1].missing = "no run directories, bundles or foreign adapters given."
     if libs is not None:
         report.sections.append(library_section(libs, summary))

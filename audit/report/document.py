@@ -25,6 +25,7 @@ import hashlib
 import html
 import io
 import math
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,13 +299,21 @@ def _stack_css(report: Report) -> str:
     return f"@media (max-width:600px){{{''.join(rules.values())}}}" if rules else ""
 
 
+def _breakable(text: str) -> str:
+    """``text`` escaped, with a line-break opportunity (``<wbr>``) after each ``_``, ``/``
+    and ``:`` inside a word: a finding's code (``noise_multiplier_mismatch``) or a test's
+    name (``sampling:release:exchangeable``) may wrap at its parts, so that a wide table
+    fits a laptop's page instead of scrolling sideways."""
+    return re.sub(r"([_/:])(?=\w)", r"\1<wbr>", html.escape(text))
+
+
 def _html_table(t: Table) -> str:
     """The table in a container that scrolls sideways on its own; a wide one is shown as
     cards on a phone (class ``stack``, labels from :func:`_stack_css`)."""
     cls = _stack_class(t.headers)
-    h = "".join(f"<th>{html.escape(x)}</th>" for x in t.headers)
+    h = "".join(f"<th>{_breakable(x)}</th>" for x in t.headers)
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(format_cell(c))}</td>" for c in r) + "</tr>"
+        "<tr>" + "".join(f"<td>{_breakable(format_cell(c))}</td>" for c in r) + "</tr>"
         for r in t.rows
     )
     attr = f' class="stack {cls}"' if cls else ""

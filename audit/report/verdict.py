@@ -14,7 +14,10 @@ model's balanced accuracy — checked in order of severity, the first that appli
    claimed: …`` (the recomputed ε itself, or at client level the replace-one-client
    (2ε, (1 + e^ε)δ) that one canary falls under: ``empirical_limit``);
 6. another error finding → ``claim not supported: noise reproducible``;
-7. otherwise ``private as claimed (ε = 8); empirical ε ≥ 0.41 at 95%`` (``the canary
+7. a part of the mechanism untested (the run audit's ``coverage``, :mod:`audit.coverage`)
+   → ``incomplete: sampling untested (ε = 8); empirical ε ≥ 0.41 at 95%`` (exit 4 in the
+   CLI: nothing found, but no pass without a test);
+8. otherwise ``private as claimed (ε = 8); empirical ε ≥ 0.41 at 95%`` (``the canary
    audit certifies no ε > 0 at 95%`` when the bound is 0, ``no empirical bound`` without one).
 
 A model at chance level (balanced accuracy at most :data:`CHANCE_BALANCED`) gets
@@ -58,6 +61,9 @@ class Evidence:
     mismatch: str | None = None
     implied_epsilon: float | None = None
     implied_at_least: bool = False
+    # the parts of the mechanism no instrument tested (audit.coverage.PARTS; the run audit's
+    # coverage), when it says
+    untested: tuple[str, ...] = ()
 
 
 def _eps(x: float | None) -> str:
@@ -108,6 +114,10 @@ def _privacy(e: Evidence) -> str:
     errors = [f for f in e.findings if f.is_error]
     if errors:
         return f"claim not supported: {_names(errors)}"
+    if e.untested:
+        return f"incomplete: {', '.join(e.untested)} untested (ε = {_eps(eps)}); " + (
+            lb or "no empirical bound"
+        )
     return f"private as claimed (ε = {_eps(eps)}); " + (lb or "no empirical bound")
 
 

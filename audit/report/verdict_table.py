@@ -149,6 +149,15 @@ def implied_cell(c: dict | None) -> str:
     return f"{ge}{_fmt(c['implied_epsilon'], 3)}"
 
 
+def run_untested(a: dict) -> tuple[str, ...]:
+    """The parts of the mechanism a run audit left untested (its ``coverage``, when it
+    records one: :meth:`audit.coverage.Coverage.to_dict`); () when it records none."""
+    cov = a.get("coverage") if isinstance(a, dict) else None
+    if not isinstance(cov, dict):
+        return ()
+    return tuple(str(p) for p in cov.get("untested") or [] if isinstance(p, str))
+
+
 def run_verdict(r: dict) -> dict:
     """The verdict row's cells for one run (strings), and the verdict itself."""
     a = r.get("audit") or {}
@@ -170,6 +179,7 @@ def run_verdict(r: dict) -> dict:
         mismatch=rejected_text(conf) if conf and not conf.get("passed") else None,
         implied_epsilon=conf.get("implied_epsilon") if conf else None,
         implied_at_least=bool(conf.get("implied_epsilon_at_least")) if conf else False,
+        untested=run_untested(a),
     )
     strongest = strongest_attack(r)
     name, att = strongest if strongest else ("", {})

@@ -245,7 +245,8 @@ def test_report_shows_library_audits_after_the_verdict(report):
         assert f"**{lib} " in sec  # each library's table is headed by its name and version
     # the averaged-noise bug: σ below the PLD floor, so its ε is "at least"
     (avg,) = [c for c in cells if c[0] == "averaged_noise"]
-    assert avg[4].startswith("≥ ") and "noise_multiplier_mismatch" in avg[8]
+    assert avg[4].startswith("≥ ") and "noise_multiplier_mismatch" in avg[9]
+    assert avg[8] == "–"  # the benchmark's rows record no neighbour replay
     assert "secure_mode=False" in sec and "python -m benchmarks.auditing.libraries" in md
     # the wide table is a card table on a phone
     assert page.count('<table class="stack') >= 2
@@ -305,6 +306,9 @@ def test_library_table_at_laptop_and_phone_width(report, chromium, tmp_path, dev
         assert seen["thead"] == "none" and seen["row"] <= seen["W"]
     else:
         assert seen["thead"] == "table-header-group"
+        # every table whole at 1366 px: the findings column is not cut off (a sideways
+        # scroll inside the table's container would hide it)
+        assert seen["cut"] == [], seen["cut"]
 
 
 def test_report_files_are_readable_by_others(report):

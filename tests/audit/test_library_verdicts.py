@@ -169,3 +169,43 @@ def test_benchmark_rows_take_incomplete_and_replay(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(doc))
     with pytest.raises(UsageError, match=r"rows\[0\]: the verdict is 'incomplete'"):
         load_library_audits(tmp_path)
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def test_a_report_of_library_audits_alone_opens_on_their_verdicts(tmp_path):
+    """`fedlora report --library-audit DIR` with no run: the Verdict section is the
+    libraries' verdicts (not "missing: no run directories"), incomplete its own verdict
+    with its untested parts, the replay in its own column; the headline counts all three."""
+    from pipeline.cli import main
+
+    folder = tmp_path / "audits"
+    folder.mkdir()
+    rep = {"verdict": "pass", "neighbours": 6, "releases": 240, "findings": []}
+    save_result(_doc(replay=rep), folder / "ghost.json")
+    save_result(_doc("pass", mode="flat", coverage=_coverage(*("noise", "accounting",
+                "sampling", "clipping"))), folder / "flat.json")  # fmt: skip
+    save_result(_doc("fail", mode="no_clip", findings=[{"code": "sensitivity_exceeded",
+                "message": "step 3: 7.1 > 2"}], replay={"verdict": "fail", "neighbours": 2,
+                "releases": 9, "findings": ["sensitivity_exceeded"]}), folder / "bad.json")  # fmt: skip
+    out = tmp_path / "report"
+    assert main(["report", "--library-audit", str(folder), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert md.splitlines()[2] == "library audits: 1 pass, 1 incomplete, 1 fail."
+    first = md.split("\n## ")[1]
+    assert first.startswith("Verdict\n") and "missing" not in first
+    assert "| opacus | 1.6.0 | 3 | 1 | 1 | 1 |" in first
+    assert "**opacus ghost**: incomplete: clipping untested" in first
+    assert "**opacus no_clip**: fail (sensitivity_exceeded)" in first
+    sec = md.split("\n## Library audits\n")[1].split("\n## ")[0]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")]
+            for r in sec.splitlines() if r.startswith("| ") and not r.startswith("| mode")}  # fmt: skip
+    assert rows["ghost"][2] == "incomplete: clipping untested"
+    assert rows["ghost"][8] == "pass: 6 neighbours, 240 releases"
+    assert rows["no_clip"][8] == "fail: sensitivity_exceeded" and rows["flat"][8] == "–"
+    assert rows["flat"][2] == "pass" and rows["no_clip"][2] == "fail"
+    assert "**not tested (no_clip, ghost)**: clipping untested: clipping: no test reached it" in sec
+    # the page: codes may wrap at their underscores (tables fit a laptop's width)
+    page = (out / "report.html").read_text()
+    assert "sensitivity_<wbr>exceeded" in page and "<h2>Verdict</h2>" in page

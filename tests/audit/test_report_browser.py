@@ -175,7 +175,8 @@ def test_renders_in_headless_chromium(report, chromium, tmp_path):
 #: a laptop's and a phone's CSS width (an iPhone 12 to 15: 390 px)
 WIDTHS = {"laptop": (1366, 900), "phone": (390, 844)}
 #: what the page reports from inside the browser: its width against the viewport's, the
-#: elements that stick out of it (outside the tables' own scroll containers), the images'
+#: elements that stick out of it (outside the tables' own scroll containers), the tables
+#: wider than their container (``cut``: a reader would scroll them sideways), the images'
 #: widths, and how the verdict table is laid out (cards on a phone)
 _LAYOUT_PROBE = """<script>window.addEventListener('load', () => {
   const W = document.documentElement.clientWidth;
@@ -184,7 +185,10 @@ _LAYOUT_PROBE = """<script>window.addEventListener('load', () => {
     .slice(0, 8).map(e => e.tagName + ' ' + e.textContent.slice(0, 50));
   const imgs = [...document.images].map(i => [i.naturalWidth, i.getBoundingClientRect().width]);
   const t = document.querySelector('table.stack');
-  const res = {W, scroll: document.documentElement.scrollWidth, out, imgs,
+  const cut = [...document.querySelectorAll('.scroll')]
+    .filter(s => s.scrollWidth > s.clientWidth + 1)
+    .map(s => s.querySelector('th, td').textContent + ': ' + s.scrollWidth + ' > ' + s.clientWidth);
+  const res = {W, scroll: document.documentElement.scrollWidth, out, imgs, cut,
                thead: t && getComputedStyle(t.tHead).display, row: t && t.rows[1].offsetWidth};
   parent.postMessage(JSON.stringify(res), '*');
 });</script></body>"""
@@ -227,6 +231,8 @@ def test_no_sideways_scrolling_at_laptop_and_phone_width(report, chromium, tmp_p
     # their own container on a laptop, become cards on a phone)
     assert seen["W"] == width and seen["scroll"] <= seen["W"], seen
     assert seen["out"] == [], seen["out"]
+    if device == "laptop":  # every table whole at 1366 px: no column cut off
+        assert seen["cut"] == [], seen["cut"]
     assert seen["imgs"] and all(0 < w <= seen["W"] for _, w in seen["imgs"]), seen["imgs"]
     if device == "phone":  # the verdict table as cards: no header row, a row as wide as the page
         assert seen["thead"] == "none" and seen["row"] <= seen["W"]

@@ -93,3 +93,23 @@ def test_findings_summary_counts_and_names_errors():
         "3 errors (epsilon understated, noise reproducible); 2 warnings; 1 info"
     )
     assert findings_summary([TAMPER, WARN]) == "1 error (adapter hash mismatch); 1 warning"
+
+
+def test_an_untested_part_is_incomplete_never_private_as_claimed():
+    """No pass without a test (audit.coverage): nothing found but a part untested reads
+    incomplete, with the parts; an error finding still wins (fail before incomplete)."""
+    from audit.coverage import Coverage
+    from audit.report.verdict_table import headline, run_untested
+
+    e = dp(untested=("sampling", "clipping"), empirical_lb=0.41)
+    assert verdict(e) == (
+        "incomplete: sampling, clipping untested (ε = 7.99); empirical ε ≥ 0.41 at 95%"
+    )
+    assert verdict(dp(untested=("noise",), understated=True)).startswith("ε understated")
+    assert verdict(dp(untested=("noise",), findings=(TAMPER,))).startswith("tampered")
+    cov = Coverage().add("noise", "canaries").add("clipping", "replay")
+    cov.inapplicable("sampling", "q = 1").skip("accounting", "no ledger")
+    assert run_untested({"coverage": cov.to_dict()}) == ("accounting",)
+    assert run_untested({}) == () and run_untested({"coverage": "x"}) == ()
+    rows = [{"verdict": verdict(e)}, {"verdict": verdict(dp())}]
+    assert headline(rows) == "2 runs: 1 incomplete, 1 private as claimed."
