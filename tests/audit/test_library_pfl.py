@@ -116,13 +116,14 @@ def runs():
 
     cache: dict = {}
 
-    def get(mode: str) -> dict:
+    def get(mode: str, sim: bool = False):
+        """The audit's result of one case (``sim``: the instrumented run and its claim)."""
         if mode not in cache:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 audit, claim = simulate(mode, seed=3, rounds=ROUNDS, sigma=SIGMA)
-                cache[mode] = audit.audit(claim, permutations=199, seed=0)
-        return cache[mode]
+                cache[mode] = (audit, claim, audit.audit(claim, permutations=199, seed=0))
+        return cache[mode][:2] if sim else cache[mode][2]
 
     return get
 
@@ -241,7 +242,7 @@ def test_laplace_below_the_claimed_scale_is_flagged(runs):
 
 def test_observer_after_the_mechanism_is_named(runs):
     res = runs("observer_after_mechanism")
-    msg = next(f["message"] for f in res["findings"] if f["code"] == "no_noise_observed")
+    msg = next(f["message"] for f in res["findings"] if f["code"] == "noise_absent")
     assert "after the mechanism" in msg and "put it first" in msg
 
 
@@ -367,3 +368,86 @@ def test_laplace_contribution_uses_the_exact_sign_flip_test():
     k = (rng.random((20, 64)) < 0.3).astype(float)
     t, _ = contribution_test(3 * k + rng.laplace(size=k.shape), k, symmetric_exact=True)
     assert t.p_value == pytest.approx(1 / 20_000)
+
+
+# --- no pass without a test; zero and non-finite releases are findings (#47) ---------------
+
+
+def _audit_with_rounds(runs, mutate):
+    """The full-participation case audited again after ``mutate`` edited a copy of what
+    the observer recorded (the mechanism's output, round by round)."""
+    import copy
+
+    audit, claim = runs("full_accountant", sim=True)
+    kept = audit.observer.rounds
+    audit.observer.rounds = copy.deepcopy(kept)
+    try:
+        mutate(audit.observer.rounds)
+        return audit.audit(claim, permutations=199, seed=0)
+    finally:
+        audit.observer.rounds = kept
+
+
+def test_correct_run_tested_every_part(runs):
+    res = runs("full_accountant")
+    cov = res["coverage"]
+    assert cov["untested"] == [] and res["verdict"] == "pass" and res["exit_code"] == 0
+    assert cov["not_applicable"] == {"sampling": "every user took part in every round"}
+    assert cov["tested"]["clipping"] and cov["tested"]["noise"] and cov["tested"]["accounting"]
+    fixed = runs("accountant_poisson")  # a fixed cohort: the sampler's draws are read
+    assert fixed["coverage"]["tested"]["sampling"]
+
+
+def test_a_release_that_is_not_finite_is_a_finding_not_an_exception(runs):
+    def nan_round(rounds):
+        rounds[3]["obs"][0] = np.nan
+
+    res = _audit_with_rounds(runs, nan_round)
+    codes = _codes(res)
+    assert "release_nonfinite" in codes and res["verdict"] == "fail"
+    assert res["implied_epsilon"] == math.inf
+    msg = next(f["message"] for f in res["findings"] if f["code"] == "release_nonfinite")
+    assert "rounds [4]" in msg
+    # the other rounds were still tested
+    assert res["conformance"]["tests"] and res["coverage"]["tested"]["noise"]
+
+
+def test_fewer_than_two_finite_rounds_test_nothing_and_never_pass(runs):
+    def all_nan(rounds):
+        for r in rounds[1:]:
+            r["obs"][:] = np.inf
+
+    res = _audit_with_rounds(runs, all_nan)
+    assert res["verdict"] == "fail" and res["conformance"]["tests"] == []
+    assert {"clipping", "noise"} <= set(res["coverage"]["untested"])
+    assert res["implied_epsilon"] == math.inf and res["noise_factor"] is None
+
+
+def test_no_noise_on_the_release_is_noise_absent(runs):
+    audit, _ = runs("full_accountant", sim=True)
+    key = audit.canaries.canary_of
+
+    def noiseless(rounds):  # the block = C per draw of each canary, no noise at all
+        for r in rounds:
+            r["obs"][:] = 0.0
+            for uid in r["users"]:
+                j = key(uid)
+                if j is not None:
+                    r["obs"][j] += r["clip"]
+
+    res = _audit_with_rounds(runs, noiseless)
+    assert "noise_absent" in _codes(res) and res["verdict"] == "fail"
+    assert res["implied_epsilon"] == math.inf
+
+
+def test_pfl_versions_are_stated_and_a_newer_one_is_one_warning_line():
+    pytest.importorskip("pfl")
+    from audit.libraries.pfl import PFL_VERSION, SUPPORTED
+    from audit.libraries.pfl.compat import check_version
+
+    assert "0.1" in SUPPORTED and "0.6" in SUPPORTED
+    assert check_version() == PFL_VERSION
+    assert check_version("0.1.0") == "0.1.0"  # the first release is in the range
+    with pytest.warns(RuntimeWarning, match="0.7.0 is newer") as w:
+        check_version("0.7.0")
+    assert SUPPORTED in str(w[0].message) and "\n" not in str(w[0].message)

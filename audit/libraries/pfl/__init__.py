@@ -74,17 +74,30 @@ their norms, clip factors and clipped updates are those without canaries; the bl
 adds coordinates to the noise. What changes is the population (N real users + the included
 canaries): state it (:attr:`PflCanaries.population`) in pfl's accountant and the claim.
 
+**Verdict.** ``pass`` only when clipping, noise and accounting were each tested (and the
+sampling, unless every user took part in every round): the claim check (ε recomputed, the
+sampler's draws read from pfl), the contribution test and the scale and freshness tests
+(``coverage``, :func:`audit.coverage.decide`); otherwise ``incomplete`` (exit 4) naming
+what was not, ``fail`` (exit 1) on a finding. A round whose noised sum holds NaN or Inf is
+``release_nonfinite`` and a release without noise ``noise_absent`` (the implied ε ∞),
+never an exception.
+
+**Versions.** pfl 0.1.0 (2024-03, the first release) … 0.6.0 (:data:`SUPPORTED`;
+:mod:`audit.libraries.pfl.compat` says what differs); a newer pfl is one warning line.
+
 **Layout.** :mod:`~audit.libraries.pfl.compat` (what is imported from pfl),
 :mod:`~audit.libraries.pfl.canaries` (the canary users, module, observer and callback),
 :mod:`~audit.libraries.pfl.run` (what the run used, against the claim and pfl's accountant),
 :mod:`~audit.libraries.pfl.stats` (the contribution and Laplace tests),
+:mod:`~audit.libraries.pfl.epsilon` (the ε of what ran),
+:mod:`~audit.libraries.pfl.canary_tests` (the observations tested, the coverage),
 :mod:`~audit.libraries.pfl.checks` (:class:`PflAudit`, :func:`attach`). The former modules
 ``audit.libraries.pfl_audit``, ``pfl_canaries``, ``pfl_run`` and ``pfl_stats`` are kept as
 aliases.
 """
 
 # the extra, checked on import: without pfl this raises a one-line ImportError naming it
-from audit.libraries.pfl.compat import PFL_VERSION
+from audit.libraries.pfl.compat import PFL_VERSION, SUPPORTED
 from fl.lazy import lazy_exports
 
 #: public name -> the module that defines it (imported on first use)
@@ -100,6 +113,6 @@ _EXPORTS = {
     "attach": "audit.libraries.pfl.checks",
 }
 
-__all__ = ["PFL_VERSION", *_EXPORTS]
+__all__ = ["PFL_VERSION", "SUPPORTED", *_EXPORTS]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -10,29 +10,26 @@ import time
 
 import numpy as np
 
-from audit.bounds.conformance import (
-    ALPHA_WARN,
-    Block,
-    GroupTest,
-    conformance,
-    implied_noise_factor,
-)
-from audit.bounds.hypothesis import gdp_epsilon
-from audit.claims.check import check_claim
-from audit.claims.implied import epsilon_of_scaled_claim
-from audit.claims.mistakes import reference
 from audit.claims.schema import Claim, validate_claim
-from audit.libraries.common import one_run_lower_bound, sampling_group_tests
+from audit.coverage import Coverage, decide
+from audit.libraries.common import one_run_lower_bound
 from audit.libraries.pfl.canaries import PflCanaries
+from audit.libraries.pfl.canary_tests import (
+    finite_rounds,
+    implied_epsilon,
+    noise_absent,
+    run_tests,
+)
 from audit.libraries.pfl.compat import (
     PFL_VERSION,
     CentrallyAppliedPrivacyMechanism,
     GaussianMechanism,
     LaplaceMechanism,
     LocalPrivacyMechanism,
+    check_version,
 )
+from audit.libraries.pfl.epsilon import epsilon_of_run
 from audit.libraries.pfl.run import accountant_of, claim_findings, finding, sampling_of
-from audit.libraries.pfl.stats import contribution_test, laplace_epsilon, laplace_tests
 from audit.libraries.results import conformance_warnings
 
 __all__ = ["ALPHA", "LB_ALPHA", "PflAudit", "attach"]
@@ -49,6 +46,7 @@ class PflAudit:
     """The instrumented simulation (:func:`attach`); :meth:`audit` after ``algorithm.run``."""
 
     def __init__(self, canaries: PflCanaries, model, postprocessors) -> None:
+        check_version()  # a pfl newer than the range: one warning line
         if canaries._module is None:
             raise ValueError("call PflCanaries.model(module) and build pfl's model on it")
         if not canaries.user_ids:
@@ -190,7 +188,11 @@ class PflAudit:
         """The claim check, the tests and the implied ε of this run against ``claim``
         (client-level fields, :mod:`audit.claims.schema`; for Laplace ``noise_multiplier``
         is the scale over the clip, b/C). ``alpha``: the tests' family-wise level;
-        ``lb_alpha``: the one-run bound's. ``verdict`` "pass"/"fail", ``exit_code`` 0/1."""
+        ``lb_alpha``: the one-run bound's. ``verdict`` "fail" (exit 1) on a finding,
+        "incomplete" (exit 4) while a part of the mechanism is untested (``coverage``),
+        else "pass" (:func:`audit.coverage.decide`); a release holding NaN or Inf
+        (``release_nonfinite``) and one without noise (``noise_absent``) are findings with
+        the implied ε ∞, never an exception."""
         t0 = time.time()
         c = validate_claim(claim)
         run = self.run_mechanism()
@@ -218,56 +220,7 @@ class PflAudit:
                 f"audit reads pfl {PFL_VERSION}'s GaussianMechanism / LaplaceMechanism fields"
             )
         findings += claim_findings(self.kind, c, run, sigma, clip)
-        # --- ε of the mechanism that ran
-        at_least = run["sampling"] == "with_replacement"
-        n_pop = run["population"]
-        cohort = min(int(np.max(run["cohort_size"])), n_pop)
-        schema = "all" if run["sampling"] == "all" or cohort >= n_pop else "fixed_batch"
-        run_claim = Claim(
-            level="client",
-            noise_multiplier=sigma,
-            sampling=schema,
-            rounds=T,
-            clients_per_round=n_pop if schema == "all" else cohort,
-            total_clients=n_pop,
-            clipping_norm=clip,
-            claimed_epsilon=c.claimed_epsilon,
-            delta=c.delta,
-            accounting="composed",
-        )
-        sens = 1 if schema == "all" else 2
-        cyclic = bool(run.get("cyclic"))
-        if cyclic:
-            # a fixed cycle of P users, B per round: in pass p a neighbour's cohort differs in
-            # up to 2·min(p + 1, B) users (pfl_run.sampling_of); per round sensitivity s_t·C
-            P, B = int(run["cycle_length"]), cohort
-            s_t = np.array([min(2 * (t * B // P + 1), 2 * B) for t in range(T)], dtype=float)
-            sens = float(s_t.max())
-        if self.kind == "gaussian" and cyclic:
-            mu = float(np.sqrt(np.sum((s_t / sigma) ** 2))) if sigma > 0 else math.inf
-            eps_run = gdp_epsilon(mu, c.delta) if math.isfinite(mu) else math.inf
-            rec = {
-                "epsilon_pld": eps_run,
-                "mechanism": f"{T} Gaussian release(s) at σ = {sigma:.4g} of a fixed cycle of "
-                f"{P} users, {B} per round (pfl's 'minimize_reuse'): a neighbour's cohort "
-                f"differs in {int(s_t.min())}…{int(s_t.max())} users per round, μ-GDP",
-            }
-        elif self.kind == "gaussian":
-            rec = dict(check_claim(run_claim))
-            eps_run = rec["epsilon_pld"]
-        else:
-            eps_run = laplace_epsilon(sigma, T, c.delta, sens=sens)
-            rec = {
-                "epsilon_pld": eps_run,
-                "mechanism": f"{T} Laplace release(s) at b/C = {sigma:.4g}, ℓ1 sensitivity "
-                f"{sens}C (dp-accounting PLD)",
-                "epsilon_pure": T * sens / sigma if sigma > 0 else math.inf,
-            }
-        if at_least:
-            rec["note"] = (
-                "with replacement a user drawn k times adds kC: the fixed-cohort figure is a "
-                "lower bound on the run's ε"
-            )
+        eps_run, rec, run_claim, at_least = epsilon_of_run(self.kind, run, c, sigma, clip, T)
         # 0.1 %: the two PLDs' discretisations (pfl's accountant and dp-accounting's here)
         # differ by about 1e-5 relative; an understatement beyond that is a finding
         if eps_run > c.claimed_epsilon * (1 + 1e-3):
@@ -294,17 +247,17 @@ class PflAudit:
                     f"ε = {'≥ ' if at_least else ''}{eps_run:.4g}: "
                     + ("; ".join(acc_info["mismatches"]) or "its assumptions match the run")
                 )
-        # --- the observations, in units of the claimed C
+        # --- the observations, in units of the claimed C (finite rounds only)
+        cov = Coverage().add("accounting", "claim check (ε recomputed for the mechanism that ran)")
+        if run["sampling"] == "all":
+            cov.inapplicable("sampling", "every user took part in every round")
+        else:
+            cov.add("sampling", "claim check (the sampler's draws read from pfl)")
         ob = self.observations()
-        if not np.isfinite(ob["obs"]).all():
-            raise ValueError(
-                "the released canary block holds NaN or Inf (a diverged model or a broken "
-                "mechanism): nothing to test; check the training's updates"
-            )
+        fin = finite_rounds(ob["obs"], findings)
         unit = c.clipping_norm if c.clipping_norm is not None else clip
-        u = ob["obs"] / unit
-        k = ob["counts"]
-        r = u - k
+        u = ob["obs"][fin] / unit
+        k = ob["counts"][fin]
         inc = self.canaries.included
         raw = ob["raw"]
         if raw:
@@ -329,87 +282,39 @@ class PflAudit:
                     "PflCanaries.users(...)'s data and its sampler on all its user ids",
                 )
             )
-        claimed_noise = c.noise_multiplier
-        if claimed_noise <= 0:
+        if c.noise_multiplier <= 0:
             raise ValueError("the claim's noise_multiplier is 0: nothing to test the noise against")
-        # no noise at all: the observer read the sum before the noise (or there was none)
-        if float(np.sqrt(np.mean(r**2))) < 1e-3 * claimed_noise:
-            if self.positions["observer"] > self.positions["mechanism"]:
-                msg = (
-                    f"canaries.postprocessor is at position {self.positions['observer']}, "
-                    f"after the mechanism ({self.positions['mechanism']}): pfl runs the "
-                    "server steps in reverse order, so it read the sum BEFORE the noise; "
-                    "put it first"
+        absent = noise_absent(u - k, c.noise_multiplier, self.positions, sigma)
+        if absent is not None:
+            findings.append(absent)
+        conf = samp = contrib = lb = f = group = None
+        eps_implied, imp_at_least = math.inf, False
+        if len(u) >= 2:
+            conf, samp, contrib = run_tests(
+                self, u, k, c, kind=self.kind, alpha=alpha, permutations=permutations,
+                seed=seed, cov=cov, notes=untested,
+            )  # fmt: skip
+            infinite = absent is not None or not fin.all()
+            f, group, eps_implied, imp_at_least = implied_epsilon(
+                self.kind, conf, run_claim, c, len(u), rec["sensitivity"], infinite
+            )
+            for t in conf.rejected:
+                extra_txt = f", observed/claimed noise {t.ratio:.3f}" if t.ratio else ""
+                if t.test == "contribution" and contrib:
+                    extra_txt = (
+                        f", a canary draw added {contrib['contribution']:.3g} × the claimed C"
+                    )
+                findings.append(
+                    finding(
+                        "conformance_rejected",
+                        f"{t.group}:{t.test} rejected (p = {10**t.log10_p:.3g}{extra_txt})",
+                    )
                 )
-            else:
-                msg = "the mechanism added no noise to the canary block"
-            findings.append(finding("no_noise_observed", msg))
-        extra: list[GroupTest] = []
-        ctest, contrib = contribution_test(
-            u, k, alpha=alpha, symmetric_exact=self.kind == "laplace"
-        )
-        if ctest is not None:
-            extra.append(ctest)
+            lb = self._lower_bound(u, c, lb_alpha)
         else:
-            untested.append("clipping (no canary user was drawn)")
-        samp = None
-        q_claim = (
-            c.clients_per_round / c.total_clients if c.clients_per_round and c.total_clients else 1
-        )
-        if c.sampling == "poisson" and q_claim < 1 and inc.any():
-            sd = claimed_noise * (math.sqrt(2) if self.kind == "laplace" else 1.0)
-            samp, tests, _ = sampling_group_tests(
-                u,
-                k,
-                inc,
-                sd,
-                q_claim,
-                permutations=permutations,
-                seed=seed,
-                note="Poisson draws are exchangeable over rounds",
-            )
-            extra += tests
-        m = self.canaries.m
-        if self.kind == "gaussian":
-            block = Block(
-                u=r,
-                tracks=np.arange(m),
-                groups=np.array(["canary"] * m),
-                sigma=claimed_noise,
-                included=inc.copy(),
-                coins=None,
-                q=1.0,
-                p_include=self.canaries.p_include,
-            )
-            conf = conformance([block], alpha=alpha, extra=tuple(extra), warn_alpha=ALPHA_WARN)
-        else:
-            lap = laplace_tests(r, claimed_noise, alpha=alpha)
-            conf = conformance([], alpha=alpha, extra=tuple(lap + extra), warn_alpha=ALPHA_WARN)
-            untested.append(
-                "the Gaussian conformance tests (Laplace noise: the Anderson scale and "
-                "freshness tests and the contribution t-test, asymptotic under Laplace noise, "
-                "stand in)"
-            )
-        f, group = implied_noise_factor(conf)
-        if self.kind == "gaussian":
-            eps_implied, imp_at_least = epsilon_of_scaled_claim(
-                reference(run_claim), claimed_noise, f, c.delta
-            )
-        else:
-            eps_implied, imp_at_least = laplace_epsilon(claimed_noise * f, T, c.delta, sens), False
+            for part in ("clipping", "noise"):
+                cov.skip(part, f"{len(u)} finite round(s) released; the tests need 2")
         imp_at_least = imp_at_least or at_least
-        rejected = [f"{t.group}:{t.test}" for t in conf.rejected]
-        for t in conf.rejected:
-            extra_txt = f", observed/claimed noise {t.ratio:.3f}" if t.ratio else ""
-            if t.test == "contribution" and contrib:
-                extra_txt = f", a canary draw added {contrib['contribution']:.3g} × the claimed C"
-            findings.append(
-                finding(
-                    "conformance_rejected",
-                    f"{t.group}:{t.test} rejected (p = {10**t.log10_p:.3g}{extra_txt})",
-                )
-            )
-        lb = self._lower_bound(u, c, lb_alpha)
         if lb is None:
             untested.append("ε lower bound (needs included and excluded canaries, p = 1/2)")
         elif lb["epsilon_lb"] > c.claimed_epsilon:
@@ -420,7 +325,7 @@ class PflAudit:
                     f"ε = {c.claimed_epsilon:g}",
                 )
             )
-        released = self._released(ob["obs"])
+        released = self._released(ob["obs"]) if fin.all() else None
         if released is None:
             untested.append(
                 "the step from the noised sum to the released model (FederatedAveraging's "
@@ -438,8 +343,9 @@ class PflAudit:
             "the noise's unpredictability: pfl seeds its noise generators; the tests see the "
             "scale and freshness, not whether the seed can be guessed"
         )
-        verdict = "fail" if findings else "pass"
-        findings = findings + conformance_warnings(conf)  # reported, not in the verdict
+        verdict, code = decide(len(findings), cov)
+        if conf is not None:
+            findings = findings + conformance_warnings(conf)  # reported, not in the verdict
         return {
             "library": "pfl",
             "version": PFL_VERSION,
@@ -459,18 +365,24 @@ class PflAudit:
             "implied_epsilon_at_least": imp_at_least,
             "noise_factor": f,
             "noise_factor_group": group,
-            "conformance": conf.to_dict(),
-            "conformance_rejected": rejected,
+            "conformance": conf.to_dict() if conf is not None else NO_TESTS,
+            "conformance_rejected": [f"{t.group}:{t.test}" for t in conf.rejected] if conf else [],
             "sampling": samp.to_dict() if samp else None,
             "canary_contribution": contrib,
             "released_model": released,
             "canary_clip_error": abs(contrib["contribution"] - clip / unit) if contrib else None,
-            "untested": untested,
+            "coverage": cov.to_dict(),
+            "untested": cov.describe() + untested,
             "findings": findings,
             "verdict": verdict,
-            "exit_code": 0 if verdict == "pass" else 1,
+            "exit_code": code,
             "audit_seconds": time.time() - t0,
         }
+
+
+#: the ``conformance`` entry when no test could run (fewer than two finite rounds)
+NO_TESTS = {"alpha": None, "passed": True, "tests": [], "rejected": [], "weak": [],
+            "skipped": ["every test (fewer than two rounds with a finite canary block)"]}  # fmt: skip
 
 
 def attach(canaries: PflCanaries, model, postprocessors) -> PflAudit:
