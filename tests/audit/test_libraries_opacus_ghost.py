@@ -121,3 +121,57 @@ def test_ghost_release_equals_a_slow_per_sample_clip_reference():
         ref = [r + f * t for r, t in zip(ref, g)]
     for p, r in zip(list(model.model.parameters()), ref):
         torch.testing.assert_close(p.summed_grad, r, atol=1e-5, rtol=1e-4)
+
+
+def test_batch_memory_manager_keeping_the_last_physical_batch_twice_is_flagged(monkeypatch):
+    """The planted release: BatchMemoryManager's splitter yields the last physical batch
+    of each logical batch twice (the second time closing the step), so its records add 2·C
+    to a step whose noise is for C. Ghost clipping, where the canaries now travel."""
+    import math
+
+    from opacus.utils.batch_memory_manager import BatchMemoryManager, BatchSplittingSampler
+
+    def twice_the_last(self):
+        for idxs in self.sampler:
+            parts = np.array_split(idxs, max(1, math.ceil(len(idxs) / self.max_batch_size)))
+            parts = [p.tolist() for p in parts]
+            for part in parts:
+                self.optimizer.signal_skip_step(do_skip=True)
+                yield part
+            self.optimizer.signal_skip_step(do_skip=False)
+            yield parts[-1]
+
+    monkeypatch.setattr(BatchSplittingSampler, "__iter__", twice_the_last)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+    torch.manual_seed(0)
+    can = SamplerCanaries(m=M, seed=1)
+    model = can.model(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)))
+    pe = PrivacyEngine(accountant="rdp")
+    model, opt, crit, dl = pe.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.2),
+        criterion=can.criterion(nn.CrossEntropyLoss()),
+        data_loader=DataLoader(can.dataset(TensorDataset(x, y)), batch_size=B),
+        noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost",
+    )  # fmt: skip
+    audit = can.attach(pe, opt, dl)
+    while len(audit.obs) < 16:
+        with BatchMemoryManager(data_loader=dl, max_physical_batch_size=16, optimizer=opt) as mem:
+            for xb, yb, cid in mem:
+                opt.zero_grad()
+                crit(model(xb, cid), yb).backward()
+                opt.step()
+                if len(audit.obs) >= 16:
+                    break
+    claim = dict(
+        level="sample", noise_multiplier=1.0, sampling="poisson", rounds=1,
+        steps_per_round=len(audit.obs), sample_rate=1 / len(dl), clipping_norm=1.0,
+        claimed_epsilon=float(pe.get_epsilon(DELTA)), delta=DELTA,
+    )  # fmt: skip
+    res = audit.audit(claim, permutations=99, seed=0)
+    assert res["verdict"] == "fail"
+    codes = {f["code"] for f in res["findings"] if f.get("severity", "error") == "error"}
+    # the forward read the last physical batch again and its canaries added 2·C
+    assert "forward_run_twice" in codes
+    assert audit.observations()["sums"].max() == pytest.approx(2.0, abs=1e-5)

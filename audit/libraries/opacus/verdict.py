@@ -42,6 +42,8 @@ __all__ = ["REL_TOL", "audit_run"]
 
 #: relative tolerance for "the claim's field equals the run's"
 REL_TOL = 1e-6
+#: the white-box check's tolerance, in units of C (float32: ~1e-7; bf16 grads: ~1e-2)
+WHITE_BOX_TOL = 2e-2
 
 
 def _finding(code: str, message: str) -> dict:
@@ -86,8 +88,14 @@ def audit_run(rec, claim, *, alpha: float, permutations: int, seed) -> dict:
     if T < 2:
         raise ValueError(f"the run took {T} noised step(s); the audit needs at least 2")
     # a forward that re-read the step's batch; summed twice where Opacus counted 2 iterations
+    ob = rec.observations()
+    clips = ob["clips"]
+    with np.errstate(invalid="ignore"):
+        peak = np.nan_to_num(np.max(ob["sums"] / clips[:, None], axis=1, initial=0.0))
+    # summed twice: Opacus counted 2 iterations, or a canary of the re-read batch added 2·C
+    doubled = [r > 0 and (k > 1 or p > 1.5) for r, k, p in zip(rec.repeats, rec.iterations, peak)]
     repeated = int(sum(r > 0 for r in rec.repeats))
-    twice = int(sum(r > 0 and k > 1 for r, k in zip(rec.repeats, rec.iterations)))
+    twice = int(sum(doubled))
     iters = max(rec.iterations) if rec.iterations else 1
     rate_moved = isinstance(run["sample_rate"], list) and not twice
     if isinstance(run["noise_multiplier"], list) or rate_moved:
@@ -189,8 +197,6 @@ def audit_run(rec, claim, *, alpha: float, permutations: int, seed) -> dict:
     if run["mode"] == "adaptive":
         findings += _adaptive(run, eps_acc, eps_run, c)
     # --- the release, in units of each step's canary clip
-    ob = rec.observations()
-    clips = ob["clips"]
     u_all = ob["obs"] / clips[:, None]
     finite = np.isfinite(u_all).all(axis=1)
     if not finite.all():
@@ -311,10 +317,31 @@ def audit_run(rec, claim, *, alpha: float, permutations: int, seed) -> dict:
                 f"{c.claimed_epsilon:g}",
             )
         )
-    # a white-box diagnostic beside the tests (not in the verdict): the block's clipped
-    # sum before the noise against the canary's clip times the coins read from the forwards
+    # white box: Opacus's clipped sum on the block before the noise against the canary's
+    # clip times the coins read from the forwards (exact up to float error where each
+    # drawn canary is clipped to C once); steps already named as summed twice left out
     sums_u = (ob["sums"] / clips[:, None])[finite]
     clip_error = float(np.max(np.abs(sums_u - coins_all))) if carried and sums_u.size else None
+    if carried and sums_u.size and inc.any():
+        gap = np.abs(sums_u - coins_all).max(axis=1)
+        gap[np.asarray(doubled, dtype=bool)[finite]] = 0.0
+        bad = np.flatnonzero(gap > WHITE_BOX_TOL)
+        if coins_all[:, inc].any():
+            cov.add("clipping", "white box (Opacus's clipped sum at the canaries)")
+        if bad.size:
+            t = int(bad[np.argmax(gap[bad])])
+            drawn = coins_all[t] & inc
+            seen = sums_u[t][drawn] if drawn.any() else sums_u[t]
+            findings.append(
+                _finding(
+                    "canary_sum_not_clip",
+                    f"at {bad.size} of {u.shape[0]} noised steps Opacus's clipped sum on the "
+                    "canary block (summed_grad, before the noise) is not C_t per canary drawn "
+                    f"(the coins the forwards read): at step {t + 1} a drawn canary added "
+                    f"{float(np.min(seen)):.4g}…{float(np.max(seen)):.4g}·C (each example "
+                    "clipped to C once adds exactly 1·C)",
+                )
+            )
     errors = sum(f.get("severity", "error") == "error" for f in findings)
     verdict, code = decide(errors, cov)
     findings += conformance_warnings(conf) if conf is not None else []
