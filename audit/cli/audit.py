@@ -328,6 +328,7 @@ def _human(result: dict, title: str) -> str:
         lines.append(f"replay: not performed ({rep.get('reason')})")
     if result.get("trusted"):
         lines.append("taken on trust (no --key): " + ", ".join(result["trusted"]))
+    lines += _coverage_lines(result.get("coverage"))
     if result.get("neighbour_replay"):
         from audit.replay.engine import summary_line
 

@@ -352,3 +352,25 @@ def test_no_noise_at_all_is_noise_absent_not_a_crash(params, tmp_path, capsys):
     assert (
         doc["conformance"]["implied_factor"] == 0 and doc["conformance"]["implied_epsilon"] == "inf"
     )
+
+
+def test_audit_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["audit", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for line in ("0  pass:", "1  fail:", "2  bad input:", "4  incomplete:"):
+        assert line in text, text[-800:]
+    assert "untested" in text
+
+
+def test_a_run_result_that_says_incomplete_exits_4():
+    """The CLI's exit code for a run audit's result: an error wins (1); otherwise a result
+    whose verdict is incomplete exits 4, and one without a verdict 0, as before."""
+    from audit.cli.audit import exit_code
+
+    err = {"code": "epsilon_understated", "severity": "error", "message": "m"}
+    assert exit_code({"findings": []}) == 0
+    assert exit_code({"findings": [], "verdict": "incomplete"}) == 4
+    assert exit_code({"findings": [err], "verdict": "incomplete"}) == 1
+    assert exit_code({"findings": [], "tampered": True, "verdict": "incomplete"}) == 1
