@@ -11,8 +11,11 @@ sources. What differs between them and is handled here:
   Grid from 1.20 on (``flwr.server.Grid`` and ``GridClientProxy`` appear in 1.20; before,
   a ``Driver`` and ``DriverClientProxy`` of another signature: not supported);
 * the Message API (``flwr.serverapp.strategy``'s DP wrappers, ``flwr.clientapp.mod``'s
-  mods and its own ``LocalDpMod``) exists from 1.21 on (:func:`message_strategies` is None
-  before: a Message API strategy cannot be built there);
+  mods) exists from 1.21 on with fixed clipping (:func:`message_strategies` is None before:
+  a Message API strategy cannot be built there); its adaptive wrappers and its own
+  ``LocalDpMod`` by 1.23 (a wrapper a release lacks is simply not there to classify);
+  1.21 samples evaluation nodes even at ``fraction_evaluate`` = 0, so the run configures
+  no evaluation round at all;
 * ``Grid`` is ``flwr.serverapp.Grid`` from 1.21, ``flwr.server.Grid`` in 1.20; ``ClientApp``
   ``flwr.clientapp.ClientApp`` or ``flwr.client.ClientApp``; ``recorddict_compat`` moved to
   ``flwr.compat.common`` in 1.35; the records and ``Message`` are read from ``flwr.common``,
@@ -201,7 +204,8 @@ def classify(strategy, mods) -> tuple[str, str]:
         "DifferentialPrivacyServerSideAdaptiveClipping": "server_adaptive",
         "DifferentialPrivacyClientSideAdaptiveClipping": "client_adaptive",
     }
-    mode = next((k for n, k in kinds.items() if isinstance(strategy, getattr(lib, n))), None)
+    # a release may lack some wrappers (the Message API's adaptive ones came after 1.21)
+    mode = next((k for n, k in kinds.items() if isinstance(strategy, getattr(lib, n, ()))), None)
     if local:
         if mode is not None:
             raise ValueError(

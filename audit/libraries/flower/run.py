@@ -229,7 +229,14 @@ class FlowerRun:
         setattr(s, agg_name, aggregate)
         if inner is not s:
             setattr(inner, agg_name, inner_aggregate)
-        return [(s, conf_name), (s, agg_name), (inner, agg_name)]
+        installed = [(s, conf_name), (s, agg_name), (inner, agg_name)]
+        if not legacy:
+            # training rounds only (fraction_evaluate = 0 is required): flwr 1.21–1.3x still
+            # samples min_evaluate_nodes for evaluation at fraction 0, whose replies then
+            # fail FedAvg's reply validation (IndexError) without a ClientApp evaluate
+            s.configure_evaluate = lambda *a, **k: []
+            installed.append((s, "configure_evaluate"))
+        return installed
 
     def run(self) -> FlowerRun:
         """Train ``rounds`` rounds in this process with the canaries (module doc)."""
