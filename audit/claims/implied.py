@@ -32,6 +32,7 @@ __all__ = [
     "SIGMA_FLOOR",
     "epsilon_of_scaled_claim",
     "epsilon_of_scaled_events",
+    "gdp_epsilon_or_inf",
     "noise_finding",
 ]
 
@@ -60,6 +61,21 @@ def _or_infinite(compute) -> float:
 
 #: a μ-GDP parameter above this is ε = ∞ in floats (ε ≈ μ²/2 overflows the solver)
 MU_MAX = 1e150
+
+
+def gdp_epsilon_or_inf(mu, delta: float) -> float:
+    """ε(δ) of μ-GDP (:func:`audit.bounds.hypothesis.gdp_epsilon`), ∞ where μ is ∞, NaN or
+    above :data:`MU_MAX` (a noise factor near 0 divides by nearly 0: the solver would
+    overflow or raise), never an exception for what was observed."""
+    from audit.bounds.hypothesis import gdp_epsilon
+
+    try:
+        m = float(mu)
+    except (TypeError, ValueError):
+        return math.inf
+    if not (math.isfinite(m) and m <= MU_MAX):
+        return math.inf
+    return _or_infinite(lambda: gdp_epsilon(m, delta))
 
 
 def noise_finding(factor) -> tuple[str, str] | None:

@@ -52,3 +52,14 @@ def test_noise_finding_names_the_two_cases():
     for code in ("noise_absent", "release_nonfinite", "sensitivity_exceeded",
                  "data_dependent_release", "replay_empty"):  # fmt: skip
         assert Code(code).severity is Severity.ERROR and not Code(code).tampering
+
+
+def test_gdp_epsilon_or_inf_never_raises():
+    """μ = 2/(σ·f) at f → 0 (Flower's LocalDpMod implied ε): ∞, not ZeroDivisionError or the
+    solver's ValueError; an ordinary μ gives gdp_epsilon's value."""
+    from audit.bounds.hypothesis import gdp_epsilon
+    from audit.claims.implied import gdp_epsilon_or_inf
+
+    for mu in (math.inf, math.nan, 2e300, 1e151, "x"):
+        assert gdp_epsilon_or_inf(mu, 1e-5) == math.inf
+    assert gdp_epsilon_or_inf(1.5, 1e-5) == gdp_epsilon(1.5, 1e-5)
