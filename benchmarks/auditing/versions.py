@@ -6,8 +6,10 @@
 People audit the release they have installed, and older releases are where fixed bugs
 still run. For each supported range — opacus 1.4.0 … 1.6.0, flwr 1.8.0 … 1.42.0, pfl
 (the oldest release that imports its PyTorch model on this Python and torch) … 0.6.0 —
-this installs the oldest, a middle and the newest release (plus, unless ``--no-below``,
-the release just below the range, to show the error the audit gives there) and runs a
+this installs the oldest, a middle and the newest release (plus the oldest release of
+the range the audit module itself states in its ``SUPPORTED``, where that is another one,
+and, unless ``--no-below``, the release just below the range, to show the error the audit
+gives there) and runs a
 few correct and misused cases of the library table (:mod:`benchmarks.auditing.libraries`
 and its Flower and pfl modules) against each, one child process per (library, version).
 
@@ -29,8 +31,9 @@ overlays are deleted at the end (``--keep`` keeps them), pip's cache is kept.
 
 Each row: library, version, in range, case, kind, verdict, expected verdict (the
 library table's rule), the findings' codes, seconds, or — where the case raised — the
-exception's last line (``error``). Out-of-range rows expect a clear error: one that names
-the installed version. Written to ``benchmarks/results/versions/{results.json,table.md}``.
+exception's last line (``error``) or ``refused`` where that error names the release and
+the release is outside the range the audit states. Out-of-range rows expect a clear
+error: one that names the installed version. Written to ``benchmarks/results/versions/{results.json,table.md}``.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ LIBRARIES: dict[str, dict] = {
         "first": "1.4.0",
         "last": "1.6.0",
         "cases_module": "benchmarks.auditing.libraries",
+        "stated_in": "audit.libraries.opacus.versions",
         "cases": ["flat_poisson", "ghost", "batch_memory_manager", "low_sigma", "averaged_noise"],
     },
     "flwr": {
@@ -70,6 +74,7 @@ LIBRARIES: dict[str, dict] = {
         "first": "1.8.0",
         "last": "1.42.0",
         "cases_module": "benchmarks.auditing.libraries_flower",
+        "stated_in": "audit.libraries.flower.compat",
         "cases": ["legacy_server_fixed", "message_server_fixed", "legacy_local_dp", "sigma_halved"],
     },
     "pfl": {
@@ -78,6 +83,7 @@ LIBRARIES: dict[str, dict] = {
         "first": None,  # the oldest release whose probe imports (below)
         "last": "0.6.0",
         "cases_module": "benchmarks.auditing.libraries_pfl",
+        "stated_in": "audit.libraries.pfl.compat",
         "cases": ["full_accountant", "laplace_full", "low_sigma", "overshoot"],
         # what pfl's cases import: the range starts at the oldest release where this works
         "probe": "import pfl.model.pytorch, pfl.privacy, pfl.aggregate.simulate",
@@ -160,6 +166,35 @@ def below(available: list[str], first: str) -> str | None:
     """The newest final release older than ``first``."""
     older = [v for v in releases(available, None, first) if _v(v) < _v(first)]
     return older[-1] if older else None
+
+
+def stated(lib: str) -> tuple[str | None, str | None]:
+    """The range the audit module states (its ``SUPPORTED``, e.g. "flwr >= 1.20, < 1.43
+    (1.20 … 1.42)"): (the text, the specifier part, e.g. ">=1.20,<1.43"), or Nones."""
+    import importlib
+
+    try:
+        text = str(importlib.import_module(LIBRARIES[lib]["stated_in"]).SUPPORTED)
+    except Exception:
+        return None, None
+    return text, parse_stated(text)
+
+
+def parse_stated(text: str) -> str | None:
+    """The specifier of a ``SUPPORTED`` text ("opacus >= 1.4.0, < 1.7 (…)" -> ">=1.4.0,<1.7")."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        return str(Requirement(text.split("(")[0].strip()).specifier) or None
+    except InvalidRequirement:
+        return None
+
+
+def in_stated(version: str, spec: str | None) -> bool | None:
+    """Whether the audit's stated range holds ``version`` (None: no stated range)."""
+    from packaging.specifiers import SpecifierSet
+
+    return None if spec is None else SpecifierSet(spec).contains(version, prereleases=True)
 
 
 def list_versions(dist: str) -> tuple[list[str], str]:
@@ -440,8 +475,17 @@ def expected_verdict(kind: str | None) -> str | None:
     return None if kind is None else "pass" if kind == "correct" else "fail"
 
 
-def row(lib: str, version: str, ranged: bool, head: dict, c: dict, overlay: Path) -> dict:
-    """One table row: (library, version, case) and what happened."""
+def row(
+    lib: str,
+    version: str,
+    ranged: bool,
+    head: dict,
+    c: dict,
+    overlay: Path,
+    stated_spec: str | None = None,
+) -> dict:
+    """One table row: (library, version, case) and what happened. ``stated_spec``: the
+    range the audit module states (a release outside it should be refused)."""
     kind = c.get("kind") or kinds(lib).get(c["case"])
     isolated = bool(head.get("module_file")) and str(overlay) in str(head.get("module_file"))
     seen = head.get("module_version") or head.get("dist_version")
@@ -449,6 +493,7 @@ def row(lib: str, version: str, ranged: bool, head: dict, c: dict, overlay: Path
         "library": lib,
         "version": version,
         "in_range": ranged,
+        "in_stated_range": in_stated(version, stated_spec),
         "case": c["case"],
         "kind": kind or "—",
         "verdict": c.get("verdict"),
@@ -467,14 +512,16 @@ def row(lib: str, version: str, ranged: bool, head: dict, c: dict, overlay: Path
 
 
 def status(r: dict) -> str:
-    """as expected / not as expected / error / not isolated."""
+    """as expected / not as expected / refused (an error naming the release, which is
+    outside the range the audit states) / error / not isolated."""
     if not r["isolated"]:
         return "not isolated"
+    err = r.get("error") or ""
+    names = bool(err) and r["version"] in err
     if not r["in_range"]:
-        err = r.get("error") or ""
-        return "as expected" if err and r["version"] in err else "not as expected"
-    if r.get("error"):
-        return "error"
+        return "as expected" if names else "not as expected"
+    if err:
+        return "refused" if names and r.get("in_stated_range") is False else "error"
     return "as expected" if r["verdict"] == r["expected"] else "not as expected"
 
 
@@ -504,17 +551,17 @@ def table(head: dict, rows: list[dict], envs: list[dict]) -> str:
         "Ranges and the releases run (oldest, middle, newest; `below`: the release under the "
         "range, where the audit should refuse with a clear error):",
         "",
-        "| library | range | releases in it | run | below | listed by |",
-        "|---|---|---|---|---|---|",
+        "| library | range | releases in it | run | below | the audit states | listed by |",
+        "|---|---|---|---|---|---|---|",
     ]
     for lib, r in head["ranges"].items():
         out.append(
             f"| {lib} | {r['first']} … {r['last']} | {len(r['releases'])}: "
             f"{', '.join(r['releases'])} | {', '.join(r['picked'])} | {r['below'] or '—'} | "
-            f"{r['source']} |"
+            f"{_f(r.get('stated'))} | {r['source']} |"
         )
         for v, e in r.get("probe_failed", {}).items():
-            out.append(f"| {lib} | (not in range: {v}) | — | — | — | probe: {_f(e)} |")
+            out.append(f"| {lib} | (not in range: {v}) | — | — | — | — | probe: {_f(e)} |")
     out += [
         "",
         "| library | version | in range | case | kind | verdict | expected | findings | "
@@ -541,10 +588,14 @@ def table(head: dict, rows: list[dict], envs: list[dict]) -> str:
             )
             + " |"
         )
-    n_ok = sum(r["status"] == "as expected" for r in rows)
+    counts = {
+        k: sum(r["status"] == k for r in rows) for k in dict.fromkeys(r["status"] for r in rows)
+    }
+    n_ok = counts.pop("as expected", 0)
+    more = "".join(f", {n} {k}" for k, n in counts.items())
     out += [
         "",
-        f"{n_ok} of {len(rows)} rows as expected.",
+        f"{n_ok} of {len(rows)} rows as expected{more}.",
         "",
         "Environments (an overlay per release over the project's environment: the release, "
         "`--no-deps`, plus the releases of its own requirements the project's environment "
@@ -567,7 +618,9 @@ def table(head: dict, rows: list[dict], envs: list[dict]) -> str:
         "**Columns.** verdict: the library audit's verdict for the case (the library table's "
         "cases and rule for the expected verdict: `pass` for a correct case, `fail` for a "
         "misuse); findings: the codes of the audit's findings; status: `as expected`, "
-        "`not as expected`, `error` (the case raised: its last line in the error column) or "
+        "`not as expected`, `refused` (the case raised an error naming the release, which "
+        "is outside the range the audit states), `error` (the case raised: its last line in "
+        "the error column, with the last frame in the project's code) or "
         "`not isolated` (the child did not import the release under test); for a release "
         "below the range, `as expected` means the case raised an error naming the installed "
         "version. s: the case's seconds (training and audit), the first case of a release "
@@ -620,6 +673,11 @@ def plan(lib: str, available: list[str], work: Path, probe_log: dict) -> tuple[d
         first = first or spec["last"]
     rel = releases(available, first, spec["last"])
     picked = pick(rel)
+    text, spec_stated = stated(lib)
+    # the oldest release the audit states, where it is not one of the three
+    own = [v for v in rel if in_stated(v, spec_stated)]
+    if own and own[0] not in picked:
+        picked = sorted([*picked, own[0]], key=_v)
     under = max(failed, key=_v) if failed else below(available, first)
     rng = {
         "first": first,
@@ -628,6 +686,8 @@ def plan(lib: str, available: list[str], work: Path, probe_log: dict) -> tuple[d
         "picked": picked,
         "below": under,
         "probe_failed": failed,
+        "stated": text,
+        "stated_spec": spec_stated,
     }
     runs = ([(under, False)] if under else []) + [(v, True) for v in picked]
     return rng, runs
@@ -694,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
                 # out of range: the first case shows the refusal
                 res = run_cases(lib, cases if ranged else cases[:1], ov)
                 for c in res["cases"]:
-                    rows.append(row(lib, v, ranged, res["head"], c, ov))
+                    rows.append(row(lib, v, ranged, res["head"], c, ov, rng["stated_spec"]))
                     r = rows[-1]
                     print(
                         f"    {r['case']:24s} {_f(r['verdict']):10s} expected "

@@ -57,6 +57,14 @@ def test_rows_status_and_table():
         "opacus", "1.3.0", False, head, {"case": "x", "error": "E: needs 1.4; 1.3.0"}, Path("/w/o")
     )
     assert out["status"] == "as expected" and out["expected"].startswith("clear error")
+    spec = V.parse_stated("flwr >= 1.20, < 1.43 (1.20 … 1.42; the Message API from 1.21)")
+    assert spec == "<1.43,>=1.20" and V.in_stated("1.42.0", spec) and not V.in_stated("1.8.0", spec)
+    assert V.in_stated("1.8.0", None) is None and V.parse_stated("nonsense ((") is None
+    c = {"case": "x", "kind": "correct", "error": "RuntimeError: supports flwr >= 1.20; 1.8.0"}
+    refused = V.row(
+        "flwr", "1.8.0", True, {**head, "module_version": "1.8.0"}, c, Path("/w/o"), spec
+    )
+    assert refused["status"] == "refused" and refused["in_stated_range"] is False
     vague = V.row(
         "opacus", "1.3.0", False, head, {"case": "x", "error": "E: no module"}, Path("/w/o")
     )
@@ -89,7 +97,7 @@ def test_rows_status_and_table():
         for s in lines
     )
     assert "ModuleNotFoundError: x (`a.py:3`)" in md and "**error**" in md
-    assert "2 of 3 rows as expected." in md
+    assert "2 of 3 rows as expected, 1 error." in md
     rows = [s for s in lines if " | yes | " in s or " | **no** | " in s]
     assert len(rows) == 3 and len({s.count(" | ") for s in rows}) == 1  # one column count
 
