@@ -145,7 +145,7 @@ class CanaryModel(nn.Module):
         if t is None or t.numel() != n:
             return None
         self.canary.term = None
-        self.terms_used += 1
+        self.terms_used += bool(self.training and torch.is_grad_enabled())
         return t
 
 

@@ -109,19 +109,24 @@ def audit_run(rec, claim, *, alpha: float, permutations: int, seed) -> dict:
     sigma = float(np.min(run["noise_multiplier"]))  # the least noise: the largest ε
     q = float(np.max(run["sample_rate"]))
     if twice:
-        # Opacus counted the re-read batch as a second iteration and accounts k·q: the
-        # mechanism's q is the loader's (1/len(loader)); what happened is named here
-        q = 1.0 / rec.loader_len
+        acct = (
+            f"counted {iters} iterations (its accountant's q = "
+            f"{float(np.max(run['sample_rate'])):.4g}, {iters}× the loader's)"
+            if iters > 1
+            else "counted one iteration (the q is right, the sensitivity 2·C is not)"
+        )
+        if iters > 1:
+            # the mechanism's q is the loader's (1/len(loader)); Opacus accounted k·q
+            q = 1.0 / rec.loader_len
         findings.append(
             _finding(
                 "forward_run_twice",
                 f"in {twice} of {T} noised steps a forward read the step's batch again and "
                 "its backward was kept (e.g. optimizer.step(closure) after a forward and "
-                "backward of the same batch): Opacus summed the batch's clipped gradients "
-                f"twice (a record adds up to 2·C, the noise is for C) and counted {iters} "
-                f"iterations (its accountant's q = {float(np.max(run['sample_rate'])):.4g}, "
-                f"{iters}× the loader's). Zero the gradients inside the closure, or call "
-                "step() without a closure",
+                "backward of the same batch, or a physical batch yielded twice): Opacus "
+                "summed the batch's clipped gradients twice (a record adds up to 2·C, the "
+                f"noise is for C) and {acct}. Zero the gradients inside a closure, or call "
+                "step() without one",
             )
         )
     elif repeated:
