@@ -59,7 +59,7 @@ a release without noise (``noise_absent``) are findings with ε = ∞, never an 
 the untested parts (adaptive clipping: the clipped-count release's noise is not observed),
 ``fail`` (exit 1) on an error finding.
 
-**Versions.** flwr 1.20 (2025-07) … 1.42: the legacy API from 1.20, the Message API from
+**Versions.** flwr 1.20 (mid-2025) … 1.42: the legacy API from 1.20, the Message API from
 1.21 (:mod:`audit.libraries.flower.compat` says what differs); an older flwr is one
 ``RuntimeError`` line naming it and the range (:data:`SUPPORTED`).
 

@@ -3,7 +3,7 @@ supported releases, the modules each release has, the two Flower internals an in
 needs (the task identity a ``Message`` reads, the grid client proxy of the legacy API) and
 the classification of a strategy and its mods.
 
-**Supported releases** (:data:`SUPPORTED`): flwr 1.20 (2025-07) … 1.42, read from their
+**Supported releases** (:data:`SUPPORTED`): flwr 1.20 (mid-2025) … 1.42, read from their
 sources. What differs between them and is handled here:
 
 * the legacy API (``flwr.server.strategy``'s four DP wrappers, ``flwr.client.mod``'s
