@@ -69,7 +69,7 @@ EXPECT = {
     ),
     "5. Audit a training done elsewhere [1]": (
         [
-            r"^verdict: (ok|does not implement its claim|leaks more than claimed)$",
+            r"^verdict: (ok|incomplete|does not implement its claim|leaks more than claimed)$",
             r"^certified ε lower bound: \d\S* claimed: 4\.0$",
             r"^noise conforms to the claim: (True|False)$",
         ],
