@@ -198,3 +198,18 @@ def test_a_closure_that_zeroes_the_gradients_first_is_named_but_harmless():
     assert res["verdict"] == "pass", res["findings"]
     warned = [f for f in res["findings"] if f["code"] == "forward_run_twice"]
     assert warned and warned[0]["severity"] == "warning"
+
+
+def test_a_release_nan_at_every_step_is_a_finding_with_nothing_else_claimed(monkeypatch):
+    def nan_noise(self):
+        for p in self.params:
+            p.grad = torch.full_like(p.summed_grad, float("nan")).view_as(p)
+
+    monkeypatch.setattr(DPOptimizer, "add_noise", nan_noise)
+    audit, pe, q = _train(steps=6)
+    res = audit.audit(_claim(audit, q), permutations=99, seed=0)
+    assert res["verdict"] == "fail" and _codes(res) == {"release_nonfinite"}
+    assert res["implied_epsilon"] == math.inf
+    # no finite step: no test ran, and the coverage says why
+    assert res["conformance"]["tests"] == [] and "noise" in res["coverage"]["untested"]
+    assert any(u.startswith("noise untested: 0 finite") for u in res["untested"])
