@@ -19,7 +19,10 @@ the causal-LM runs' perplexities and the client-level attack
 (:mod:`audit.report.lm`, only when a run has them), empirical privacy (the attacks' ε
 estimates and the canaries' certified bound vs the claimed ε), the papers' claims check (claim,
 setting, measured value, verdict, the figure behind it), environment, and the exact
-commands to reproduce every run.
+commands to reproduce every run. DP libraries' audits (``--library-audit``) follow the
+verdict table; given alone, the Verdict section is their verdicts per library (pass /
+incomplete / fail, :func:`audit.report.libraries.library_overview`) instead of a
+*missing* note.
 """
 
 from __future__ import annotations
