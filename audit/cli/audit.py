@@ -169,7 +169,8 @@ def register(sub) -> None:
         help="a folder (or file) of DP libraries' audits (audit.libraries: per-run JSON "
         "written by audit.libraries.results.save_result, or the benchmark's results.json, "
         "e.g. benchmarks/results/libraries); shown in a 'Library audits' section after the "
-        "verdict and counted in the headline; repeatable",
+        "verdict and counted in the headline (pass / incomplete / fail); given without run "
+        "directories the report opens on their verdicts; repeatable",
     )
     r.add_argument(
         "--analyses", metavar="DIR", help="folder with analysis results (NAME/NAME.json + figures)"
