@@ -81,6 +81,14 @@ def test_fewer_replies_than_sampled_under_the_message_api_is_under_noising():
     assert res["recomputed_epsilon"] > res["claimed_epsilon"]
 
 
+def test_a_run_whose_every_round_failed_is_incomplete_not_an_exception():
+    res = _audit("legacy_server_fixed", [(1, None, "raise"), (2, None, "timeout")], rounds=2)
+    assert res["verdict"] == "incomplete" and res["exit_code"] == EXIT_INCOMPLETE
+    assert res["coverage"]["untested"] == ["sampling", "clipping", "noise"]
+    assert res["recomputed_epsilon"] == 0.0 and res["conformance"]["tests"] == []
+    assert _codes(res) == {"client_failures": "warning", "fewer_rounds_than_claimed": "warning"}
+
+
 def test_with_flowers_accountant_a_short_round_is_skipped_not_under_noised():
     res = _audit("message_server_fixed", [ClientFailure(2, None, "timeout")])
     assert "fewer_replies_than_sampled" not in _codes(res)

@@ -52,6 +52,15 @@ def audit_central(run, recs, c, alpha, permutations, seed, findings: list) -> di
     s = run.strategy
     untested: list[str] = []
     cov = Coverage().add("accounting", "claim check (ε recomputed for the mechanism that ran)")
+    if not recs:  # every round skipped (failures): nothing released, nothing to test
+        check_rounds(c, 0, run.rounds, findings)
+        why = "no round was released (Flower skipped every one)"
+        for part in ("sampling", "clipping", "noise"):
+            cov.skip(part, why)
+        mech = {"api": run.api, "rounds": 0, "steps": 0, "rounds_configured": run.rounds}
+        return result(run, c, mech, findings, untested, None, None, cov, why_no_tests=why,
+                      **_eps(0.0, "nothing released", {"epsilon_pld": 0.0}, None, None,
+                             0.0, None, None))  # fmt: skip
     M, K = run.canaries.m, run.k
     pool = K + M
     m = int(s.num_sampled_clients)
