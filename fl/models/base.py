@@ -33,6 +33,22 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 MODELS = ("minilm", "tiny-bert", "tiny-gpt2")
 DEFAULT_TARGETS = {"bert": ["query", "value"], "gpt2": ["c_attn"]}
 HEAD_NAMES = {"bert": "classifier", "gpt2": "score"}
+#: where Hugging Face's sequence classifiers keep their head (peft's SEQ_CLS
+#: ``modules_to_save``): BERT/RoBERTa ``classifier``; GPT-2, Llama, Qwen2, Mistral ``score``
+HEAD_ATTRS = ("classifier", "score")
+
+
+def head_module(net: torch.nn.Module) -> torch.nn.Module:
+    """The classification head of a sequence classifier: its ``classifier`` or ``score``
+    module (the last Linear of a RoBERTa-style head, ``out_proj``)."""
+    for name in HEAD_ATTRS:
+        head = getattr(net, name, None)
+        if isinstance(head, torch.nn.Module):
+            return getattr(head, "out_proj", head)
+    raise UsageError(
+        f"cannot find the classification head of {type(net).__name__} "
+        f"(looked for {', '.join(HEAD_ATTRS)})"
+    )
 
 
 def minilm_path() -> str:
@@ -113,6 +129,19 @@ def default_lm_targets(net: torch.nn.Module) -> list[str]:
     )
 
 
+def default_classifier_targets(net: torch.nn.Module) -> list[str]:
+    """LoRA targets of a sequence classifier: BERT's ``query``/``value`` (also RoBERTa and
+    other BERT-family encoders), GPT-2's ``c_attn``, else those of the decoder's causal-LM
+    layout (``q_proj``/``v_proj`` for Llama, Qwen2, Mistral: :func:`default_lm_targets`)."""
+    mtype = getattr(net.config, "model_type", "")
+    if mtype in DEFAULT_TARGETS:
+        return list(DEFAULT_TARGETS[mtype])
+    leaves = {n.rsplit(".", 1)[-1] for n, _ in net.named_modules()}
+    if {"query", "value"} <= leaves:
+        return ["query", "value"]
+    return default_lm_targets(net)
+
+
 def model_folder(model: str) -> str | None:
     """The local folder of a model name (None for the random-init tiny models)."""
     if model in ("tiny-bert", "tiny-gpt2"):
@@ -188,8 +217,7 @@ def load_base_model(
     if getattr(net.config, "pad_token_id", None) is None:
         net.config.pad_token_id = 0
     if head_init == "zero":
-        head = getattr(net, HEAD_NAMES.get(fam, "classifier"))
-        head = getattr(head, "out_proj", head)  # RoBERTa-style heads end in out_proj
+        head = head_module(net)
         with torch.no_grad():
             head.weight.zero_()
             if head.bias is not None:
@@ -246,7 +274,7 @@ def wrap_lora(net: torch.nn.Module, spec: LoraSpec, seed: int = 0):
     elif causal:
         targets = default_lm_targets(net)
     else:
-        targets = DEFAULT_TARGETS[fam]
+        targets = default_classifier_targets(net)
     # peft's rule for a list of targets: a module matches a target when its name equals
     # it or ends with "." + target, so "query" names every layer's query and
     # "layer.5.attention.self.query" only the last layer's.
