@@ -61,6 +61,9 @@ class Preset:
     #: tasks of one torch thread each (on 2 cores two one-thread runs finish sooner than
     #: two two-thread runs in turn)
     train_workers: int = 1
+    #: the neighbours every DP run is replayed on after its training (#47; only the
+    #: neighbour's client retrained: audit.replay.engine.replay_recorded); () for none
+    replay: tuple = ("remove", "max-length")
 
 
 PRESETS: dict[str, Preset] = {
@@ -108,16 +111,45 @@ ANALYSES = ("amplification", "exactness", "hetero", "refactorization", "claims")
 JOB_LOG = "job.log"
 
 
+#: where the job writes a DP run's neighbour replay (operator-side, beside attacks/)
+REPLAY_FILE = Path("audit") / "neighbour_replay.json"
+
+
 def train_run(task: tuple) -> dict:
-    """One training run of the job, ``(config dict, run directory, quiet)``: a Ray task
-    when the preset trains runs at once. Returns the run's accuracy and ε."""
+    """One training run of the job, ``(config dict, run directory, quiet, replay kinds)``:
+    a Ray task when the preset trains runs at once. A DP run is trained with its releases
+    recorded and then replayed on neighbours, only the neighbour's client retrained
+    (:func:`audit.replay.engine.replay_recorded`), into ``RUN/audit/neighbour_replay.json``.
+    Returns the run's accuracy and ε (and the replay's verdict)."""
     from fl.run.engine import train
 
-    cfg, out, quiet = task
-    m = train(TrainConfig.from_dict(cfg), out, quiet=quiet)
+    cfg, out, quiet, *rest = task
+    kinds = rest[0] if rest else None
+    config = TrainConfig.from_dict(cfg)
+    if not kinds or config.dp_level == "none":
+        m = train(config, out, quiet=quiet)
+        return {
+            "accuracy": m["metrics"]["final"].get("accuracy"),
+            "epsilon": m["privacy"]["epsilon"]["pld"],
+        }
+    from audit.replay.engine import replay_recorded, summary_line
+    from audit.replay.record import Recorder
+    from fl.privacy.tap import tapped
+
+    rec = Recorder()
+    rec.keep_deliveries = True
+    with tapped(rec):
+        m = train(config, out, quiet=quiet)
+    t0 = time.time()
+    res = replay_recorded(config, Path(out), rec, kinds=tuple(kinds))
+    res["seconds_total"] = round(time.time() - t0, 2)
+    path = Path(out) / REPLAY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2, default=str))
     return {
         "accuracy": m["metrics"]["final"].get("accuracy"),
         "epsilon": m["privacy"]["epsilon"]["pld"],
+        "replay": summary_line(res),
     }
 
 
@@ -168,7 +200,8 @@ def run_job(
             + (" (queued)" if i > slots else "")
         )
         # quiet: the job reports each run's rounds itself (pipeline.progress)
-        tasks.append((cfg.to_dict(), str(outp / "runs" / name), True))
+        kinds = spec.replay if cfg.dp_level != "none" else None
+        tasks.append((cfg.to_dict(), str(outp / "runs" / name), True, kinds))
     outcomes = {}
     progress_log = Progress(
         [(name, t[1], t[0]["rounds"]) for (name, _, _), t in zip(todo, tasks)],

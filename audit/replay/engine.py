@@ -148,26 +148,10 @@ def _typical_row(rec: Recorder, client: str, n: int) -> int:
     return int(np.argmax(counts))
 
 
-def replay_neighbours(
-    run: Path,
-    key_path: Path | None = None,
-    kinds: str | tuple | None = None,
-    log: Callable[[str], None] | None = None,
-    work: Path | None = None,
-) -> dict:
-    """Replay ``run`` on D and on each neighbour of ``kinds`` (module doc). Returns
-    ``{"performed", "verdict" ("pass" | "fail"), "neighbours": [per neighbour: the
-    neighbour, the comparison, the differing public fields, an exception], "findings":
-    [{"code", "severity", "message"}], "releases", "seconds" (D, each neighbour),
-    "held_fixed"}``."""
+def _config_and_key(run: Path, key_path):
     from fl.privacy.rng import NoiseKey
-    from fl.privacy.tap import tapped
     from fl.run.config import TrainConfig
-    from fl.run.engine import Engine
 
-    run = Path(run)
-    say = log or (lambda s: None)
-    kinds = parse_kinds(kinds) if not isinstance(kinds, tuple) else kinds
     m = read_json(run / "manifest.json")
     cfg_dict = (
         read_json(run / "config.json") if (run / "config.json").is_file() else m.get("config")
@@ -187,56 +171,124 @@ def replay_neighbours(
                 "give it with --key)"
             )
         key = NoiseKey.read(key_path)
-    findings: list[dict] = []
-    rec = Recorder()
-    tmp = tempfile.TemporaryDirectory(prefix="fedlora-replay-", dir=work)
-    root = Path(tmp.name)
-    seconds = {}
+    return cfg, key
+
+
+def _train_pass(cfg, out: Path, key, rec, hook=None) -> tuple[object, str | None]:
+    """One training of the replay under ``rec``, dropout off: (the engine, the exception
+    it raised or None)."""
+    from fl.privacy.tap import tapped
+    from fl.run.engine import Engine
+
+    eng = Engine(cfg, out, quiet=True, noise_key=key)
+    eng.neighbour = hook
     try:
-        t0 = time.time()
-        say("replay: training on D (the run's data) with the releases recorded")
-        eng = Engine(cfg, root / "D", quiet=True, noise_key=key)
         eng.setup()
-        dropped = _no_dropout(eng.trainer.model)
+        eng.dropout_layers_off = _no_dropout(eng.trainer.model)
         with tapped(rec):
             eng.run()
-        seconds["D"] = round(time.time() - t0, 2)
-        view_d = _release_view(root / "D")
-        classification = cfg.task == "classification"
-        nbs = engine_neighbours(kinds, dict(eng.public_sizes), classification, cfg.dp_level)
-        results = []
-        for i, nb in enumerate(nbs):
-            t0 = time.time()
-            state = {"row": _typical_row(rec, nb.client, eng.public_sizes[nb.client])}
-            say(f"replay: neighbour {i + 1}/{len(nbs)}: {nb.describe()}")
-            rec.start_replay(_mask_map(nb, state))
-            e2 = Engine(cfg, root / f"N{i}", quiet=True, noise_key=key)
-            e2.neighbour = _hook(nb, state, cfg.max_length)
-            error = None
-            try:
-                e2.setup()
-                _no_dropout(e2.trainer.model)
-                with tapped(rec):
-                    e2.run()
-            except Exception as exc:  # an exception on D′ is itself a release
-                error = f"{type(exc).__name__}: {exc}"
-            cmp = rec.compare(factor=nb.factor)
-            diffs: list[str] = []
-            if error is None and rec.releases:  # with nothing frozen, every output moves
-                _diff(view_d, _release_view(root / f"N{i}"), "release", diffs)
-            seconds[f"N{i}"] = round(time.time() - t0, 2)
-            results.append(
-                {
-                    "neighbour": nb.to_dict(),
-                    "row": state["row"],
-                    "comparison": cmp,
-                    "public_diffs": diffs,
-                    "exception": error,
-                }
-            )
-            findings += _findings(nb, cmp, diffs, error)
-    finally:
-        tmp.cleanup()
+    except Exception as exc:  # an exception on D′ is itself a release
+        return eng, f"{type(exc).__name__}: {exc}"
+    return eng, None
+
+
+def replay_neighbours(
+    run: Path,
+    key_path: Path | None = None,
+    kinds: str | tuple | None = None,
+    log: Callable[[str], None] | None = None,
+    work: Path | None = None,
+) -> dict:
+    """Replay ``run`` on D and on each neighbour of ``kinds``, every client retrained
+    (module doc). Returns ``{"performed", "verdict" ("pass" | "fail" | "incomplete"),
+    "mode" ("full"), "neighbours": [per neighbour: the neighbour, the comparison, the
+    differing public fields, an exception], "findings": [{"code", "severity",
+    "message"}], "releases", "seconds" (D, each neighbour), "held_fixed"}``."""
+    run = Path(run)
+    say = log or (lambda s: None)
+    kinds = parse_kinds(kinds) if not isinstance(kinds, tuple) else kinds
+    cfg, key = _config_and_key(run, key_path)
+    rec = Recorder()
+    with tempfile.TemporaryDirectory(prefix="fedlora-replay-", dir=work) as tmp:
+        root = Path(tmp)
+        t0 = time.time()
+        say("replay: training on D (the run's data) with the releases recorded")
+        eng, err = _train_pass(cfg, root / "D", key, rec)
+        if err:
+            raise UsageError(f"replay of {run} on its own data failed: {err}")
+        seconds = {"D": round(time.time() - t0, 2)}
+        return _neighbour_passes(
+            cfg,
+            key,
+            rec,
+            eng,
+            kinds,
+            root,
+            say,
+            seconds,
+            local=False,
+            view_d=_release_view(root / "D"),
+        )
+
+
+def replay_recorded(cfg, run: Path, rec, kinds=None, log=None, work: Path | None = None) -> dict:
+    """The job's replay, right after a training recorded by ``rec`` (made with
+    ``keep_deliveries``): per neighbour only its client is retrained (the others'
+    recorded replies are handed back), first on D, dropout off (the reference q(D)),
+    then on D′. A bug that carries one client's data into another client's training is
+    seen only by :func:`replay_neighbours`, which retrains every client."""
+    say = log or (lambda s: None)
+    kinds = parse_kinds(kinds) if not isinstance(kinds, tuple) else kinds
+    cfg = type(cfg).from_dict(cfg.to_dict())
+    cfg.device, cfg.progress = "cpu", False
+    _, key = (None, None) if cfg.insecure_deterministic_noise else _config_and_key(run, None)
+    with tempfile.TemporaryDirectory(prefix="fedlora-replay-", dir=work) as tmp:
+        from fl.run.engine import Engine
+
+        probe = Engine(cfg, Path(tmp) / "probe", quiet=True, noise_key=key)
+        probe.setup()
+        return _neighbour_passes(cfg, key, rec, probe, kinds, Path(tmp), say, {}, local=True)
+
+
+def _neighbour_passes(cfg, key, rec, eng, kinds, root, say, seconds, local, view_d=None) -> dict:
+    nbs = engine_neighbours(
+        kinds, dict(eng.public_sizes), cfg.task == "classification", cfg.dp_level
+    )
+    findings: list[dict] = []
+    results = []
+    refs: dict[str, dict] = {}
+    for i, nb in enumerate(nbs):
+        t0 = time.time()
+        if local and nb.client not in refs:
+            # the reference q(D) of this client's releases: D itself, dropout off, on the
+            # recorded trajectory
+            rec.start_replay(None, local=nb.client)
+            _, err = _train_pass(cfg, root / f"ref{nb.client}", key, rec)
+            cmp = rec.compare()
+            if err or cmp["divergence"]:
+                raise UsageError(f"the replay on D itself diverged: {err or cmp['divergence']}")
+            rec.adopt_reference()
+            refs[nb.client] = _release_view(root / f"ref{nb.client}")
+        base_view = refs[nb.client] if local else view_d
+        state = {"row": _typical_row(rec, nb.client, eng.public_sizes[nb.client])}
+        say(f"replay: neighbour {i + 1}/{len(nbs)}: {nb.describe()}")
+        rec.start_replay(_mask_map(nb, state), local=nb.client if local else None)
+        _, error = _train_pass(cfg, root / f"N{i}", key, rec, _hook(nb, state, cfg.max_length))
+        cmp = rec.compare(factor=nb.factor)
+        diffs: list[str] = []
+        if error is None and cmp["releases"]:  # with nothing frozen, every output moves
+            _diff(base_view, _release_view(root / f"N{i}"), "release", diffs)
+        seconds[f"N{i}"] = round(time.time() - t0, 2)
+        results.append(
+            {
+                "neighbour": nb.to_dict(),
+                "row": state["row"],
+                "comparison": cmp,
+                "public_diffs": diffs,
+                "exception": error,
+            }
+        )
+        findings += _findings(nb, cmp, diffs, error)
     if not rec.releases:
         # never a pass: nothing was compared (an incomplete replay, not a finding against
         # the run: its releases are made where the tap does not reach)
@@ -252,18 +304,24 @@ def replay_neighbours(
     if any(f["severity"] == "error" for f in findings):
         verdict = "fail"
     else:
-        verdict = "pass" if rec.releases else "incomplete"
+        verdict = "pass" if rec.releases and results else "incomplete"
     return {
         "performed": True,
         "verdict": verdict,
+        "mode": "client-local" if local else "full",
         "releases": len(rec.releases),
         "neighbours": results,
         "findings": findings,
         "seconds": seconds,
         "held_fixed": {
             "public_sizes": "each client's n_k (disclosed; q = B/n_k is computed from it)",
-            "dropout": f"off in every replayed training ({dropped} dropout layers)",
-        },
+            "dropout": "off in every replayed training",
+        }
+        | (
+            {"other_clients": "only the neighbour's client retrained; the others' recorded replies"}
+            if local
+            else {}
+        ),
     }
 
 

@@ -86,6 +86,12 @@ class Recorder(Tap):
         self.divergence: str | None = None
         self.extra_releases = 0
         self.mask_map = None  # replay: callable(scope, masks_D, n) -> masks for D′
+        #: record: each client's delivery per (round, stage, client) (kept only when
+        #: ``keep_deliveries``); replay with ``local`` set: the other clients' are handed back
+        self.keep_deliveries = False
+        self.deliveries: dict[tuple, object] = {}
+        self.local: str | None = None
+        self._expected: list[Release] = []
 
     # ---- the tap -----------------------------------------------------------------------
     def release(self, kind, value, noise, sensitivity, part=""):
@@ -106,12 +112,13 @@ class Recorder(Tap):
         if self.divergence is None:
             rel = self._group
             if rel is None or part in rel.neighbour or part not in rel.value:
-                rel = self.releases[self._cursor] if self._cursor < len(self.releases) else None
+                exp = self._expected
+                rel = exp[self._cursor] if self._cursor < len(exp) else None
                 self._cursor += 1
                 self._group = rel
             if rel is None:
                 self.divergence = (
-                    f"the run on D′ made more releases than on D ({len(self.releases)}); the "
+                    f"the run on D′ made more releases than on D ({len(self._expected)}); the "
                     f"first extra one: {kind} at {scope or 'top level'}"
                 )
             elif rel.kind != kind or rel.scope != scope or part not in rel.value:
@@ -144,10 +151,29 @@ class Recorder(Tap):
             return masks
         return self.mask_map(dict(scope), recorded, n)
 
+    def deliver(self, cid, stage, run):
+        key = (dict(current_scope()).get("round"), stage, str(cid))
+        if self.mode == "record":
+            out = run()
+            if self.keep_deliveries:
+                import copy
+
+                self.deliveries[key] = copy.deepcopy(out)
+            return out
+        if self.local is not None and str(cid) != self.local and key in self.deliveries:
+            import copy
+
+            return copy.deepcopy(self.deliveries[key])  # its data is D's: its recorded reply
+        return run()
+
     # ---- replay ----------------------------------------------------------------------
-    def start_replay(self, mask_map=None) -> None:
+    def start_replay(self, mask_map=None, local: str | None = None) -> None:
         """Replay the recorded run on a neighbour next: ``mask_map(scope, masks_D, n′)``
-        gives the frozen batches of D′ for a local training (None: as drawn)."""
+        gives the frozen batches of D′ for a local training (None: as drawn). ``local``:
+        retrain only this client (the others' recorded deliveries are handed back, their
+        releases are not expected); needs a recording made with ``keep_deliveries``."""
+        if local is not None and not self.deliveries:
+            raise ValueError("a client-local replay needs deliveries recorded (keep_deliveries)")
         self.mode = "replay"
         self._cursor = 0
         self._group = None
@@ -155,8 +181,24 @@ class Recorder(Tap):
         self.divergence = None
         self.extra_releases = 0
         self.mask_map = mask_map
+        self.local = None if local is None else str(local)
+        self._expected = [
+            r
+            for r in self.releases
+            if self.local is None or str(r.scope.get("client", self.local)) == self.local
+        ]
         for rel in self.releases:
             rel.neighbour = {}
+
+    def adopt_reference(self) -> int:
+        """After a replay on D itself (dropout off, say): its values become q(D) of the
+        releases it reached, which are then the only ones compared. Returns how many."""
+        n = 0
+        for rel in self.releases:
+            if rel.neighbour and set(rel.neighbour) == set(rel.value):
+                rel.value, rel.neighbour = rel.neighbour, {}
+                n += 1
+        return n
 
     def compare(self, factor: float = 1.0, limit: int = 5) -> dict:
         """The replay's verdict against the recording (module doc), each release held to
@@ -187,20 +229,20 @@ class Recorder(Tap):
                         "nonfinite": not math.isfinite(d),
                     }
                 )
-        missing = self._cursor < len(self.releases) and self.divergence is None
+        missing = self._cursor < len(self._expected) and self.divergence is None
         divergence = self.divergence
         if missing:
             divergence = (
-                f"the run on D′ made {self._cursor} of the {len(self.releases)} releases of "
+                f"the run on D′ made {self._cursor} of the {len(self._expected)} releases of "
                 "the run on D: the number of releases depends on the data"
             )
         return {
-            "releases": len(self.releases),
+            "releases": len(self._expected),
             "compared": compared,
             "violations": violations[:limit],
             "n_violations": len(violations),
             "max_ratio": worst if compared else None,
             "divergence": divergence,
-            "empty": not self.releases,
-            "passed": bool(self.releases) and not violations and divergence is None,
+            "empty": not self._expected,
+            "passed": bool(self._expected) and not violations and divergence is None,
         }

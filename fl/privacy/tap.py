@@ -23,7 +23,16 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["Tap", "active", "tapped", "scope", "release", "batches", "current_scope"]
+__all__ = [
+    "Tap",
+    "active",
+    "tapped",
+    "scope",
+    "release",
+    "batches",
+    "deliver",
+    "current_scope",
+]
 
 _TAP: ContextVar[Tap | None] = ContextVar("fedlora_release_tap", default=None)
 _SCOPE: ContextVar[tuple] = ContextVar("fedlora_release_scope", default=())
@@ -51,6 +60,12 @@ class Tap:
         """The Poisson batches of one local training: ``masks`` (one bool vector per step
         over the rows: the ``n`` examples first, then any sampler-canary rows)."""
         return masks
+
+    def deliver(self, cid: str, stage: str, run):
+        """One client's handling of one stage in process: ``run()`` computes it (the
+        transport's ``Delivery``). A replay may hand back a recorded one instead of
+        retraining a client whose data the neighbour does not change."""
+        return run()
 
 
 def active() -> Tap | None:
@@ -99,3 +114,9 @@ def batches(masks: list[torch.Tensor], n: int) -> list[torch.Tensor]:
     """The local training's Poisson masks, through the installed tap if there is one."""
     tap = _TAP.get()
     return masks if tap is None else tap.batches(masks, n)
+
+
+def deliver(cid: str, stage: str, run):
+    """One client's in-process handling of a stage, through the installed tap if any."""
+    tap = _TAP.get()
+    return run() if tap is None else tap.deliver(cid, stage, run)

@@ -161,20 +161,23 @@ class InProcessTransport:
         handler = getattr(method, f"on_{stage}")
         out: dict[str, Delivery] = {}
         for cid, p in eng.progress(payloads, desc=f"round {rnd.index + 1} {stage}", leave=False):
-            saved = dict(eng.client_states.get(cid, {}))
-            ctx = ClientContext(eng, cid, rnd)
-            try:
-                if faults.get(cid):
-                    raise ClientFailure(faults[cid])
-                reply = dict(handler(ctx, p))
-            except ClientFailure as exc:
-                # The client's state is rolled back (what it trained is not kept); the
-                # DP steps it took still count: its data was touched.
-                eng.client_states[cid] = saved
-                out[cid] = Delivery(None, list(ctx.events), f"{type(exc).__name__}: {exc}")
-                continue
-            reply.setdefault("n", ctx.n)
-            out[cid] = Delivery(reply, list(ctx.events))
+
+            def run(cid=cid, p=p) -> Delivery:
+                saved = dict(eng.client_states.get(cid, {}))
+                ctx = ClientContext(eng, cid, rnd)
+                try:
+                    if faults.get(cid):
+                        raise ClientFailure(faults[cid])
+                    reply = dict(handler(ctx, p))
+                except ClientFailure as exc:
+                    # The client's state is rolled back (what it trained is not kept); the
+                    # DP steps it took still count: its data was touched.
+                    eng.client_states[cid] = saved
+                    return Delivery(None, list(ctx.events), f"{type(exc).__name__}: {exc}")
+                reply.setdefault("n", ctx.n)
+                return Delivery(reply, list(ctx.events))
+
+            out[cid] = tap.deliver(cid, stage, run)  # a replay may hand back a recorded one
         return out
 
 
