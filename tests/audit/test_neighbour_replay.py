@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from audit.replay.engine import replay_neighbours
+from audit.replay.engine import replay_neighbours, replay_recorded
 from audit.replay.neighbours import Neighbour, engine_neighbours, parse_kinds
 from audit.replay.record import Recorder, distance
 from fl.privacy import tap
@@ -31,8 +31,12 @@ def runs(tmp_path_factory):
         "fedpower": {"dp_level": "client", "method": "fedpower"},
     }.items():
         cfg = tiny_config(**{"dp_level": "sample", "noise_multiplier": 1.0, **kw})
-        train(cfg, root / name, quiet=True)
+        rec = Recorder()
+        rec.keep_deliveries = True  # the job's way: recorded while it trains
+        with tap.tapped(rec):
+            train(cfg, root / name, quiet=True)
         out[name] = root / name
+        out[name + ":recorded"] = (cfg, rec)
     return out
 
 
@@ -49,6 +53,21 @@ def test_a_correct_run_passes_every_neighbour_at_its_bound(runs):
         # exactly C (replace-one: up to 2C), so the replay meets its bound with equality
         assert 0.9 < cmp["max_ratio"] <= 1 + 1e-4
         assert r["public_diffs"] == [] and r["exception"] is None
+
+
+def test_the_jobs_client_local_replay_after_a_recorded_training(runs):
+    cfg, rec = runs["correct:recorded"]
+    res = replay_recorded(cfg, runs["correct"], rec, kinds="remove,duplicate,replace")
+    assert res["verdict"] == "pass" and res["mode"] == "client-local", res["findings"]
+    for r in res["neighbours"]:
+        cmp = r["comparison"]
+        # only the neighbour's client retrained: its releases, not the others'
+        assert 0 < cmp["compared"] < res["releases"] and cmp["divergence"] is None
+        assert 0.9 < cmp["max_ratio"] <= 1 + 1e-4 and r["public_diffs"] == []
+    cfg, rec = runs["no_clip:recorded"]
+    bad = replay_recorded(cfg, runs["no_clip"], rec, kinds="remove")
+    assert bad["verdict"] == "fail"
+    assert {f["code"] for f in bad["findings"]} == {"sensitivity_exceeded"}
 
 
 def test_clipping_skipped_is_a_sensitivity_violation(runs):
