@@ -374,3 +374,26 @@ def test_a_run_result_that_says_incomplete_exits_4():
     assert exit_code({"findings": [], "verdict": "incomplete"}) == 4
     assert exit_code({"findings": [err], "verdict": "incomplete"}) == 1
     assert exit_code({"findings": [], "tampered": True, "verdict": "incomplete"}) == 1
+
+
+def test_canary_clients_with_a_nonfinite_round_are_a_finding(tmp_path):
+    """Canary clients: a round whose released update projects to NaN is release_nonfinite
+    (exit 1), the other rounds still scored, never a usage error."""
+    m, d, rounds = 20, 400, 3
+    out = CS.new_canary_set("client", m, tmp_path / "set", clip=0.5, dim=d)
+    cs = CS.load_canary_set(out)
+    rng = np.random.default_rng(0)
+    inner = rng.normal(size=(rounds, m))
+    inner[1, 4] = np.nan
+    obs = OB.write_observations(tmp_path / "obs.npz", dict(
+        kind="client", set_sha256=cs.sha256, inner=inner, norms=np.full(rounds, 3.0),
+        final_inner=rng.normal(size=m), final_norm=2.0, sigma=4.0, clip=0.5,
+        clients_per_round=5))  # fmt: skip
+    claim = dict(level="client", noise_multiplier=4.0, clipping_norm=0.5, sampling="all",
+                 rounds=rounds, clients_per_round=5, total_clients=5, claimed_epsilon=5.0,
+                 delta=1e-5, noise_source="keyed_csprng")  # fmt: skip
+    res = O.audit_outside(out, obs, claim)
+    (f,) = [f for f in res["findings"] if f["code"] == "release_nonfinite"]
+    assert "1 round(s) (first: 1)" in f["message"] and res["observations"]["nonfinite"] == 1
+    assert res["verdict"] == "does not implement its claim" and O.exit_code(res) == 1
+    assert not res["conformance"]["performed"] and np.isfinite(res["epsilon_lb"])
