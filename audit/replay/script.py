@@ -363,8 +363,9 @@ def _restore(snap) -> None:
     torch.set_rng_state(snap[2])
 
 
-def _run(script: Path, argv: list[str], snap) -> tuple[str, str | None]:
-    """Run the script as ``__main__``; (what it printed, the exception or None)."""
+def _run(script, argv: list[str], snap) -> tuple[str, str | None]:
+    """Run the script as ``__main__`` (or call it, when it is a callable); (what it
+    printed, the exception or None)."""
     _restore(snap)
     buf = io.StringIO()
     old_argv = sys.argv
@@ -372,7 +373,10 @@ def _run(script: Path, argv: list[str], snap) -> tuple[str, str | None]:
     err = None
     try:
         with contextlib.redirect_stdout(buf):
-            runpy.run_path(str(script), run_name="__main__")
+            if callable(script):
+                script()
+            else:
+                runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (0, None):
             err = f"SystemExit({exc.code})"
@@ -423,22 +427,25 @@ def _noise_tests(rec, sigma: float | None, clip: float) -> dict:
 
 
 def audit_script(
-    script: str | Path,
+    script: str | Path | Callable[[], object],
     claim=None,
     neighbours: str | tuple | None = None,
     argv: list[str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict:
-    """Audit ``script`` by neighbour replay (module doc). ``claim``: a
+    """Audit ``script`` by neighbour replay (module doc); ``script`` may also be a
+    callable that trains (called once per run, e.g. a benchmark's case). ``claim``: a
     :class:`audit.claims.schema.Claim` (its C is the declared sensitivity; σ, q, steps and
     ε are checked against what ran) or None. Returns ``{"verdict", "exit_code",
     "coverage", "findings", "replay": {...}, "noise", "claim_check", "held_fixed"}``."""
     from audit.replay.record import Recorder
     from fl.privacy.tap import tapped
 
-    script = Path(script)
-    if not script.is_file():
-        raise ValueError(f"{script}: no such script")
+    if not callable(script):
+        script = Path(script)
+        if not script.is_file():
+            raise ValueError(f"{script}: no such script")
+    name = getattr(script, "__name__", None) or Path(str(script)).name
     say = log or (lambda s: None)
     nbs = parse_script_kinds(neighbours) if not isinstance(neighbours, tuple) else neighbours
     global _S
@@ -451,7 +458,7 @@ def audit_script(
     results = []
     t0 = time.time()
     with _patched(), tapped(rec):
-        say(f"audit-script: running {script.name} on its data (D), releases recorded")
+        say(f"audit-script: running {name} on its data (D), releases recorded")
         out_d, err_d = _run(script, argv or [], snap)
         if err_d:
             raise ValueError(f"{script} failed on its own data: {err_d}")
@@ -534,7 +541,7 @@ def audit_script(
     errors = any(f["severity"] == "error" for f in findings)
     verdict, code = decide(errors, cov)
     return {
-        "script": str(script),
+        "script": str(name),
         "verdict": verdict,
         "exit_code": code,
         "coverage": cov.to_dict(),
