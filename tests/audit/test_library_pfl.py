@@ -451,3 +451,16 @@ def test_pfl_versions_are_stated_and_a_newer_one_is_one_warning_line():
     with pytest.warns(RuntimeWarning, match="0.7.0 is newer") as w:
         check_version("0.7.0")
     assert SUPPORTED in str(w[0].message) and "\n" not in str(w[0].message)
+
+
+def test_fewer_rounds_than_claimed_is_a_warning_more_is_an_error(runs):
+    def stopped_early(rounds):
+        del rounds[-3:]
+
+    res = _audit_with_rounds(runs, stopped_early)
+    assert res["findings"][0]["code"] == "fewer_rounds_than_claimed"
+    assert res["findings"][0]["severity"] == "warning"
+    assert res["verdict"] == "pass" and res["run"]["steps"] == ROUNDS - 3
+    audit, claim = runs("full_accountant", sim=True)
+    more = audit.audit({**claim, "rounds": ROUNDS - 3}, permutations=199, seed=0)
+    assert "rounds_mismatch" in _codes(more) and more["verdict"] == "fail"

@@ -343,7 +343,8 @@ class PflAudit:
             "the noise's unpredictability: pfl seeds its noise generators; the tests see the "
             "scale and freshness, not whether the seed can be guessed"
         )
-        verdict, code = decide(len(findings), cov)
+        errors = sum(f.get("severity", "error") == "error" for f in findings)
+        verdict, code = decide(errors, cov)
         if conf is not None:
             findings = findings + conformance_warnings(conf)  # reported, not in the verdict
         return {

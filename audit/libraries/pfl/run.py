@@ -23,8 +23,13 @@ __all__ = [
 REL_TOL = 1e-6
 
 
-def finding(code: str, message: str) -> dict:
-    return {"code": code, "message": message}
+def finding(code: str, message: str, severity: str = "error") -> dict:
+    """A finding (an error unless ``severity`` says otherwise: a warning is reported and
+    does not fail the verdict)."""
+    f = {"code": code, "message": message}
+    if severity != "error":
+        f["severity"] = severity
+    return f
 
 
 def sampling_of(rounds: list[dict], user_ids: list) -> dict:
@@ -147,6 +152,17 @@ def claim_findings(kind: str, c: Claim, run: dict, sigma: float, clip: float) ->
     if c.clipping_norm is not None:
         checks.append(("clipping_norm", c.clipping_norm, clip, "C"))
     for name, claimed, ran, label in checks:
+        if name == "rounds" and claimed is not None and ran < claimed:
+            # the claim covers every release the run made (a run stopped early)
+            out.append(
+                finding(
+                    "fewer_rounds_than_claimed",
+                    f"the run released {ran} of the claim's {claimed} rounds: the claimed ε "
+                    "covers them; the recomputed ε is for the rounds released",
+                    severity="warning",
+                )
+            )
+            continue
         if claimed is None or abs(claimed - ran) > REL_TOL * max(abs(ran), 1e-300):
             out.append(
                 finding(
