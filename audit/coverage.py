@@ -91,15 +91,12 @@ class Coverage:
 
     def untested(self) -> list[str]:
         """The parts no instrument tested (in :data:`PARTS` order)."""
-        return [
-            p for p in PARTS if not self.tested.get(p) and p not in self.not_applicable
-        ]
+        return [p for p in PARTS if not self.tested.get(p) and p not in self.not_applicable]
 
     def describe(self) -> list[str]:
         """One line per untested part: ``"clipping untested: <why>"``."""
         return [
-            f"{p} untested" + (f": {self.why[p]}" if p in self.why else "")
-            for p in self.untested()
+            f"{p} untested" + (f": {self.why[p]}" if p in self.why else "") for p in self.untested()
         ]
 
     def to_dict(self) -> dict:

@@ -12,7 +12,8 @@
    ``fedlora audit --canaries DIR --observations obs.npz --claim claim.toml``,
    printing the certified lower bound on ε next to the claimed ε.
 
-The exit code is the audit's: 0 consistent, 1 leaks more than claimed, 2 bad input.
+The exit code is the audit's: 0 consistent, 1 leaks more than claimed, 2 bad input, 4 incomplete
+(a part of the mechanism untested: here the training's own sampler is not observed).
 Everything runs on the CPU in seconds at the default size (docs/audit.md, "Auditing a
 training done elsewhere").
 """

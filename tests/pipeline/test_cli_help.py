@@ -43,4 +43,4 @@ def test_every_command_is_registered():
         "bench",
         "canaries",
     } <= names
-    assert len(COMMAND_MODULES) == 9 and all(hasattr(m, "register") for m in COMMAND_MODULES)
+    assert len(COMMAND_MODULES) == 10 and all(hasattr(m, "register") for m in COMMAND_MODULES)
