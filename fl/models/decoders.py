@@ -107,10 +107,13 @@ def write_decoder_folder(
     texts: list[str] | None = None,
     seed: int = 0,
     tokenizer=None,
+    model_vocab: int | None = None,
 ) -> dict:
     """Write a random-init ``kind`` causal LM of ``shape`` with a byte-level BPE tokenizer
     of ≤ ``vocab_size`` tokens (trained on ``texts``, or the given ``tokenizer``) to
-    ``out`` (``config.json``, ``model.safetensors``, tokenizer files). Returns
+    ``out`` (``config.json``, ``model.safetensors``, tokenizer files). ``model_vocab``:
+    rows of the embedding (default: the tokenizer's size; more, e.g. Llama-2's 32,000,
+    gives a real model's embedding size, the extra rows unused). Returns
     ``{"path", "kind", "parameters", "vocab_size", "shape"}``."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -121,7 +124,8 @@ def write_decoder_folder(
     hf_logging.disable_progress_bar()
     shape = shape or DecoderShape()
     tok = tokenizer or train_tokenizer(texts or default_texts(), vocab_size)
-    config = decoder_config(kind, shape, len(tok), pad_id=tok.convert_tokens_to_ids(EOT))
+    rows = max(len(tok), model_vocab or 0)
+    config = decoder_config(kind, shape, rows, pad_id=tok.convert_tokens_to_ids(EOT))
     torch.manual_seed(seed)
     net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out = Path(out)
@@ -132,6 +136,6 @@ def write_decoder_folder(
         "path": str(out),
         "kind": kind,
         "parameters": sum(p.numel() for p in net.parameters()),
-        "vocab_size": len(tok),
+        "vocab_size": rows,
         "shape": asdict(shape),
     }

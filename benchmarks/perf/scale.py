@@ -1,0 +1,508 @@
+"""Memory and time of a DP and a non-DP local step as a Llama-architecture model grows
+(issue #48): ``python -m benchmarks.perf.scale [--out DIR] [--widths 256,512,...]``.
+
+Models: one shape family (:func:`fl.models.decoders.decoder_shape`: GQA with 4 query heads
+per key/value head, heads of 64, MLP ≈ 8/3·width, depth = width/64, tied embeddings,
+Llama-2's 32,000-row vocabulary), random weights, each written as a Hugging Face folder
+(safetensors) and loaded by the engine's own path (``LocalTrainer``: ``load_causal_lm``,
+peft LoRA on q_proj/v_proj of every layer, Opacus hooks on the LoRA factors). Data: the
+same synthetic texts for every model, tokenized by one byte-level BPE tokenizer, each
+example filling its ``seq`` tokens (no padding), batch ``batch`` (q = 1: every step takes
+the whole batch, so each step sees exactly batch × seq tokens).
+
+Per (model, LoRA rank, sequence length): seconds per non-DP step and per DP-SGD step
+(the engine's ``DpSgd`` privatizer: per-example gradients, joint clipping, keyed noise),
+interleaved (nodp, dp, dp, nodp, ...; median of ``reps``; one warm-up DP step per LoRA
+set-up), the peak
+resident memory of the process during each kind of step (RSS sampled every 2 ms from
+``/proc/self/statm``) and its rise above the process at rest just before the step, and the bytes of per-example gradients the DP step held (Σ
+``grad_sample.nbytes`` when the privatizer is called; compared with what per-example
+gradients of the whole base model would take).
+
+The fit (:func:`fit_linear`, relative least squares): step time
+``t = a + b·N·T`` (N parameters, T tokens per step) for DP and non-DP steps, and peak
+memory ``M = m0 + m1·N + m2·T·N^(2/3)`` (weights ∝ N, plus activations ∝ tokens × depth ×
+width, which is ∝ T·N^(2/3) in this shape family: :data:`MEMORY_FEATURES`); each fit's in-sample
+relative error and its leave-the-largest-model-out error (fit on the smaller models,
+predict the largest) are reported beside its predictions for 1 B, 7 B and 13 B.
+
+One thread (``torch.set_num_threads(1)``), CPU, fp32. Writes ``results.json``,
+``table.md`` and ``scale.png`` to ``benchmarks/results/scale/`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.paths import RESULTS
+
+OUT = RESULTS / "scale"
+WIDTHS = (256, 512, 1024, 1536)
+RANKS = (8, 64)
+SEQS = (32, 128)
+BATCH = 4
+VOCAB = 32000
+PREDICT = {"1B": 1.0e9, "7B": 6.74e9, "13B": 13.0e9}
+#: the memory fit's features of (N parameters, T tokens per step)
+MEMORY_FEATURES = ("1", "N", "T·N^(2/3)")
+
+
+# ---- the fit (pure numpy; tests/benchmarks/test_scale.py) ----------------------------
+def time_features(n: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Columns [1, N·T] of the step-time model t = a + b·N·T."""
+    n, t = np.asarray(n, float), np.asarray(t, float)
+    return np.stack([np.ones_like(n), n * t], axis=1)
+
+
+def memory_features(n: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Columns [1, N, T·N^(2/3)] of the peak-memory model (weights ∝ N; activations ∝
+    tokens × depth × width, and depth × width ∝ N^(2/3) in this shape family)."""
+    n, t = np.asarray(n, float), np.asarray(t, float)
+    return np.stack([np.ones_like(n), n, t * n ** (2 / 3)], axis=1)
+
+
+def fit_linear(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Coefficients c ≥ 0 minimising Σ_i ((x_i·c − y_i) / y_i)² (relative least squares,
+    so a 10 M and a 600 M model weigh alike); negative coefficients are dropped and the
+    rest refitted (a time or a byte count never shrinks as the model grows)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    keep = np.ones(x.shape[1], bool)
+    while True:
+        w = x[:, keep] / y[:, None]
+        c, *_ = np.linalg.lstsq(w, np.ones_like(y), rcond=None)
+        if (c >= 0).all() or keep.sum() == 1:
+            out = np.zeros(x.shape[1])
+            out[keep] = np.maximum(c, 0)
+            return out
+        idx = np.flatnonzero(keep)
+        keep[idx[np.argmin(c)]] = False
+
+
+def relative_errors(x: np.ndarray, y: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """(x·c − y) / y per row."""
+    return (np.asarray(x, float) @ c - np.asarray(y, float)) / np.asarray(y, float)
+
+
+def fit_report(n, t, y, features) -> dict:
+    """The fit of ``y`` on ``features(n, t)``: coefficients, the in-sample max and RMS
+    relative error, and the error at the largest N when fitted without it."""
+    n, t, y = (np.asarray(v, float) for v in (n, t, y))
+    x = features(n, t)
+    c = fit_linear(x, y)
+    err = relative_errors(x, y, c)
+    big = n == n.max()
+    holdout = None
+    if (~big).sum() >= x.shape[1] and big.any():
+        c_small = fit_linear(x[~big], y[~big])
+        holdout = float(np.max(np.abs(relative_errors(x[big], y[big], c_small))))
+    return {
+        "coef": c.tolist(),
+        "max_rel_error": float(np.max(np.abs(err))),
+        "rms_rel_error": float(np.sqrt(np.mean(err**2))),
+        "holdout_largest_rel_error": holdout,
+    }
+
+
+def predict(fit: dict, features, n: float, t: float) -> float:
+    return float(features(np.array([n]), np.array([t]))[0] @ np.asarray(fit["coef"]))
+
+
+# ---- the table -------------------------------------------------------------------------
+def _bytes(b: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= k:
+            return f"{b / k:.2f} {unit}" if b < 10 * k else f"{b / k:.1f} {unit}"
+    return f"{int(b)} B"
+
+
+def _params(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The measured points as a Markdown table (one row per model × rank × length)."""
+    head = (
+        "| parameters | width × layers | LoRA rank (adapter params) | tokens/step (b × L) | "
+        "s/step non-DP | s/step DP | DP/non-DP | peak RSS non-DP | peak RSS DP | "
+        "step's rise non-DP / DP | per-example grads (DP) | same for the whole base |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        lines.append(
+            f"| {_params(r['parameters'])} | {r['hidden']} × {r['layers']} | "
+            f"{r['rank']} ({r['adapter_parameters']:,}) | {r['tokens']} ({r['batch']} × "
+            f"{r['seq']}) | {r['s_nodp']:.3f} | {r['s_dp']:.3f} | {r['s_dp'] / r['s_nodp']:.2f} | "
+            f"{_bytes(r['rss_nodp'])} | {_bytes(r['rss_dp'])} | "
+            f"{_bytes(r['rss_rise_nodp'])} / {_bytes(r['rss_rise_dp'])} | "
+            f"{_bytes(r['grad_sample_bytes'])} | {_bytes(r['base_grad_sample_bytes'])} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def format_fits(fits: dict, tokens: list[int]) -> str:
+    """The fits and their predictions for :data:`PREDICT` at each measured T."""
+    out = [
+        "| quantity | model | coefficients | max / RMS rel. error (in sample) | "
+        "error at the largest model, fitted without it | "
+        + " | ".join(f"{k} at T={t}" for k in PREDICT for t in tokens)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * (len(PREDICT) * len(tokens)),
+    ]
+    for name, f in fits.items():
+        feats = memory_features if name == "peak_rss" else time_features
+        model = "m0 + m1·N + m2·T·N^(2/3)" if name == "peak_rss" else "a + b·N·T"
+        coef = ", ".join(f"{c:.3g}" for c in f["coef"])
+        hold = f["holdout_largest_rel_error"]
+        preds = []
+        for n in PREDICT.values():
+            for t in tokens:
+                v = predict(f, feats, n, t)
+                preds.append(_bytes(v) if name == "peak_rss" else f"{v:.1f} s")
+        out.append(
+            f"| {name} | {model} | {coef} | {100 * f['max_rel_error']:.1f}% / "
+            f"{100 * f['rms_rel_error']:.1f}% | "
+            f"{'—' if hold is None else f'{100 * hold:.1f}%'} | " + " | ".join(preds) + " |"
+        )
+    return "\n".join(out) + "\n"
+
+
+# ---- measurement ---------------------------------------------------------------------
+class RssPeak:
+    """The peak resident set size of this process while the block runs (sampled every
+    ``period`` s from /proc/self/statm in a thread; torch releases the GIL in its ops)."""
+
+    PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def __init__(self, period: float = 0.002):
+        self.period, self.peak, self._stop = period, 0, threading.Event()
+
+    @classmethod
+    def now(cls) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * cls.PAGE
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(self.period)
+
+    def __enter__(self):
+        self.peak = self.now()
+        self._stop.clear()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.now())
+
+
+@dataclass
+class Point:
+    kind: str
+    hidden: int
+    rank: int
+    seq: int
+
+
+def _texts(n: int, seq: int) -> list[str]:
+    """n texts long enough to fill ``seq`` byte-level BPE tokens (synthetic words)."""
+    from fl.data.datasets import make_synthetic
+
+    base = make_synthetic(max(8 * n, 64)).texts
+    per = max(1, -(-seq // 10))  # a synthetic text is ≥ 10 tokens
+    return [" ".join(base[i * per : (i + 1) * per]) for i in range(n)]
+
+
+def _trainer(folder: str, rank: int, seq: int):
+    import torch
+
+    from fl.run.config import TrainConfig
+    from fl.run.trainer import LocalTrainer
+
+    cfg = TrainConfig(
+        task="causal-lm",
+        model=folder,
+        dataset="synthetic",
+        max_length=seq,
+        batch_size=BATCH,
+        rank=rank,
+        alpha=2.0 * rank,
+        lora_layers=0,
+        progress=False,
+        device="cpu",
+        length_buckets=False,
+    )
+    return LocalTrainer(cfg, 0, torch.device("cpu"))
+
+
+def measure_model(folder: str, info: dict, reps: int, log) -> list[dict]:
+    """Every (rank, seq) point of one model folder."""
+    from benchmarks.perf.dp_overhead import bench_streams
+    from fl.data.lm import LmTokenizedData
+    from fl.models.base import load_tokenizer
+    from fl.privacy.dpsgd import DpSgdParams
+    from fl.run.local_step import DpSgd, NoPrivacy
+
+    held: list[int] = []
+
+    class MeasuredDpSgd(DpSgd):
+        """The engine's privatizer, counting the per-example gradient bytes it is given."""
+
+        def __call__(self, params, batch_size):
+            held.append(
+                sum(
+                    p.grad_sample.nbytes
+                    for p in params
+                    if getattr(p, "grad_sample", None) is not None
+                )
+            )
+            return super().__call__(params, batch_size)
+
+    tok = load_tokenizer(folder)
+    rows = []
+    for rank in RANKS:
+        tr = _trainer(folder, rank, max(SEQS))
+        start = tr.initial_state()
+        params = tr._set_trainable({"A", "B"})
+        adapter = sum(p.numel() for p in params)
+        total = sum(p.numel() for p in tr.model.parameters())
+        for seq in SEQS:
+            data = LmTokenizedData(_texts(BATCH, seq), tok, seq)
+            assert int(data.lengths.min()) == seq, "every example must fill the sequence"
+            noise, batches = bench_streams("scale", info["hidden"], rank, seq)
+            dp = DpSgdParams(noise_multiplier=1.0, clip=1.0, sample_rate=1.0, expected_batch=BATCH)
+
+            def step(private: bool, tr=tr, start=start, data=data, dp=dp, noise=noise, b=batches):
+                priv = MeasuredDpSgd(dp, noise) if private else NoPrivacy()
+                tr.run(start, data, np.arange(BATCH), 1, {"A", "B"}, priv, [], b, 0)
+
+            if seq == SEQS[0]:
+                step(True)  # warm-up, once per trainer (first touch, Opacus hooks)
+            times = {False: [], True: []}
+            peaks = {False: 0, True: 0}
+            rises = {False: 0, True: 0}
+            for i in range(reps):
+                for private in (False, True) if i % 2 == 0 else (True, False):
+                    gc.collect()
+                    with RssPeak() as rp:
+                        rest = RssPeak.now()
+                        t0 = time.perf_counter()
+                        step(private)
+                        times[private].append(time.perf_counter() - t0)
+                    peaks[private] = max(peaks[private], rp.peak)
+                    rises[private] = max(rises[private], rp.peak - rest)
+            row = {
+                "kind": info["kind"],
+                "hidden": info["shape"]["hidden"],
+                "layers": info["shape"]["layers"],
+                "parameters": total,
+                "rank": rank,
+                "adapter_parameters": adapter,
+                "seq": seq,
+                "batch": BATCH,
+                "tokens": BATCH * seq,
+                "s_nodp": float(np.median(times[False])),
+                "s_dp": float(np.median(times[True])),
+                "s_nodp_all": times[False],
+                "s_dp_all": times[True],
+                "rss_nodp": peaks[False],
+                "rss_dp": peaks[True],
+                "rss_rise_nodp": rises[False],
+                "rss_rise_dp": rises[True],
+                "grad_sample_bytes": max(held),
+                "base_grad_sample_bytes": BATCH * (total - adapter) * 4,
+            }
+            held.clear()
+            rows.append(row)
+            log(
+                f"  rank {rank} seq {seq}: non-DP {row['s_nodp']:.3f} s, DP {row['s_dp']:.3f} s "
+                f"(×{row['s_dp'] / row['s_nodp']:.2f}); RSS {_bytes(row['rss_nodp'])} / "
+                f"{_bytes(row['rss_dp'])}; per-example grads {_bytes(row['grad_sample_bytes'])}"
+            )
+        del tr, start, params
+        gc.collect()
+    return rows
+
+
+def fits_of(rows: list[dict]) -> dict:
+    n = [r["parameters"] for r in rows]
+    t = [r["tokens"] for r in rows]
+    return {
+        "s_nodp": fit_report(n, t, [r["s_nodp"] for r in rows], time_features),
+        "s_dp": fit_report(n, t, [r["s_dp"] for r in rows], time_features),
+        "peak_rss": fit_report(n, t, [r["rss_dp"] for r in rows], memory_features),
+    }
+
+
+def figure(rows: list[dict], fits: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.4))
+    nt = np.array([r["parameters"] * r["tokens"] for r in rows], float)
+    grid = np.logspace(np.log10(nt.min() / 2), np.log10(nt.max() * 2), 50)
+    for key, mark, label in (("s_nodp", "o", "non-DP"), ("s_dp", "s", "DP-SGD")):
+        ax[0].scatter(nt, [r[key] for r in rows], marker=mark, label=f"{label} (measured)")
+        a, b = fits[key]["coef"]
+        ax[0].plot(grid, a + b * grid, label=f"{label} fit a + b·N·T")
+    ax[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="parameters × tokens per step",
+        ylabel="seconds per step (1 CPU thread)",
+        title="step time",
+    )
+    ax[0].legend(fontsize=8)
+    n = np.array([r["parameters"] for r in rows], float)
+    for seq in SEQS:
+        sel = [r for r in rows if r["seq"] == seq]
+        ax[1].scatter(
+            [r["parameters"] for r in sel],
+            [r["rss_dp"] / 2**30 for r in sel],
+            label=f"peak RSS, DP step, T={BATCH * seq}",
+        )
+        g = np.logspace(np.log10(n.min() / 2), np.log10(max(PREDICT.values())), 50)
+        ax[1].plot(
+            g,
+            memory_features(g, np.full_like(g, BATCH * seq))
+            @ np.array(fits["peak_rss"]["coef"])
+            / 2**30,
+            "--",
+            label=f"fit, T={BATCH * seq}",
+        )
+    for name, v in PREDICT.items():
+        ax[1].axvline(v, color="grey", lw=0.5)
+        ax[1].text(v, 0.3, name, fontsize=8)
+    ax[1].set(
+        xscale="log",
+        yscale="log",
+        xlabel="parameters N",
+        ylabel="GiB",
+        title="peak resident memory (fp32)",
+    )
+    ax[1].legend(fontsize=8)
+    for rank in RANKS:
+        sel = [r for r in rows if r["rank"] == rank and r["seq"] == max(SEQS)]
+        ax[2].plot(
+            [r["parameters"] for r in sel],
+            [r["grad_sample_bytes"] / 2**20 for r in sel],
+            "o-",
+            label=f"per-example grads held, rank {rank}",
+        )
+    sel = [r for r in rows if r["rank"] == RANKS[0] and r["seq"] == max(SEQS)]
+    ax[2].plot(
+        [r["parameters"] for r in sel],
+        [r["base_grad_sample_bytes"] / 2**20 for r in sel],
+        "k:",
+        label="if the whole base had them",
+    )
+    ax[2].set(
+        xscale="log",
+        yscale="log",
+        xlabel="parameters N",
+        ylabel="MiB",
+        title=f"per-example gradients (batch {BATCH})",
+    )
+    ax[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(rows: list[dict], out: Path, meta: dict) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    fits = fits_of(rows)
+    tokens = sorted({r["tokens"] for r in rows})
+    preds = {
+        name: {
+            k: {
+                str(t): predict(f, memory_features if name == "peak_rss" else time_features, n, t)
+                for t in tokens
+            }
+            for k, n in PREDICT.items()
+        }
+        for name, f in fits.items()
+    }
+    doc = {"meta": meta, "rows": rows, "fits": fits, "predictions": preds}
+    (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+    md = [
+        "# Memory and time as the model grows (`python -m benchmarks.perf.scale`)\n",
+        f"{meta['note']}\n",
+        format_table(rows),
+        "\n## Fits and predictions\n",
+        "N = parameters, T = tokens per step; relative least squares; the predictions "
+        "extrapolate far beyond the measured range (fp32, CPU, one thread) and are only "
+        "as good as the held-out error suggests.\n",
+        format_fits(fits, tokens),
+    ]
+    (out / "table.md").write_text("\n".join(md))
+    figure(rows, fits, out / "scale.png")
+    return doc
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from fl.models.decoders import decoder_shape, write_decoder_folder
+    from fl.models.pretrain import train_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--widths", default=",".join(map(str, WIDTHS)))
+    ap.add_argument("--reps", type=int, default=2, help="timed steps of each kind per point")
+    ap.add_argument("--kind", default="llama", choices=("llama", "qwen2"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    t_all = time.perf_counter()
+    rows = []
+    tok = train_tokenizer(_texts(64, 32), 1024)
+
+    def log(msg):
+        print(f"[scale +{time.perf_counter() - t_all:.0f}s] {msg}", flush=True)
+
+    for width in (int(w) for w in args.widths.split(",")):
+        with tempfile.TemporaryDirectory(prefix="fedlora-scale-") as tmp:
+            shape = decoder_shape(width, context=max(SEQS))
+            info = write_decoder_folder(tmp, args.kind, shape, tokenizer=tok, model_vocab=VOCAB)
+            log(f"{args.kind} width {width}, {shape.layers} layers: {_params(info['parameters'])}")
+            info["hidden"] = width
+            rows += measure_model(tmp, info, args.reps, log)
+        gc.collect()
+    meta = {
+        "note": (
+            f"Measured {time.strftime('%Y-%m-%d', time.gmtime())} on {platform.node()} "
+            f"({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end), one torch "
+            f"thread, fp32, torch {torch.__version__}; {args.kind} shape family "
+            f"(fl.models.decoders.decoder_shape), vocabulary {VOCAB}, batch {BATCH}, LoRA on "
+            f"q_proj/v_proj of every layer, median of {args.reps} interleaved steps after one "
+            f"warm-up; total {time.perf_counter() - t_all:.0f} s."
+        ),
+        "widths": args.widths,
+        "reps": args.reps,
+        "batch": BATCH,
+        "vocab": VOCAB,
+    }
+    write(rows, Path(args.out), meta)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
