@@ -111,10 +111,6 @@ ANALYSES = ("amplification", "exactness", "hetero", "refactorization", "claims")
 JOB_LOG = "job.log"
 
 
-#: where the job writes a DP run's neighbour replay (operator-side, beside attacks/)
-REPLAY_FILE = Path("audit") / "neighbour_replay.json"
-
-
 def train_run(task: tuple) -> dict:
     """One training run of the job, ``(config dict, run directory, quiet, replay kinds)``:
     a Ray task when the preset trains runs at once. A DP run is trained with its releases
@@ -132,7 +128,7 @@ def train_run(task: tuple) -> dict:
             "accuracy": m["metrics"]["final"].get("accuracy"),
             "epsilon": m["privacy"]["epsilon"]["pld"],
         }
-    from audit.replay.engine import replay_recorded, summary_line
+    from audit.replay.engine import REPLAY_FILE, replay_recorded, summary_line
     from audit.replay.record import Recorder
     from fl.privacy.tap import tapped
 

@@ -34,7 +34,17 @@ from audit.replay.record import Recorder
 from fl.errors import UsageError
 from fl.io import read_json
 
-__all__ = ["replay_neighbours", "REPLAY_VOLATILE"]
+__all__ = [
+    "replay_neighbours",
+    "replay_recorded",
+    "read_replay",
+    "summary_line",
+    "REPLAY_FILE",
+    "REPLAY_VOLATILE",
+]
+
+#: where ``fedlora run`` keeps a DP run's neighbour replay (operator-side, beside attacks/)
+REPLAY_FILE = Path("audit") / "neighbour_replay.json"
 
 #: public manifest fields a replay legitimately changes (when/where it ran)
 REPLAY_VOLATILE = {"created", "versions", "tool_version", "device", "wall_seconds", "log"}
@@ -364,3 +374,34 @@ def summary_line(res: dict) -> str:
     worst = [w for w in worst if w is not None and math.isfinite(w)]
     ratio = f", largest ‖Δq‖/bound {max(worst):.3f}" if worst else ""
     return f"{res['verdict']} ({n} neighbours × {res['releases']} releases{ratio})"
+
+
+def read_replay(run_dir: Path) -> dict | None:
+    """The neighbour replay ``fedlora run`` wrote for a run (``RUN/audit/
+    neighbour_replay.json``), checked: None when there is none; a ``{"verdict": "not
+    read", "error"}`` record when the file is not a replay's (never an exception)."""
+    path = Path(run_dir) / REPLAY_FILE
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        ok = (
+            isinstance(doc, dict)
+            and doc.get("verdict") in ("pass", "fail", "incomplete")
+            and isinstance(doc.get("neighbours"), list)
+            and isinstance(doc.get("findings"), list)
+            and isinstance(doc.get("releases"), int)
+            and all(
+                isinstance(f, dict) and {"code", "severity", "message"} <= set(f)
+                for f in doc["findings"]
+            )
+        )
+        if not ok:
+            raise ValueError("not a neighbour replay's record")
+        if doc["verdict"] == "pass" and (
+            not doc["releases"] or any(f["severity"] == "error" for f in doc["findings"])
+        ):
+            raise ValueError("'pass' beside an error finding or with no release compared")
+        return doc
+    except (OSError, ValueError) as exc:
+        return {"verdict": "not read", "error": f"{path}: {exc}", "findings": [], "neighbours": []}

@@ -143,6 +143,9 @@ def _run_summary(run_dir: Path) -> dict:
         "versions": m.get("versions", {}),
         "manifest": m,
     }
+    from audit.replay.engine import read_replay
+
+    row["replay"] = None if bundle else read_replay(run_dir)  # fedlora run's (RUN/audit/)
     try:
         from audit.bundle.audit import audit_run
 

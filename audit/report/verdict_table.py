@@ -158,10 +158,32 @@ def run_untested(a: dict) -> tuple[str, ...]:
     return tuple(str(p) for p in cov.get("untested") or [] if isinstance(p, str))
 
 
+def replay_cell(rep: dict | None, dp: bool) -> str:
+    """The replay column: ``pass (2 neighbours × 90 releases, largest ‖Δq‖/bound 1.000)``,
+    the violation, ``not run`` or ``–`` without DP."""
+    if not dp:
+        return "–"
+    if rep is None:
+        return "not run"
+    if rep.get("verdict") == "not read":
+        return f"not read: {rep.get('error')}"
+    from audit.replay.engine import summary_line
+
+    try:
+        line = summary_line(rep)
+    except (KeyError, TypeError):
+        return str(rep.get("verdict"))
+    bad = [f["code"] for f in rep.get("findings", []) if f.get("severity") == "error"]
+    return line + (f": {', '.join(dict.fromkeys(bad))}" if bad else "")
+
+
 def run_verdict(r: dict) -> dict:
     """The verdict row's cells for one run (strings), and the verdict itself."""
     a = r.get("audit") or {}
-    findings = tuple(Finding.from_dict(f) for f in a.get("findings") or [])
+    rep = r.get("replay") if isinstance(r.get("replay"), dict) else None
+    # the neighbour replay's findings (a violation is an error) count like the audit's
+    found = list(a.get("findings") or []) + list((rep or {}).get("findings") or [])
+    findings = tuple(Finding.from_dict(f) for f in found)
     bound = best_bound(r)
     conf = run_conformance(r)
     ev = Evidence(
@@ -191,6 +213,7 @@ def run_verdict(r: dict) -> dict:
         "epsilon_recomputed": ev.epsilon_recomputed,
         "empirical": empirical_cell(bound),
         "conformance": conformance_cell(conf),
+        "replay": replay_cell(rep, ev.dp_claimed),
         "implied": implied_cell(conf),
         "auc": f"{with_ci(att.get('auc'), ci.get('auc'))} · {name}" if att else "–",
         "tpr": with_ci(
@@ -208,6 +231,7 @@ VERDICT_COLUMNS = {
     "epsilon_recomputed": "ε recomputed (ledger)",
     "empirical": "empirical ε lower bound",
     "conformance": "conformance (does the run implement its claim?)",
+    "replay": "neighbour replay (‖q(D) − q(D′)‖ ≤ bound at every release?)",
     "implied": "noise-implied ε (if Gaussian at the observed scale)",
     "auc": "strongest attack: AUC [95% CI]",
     "tpr": "TPR at 1% FPR [95% CI]",
