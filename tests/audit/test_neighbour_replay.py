@@ -169,3 +169,30 @@ def test_distance_never_small_for_broken_input():
     assert math.isnan(distance(a, {"": torch.tensor([1.0, float("inf")])})[0])
     assert math.isnan(distance(a, {"x": torch.tensor([1.0, 2.0])})[0])
     assert distance(a, {"": torch.tensor([4.0, 6.0])})[0] == pytest.approx(5.0)
+
+
+def test_the_reports_replay_column_reads_the_file_as_untrusted(tmp_path):
+    import json
+
+    from audit.replay.engine import REPLAY_FILE, read_replay
+    from audit.report.verdict_table import replay_cell
+
+    assert read_replay(tmp_path) is None and replay_cell(None, True) == "not run"
+    (tmp_path / REPLAY_FILE).parent.mkdir(parents=True)
+    bad = {
+        "verdict": "pass",
+        "neighbours": [],
+        "releases": 3,
+        "findings": [{"code": "sensitivity_exceeded", "severity": "error", "message": "x"}],
+    }
+    (tmp_path / REPLAY_FILE).write_text(json.dumps(bad))
+    rep = read_replay(tmp_path)
+    assert rep["verdict"] == "not read" and "pass' beside an error" in rep["error"]
+    (tmp_path / REPLAY_FILE).write_text("{not json")
+    assert read_replay(tmp_path)["verdict"] == "not read"
+    good = dict(bad, verdict="fail")
+    good["neighbours"] = [{"comparison": {"max_ratio": 1.5}}]
+    (tmp_path / REPLAY_FILE).write_text(json.dumps(good))
+    cell = replay_cell(read_replay(tmp_path), True)
+    assert cell.startswith("fail (1 neighbours × 3 releases, largest ‖Δq‖/bound 1.500)")
+    assert cell.endswith(": sensitivity_exceeded") and replay_cell(None, False) == "–"
