@@ -153,6 +153,24 @@ def adapter_off(model: torch.nn.Module):
         yield model
 
 
+def bf16_supported(device: torch.device) -> bool:
+    """Whether ``device`` runs bf16 autocast: every CPU torch build; CUDA devices that
+    compute in bf16 (compute capability 8.0 and later: A100, H100, H200, ...)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    return device.type == "cpu"
+
+
+def check_precision(device: torch.device, precision: str) -> None:
+    """A UsageError when ``precision`` is bf16 and ``device`` cannot run it."""
+    if precision == "bf16" and not bf16_supported(device):
+        raise UsageError(
+            f"--precision bf16 asked for, but {torch.device(device)} does not support bf16 "
+            "autocast (CUDA needs compute capability 8.0 or later); use --precision fp32"
+        )
+
+
 def autocast(device: torch.device, precision: str):
     """bf16 autocast for ``precision == "bf16"``, else a no-op context."""
     if precision == "bf16":

@@ -237,6 +237,13 @@ class TrainConfig:
         "padded only to its own longest sequence (per-example gradients unchanged up to "
         "float rounding; about a third less compute on tweets). GPUs: one pass per batch",
     )
+    physical_batch: int = _f(
+        0,
+        "gradient accumulation: at most this many examples per forward/backward pass, a "
+        "logical (Poisson) batch cut into passes whose per-example gradients are joined "
+        "before the step's one clipping and one noise draw (the privacy ledger, canaries and "
+        "replay count logical steps); 0: one pass per batch. Bounds activation memory",
+    )
     client_ranks: str = _f(
         "", "heterogeneous ranks: draw each client's rank from this set, e.g. 4,8,16"
     )
@@ -425,6 +432,7 @@ class TrainConfig:
             f"head_lr must be >= 0 (0 = the same as lr), got {self.head_lr}",
         )
         need(self.lora_layers >= 0, f"lora_layers must be >= 0, got {self.lora_layers}")
+        need(self.physical_batch >= 0, f"physical_batch must be >= 0, got {self.physical_batch}")
         need(1 <= self.rank <= MAX_RANK, f"rank must be in [1, {MAX_RANK}], got {self.rank}")
         need(self.alpha > 0 and math.isfinite(self.alpha), f"alpha must be > 0, got {self.alpha}")
         need(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0,1), got {self.lora_dropout}")

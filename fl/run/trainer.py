@@ -78,6 +78,7 @@ class LocalTrainer(TrainerProbes):
         self.cfg = cfg
         self.device = device
         self.causal = cfg.task == "causal-lm"
+        causal_lm.check_precision(device, cfg.precision)
         if self.causal:  # a causal LM (no head; the prefix cache stays off): fl.models.causal_lm
             net = causal_lm.load_causal_lm(cfg.model, seed=cfg.seed)
         else:
@@ -316,18 +317,25 @@ class LocalTrainer(TrainerProbes):
     BUCKET_OVERHEAD_TOKENS = 256.0
 
     def _chunks(self, data: TokenizedData, idx: torch.Tensor) -> list[torch.Tensor]:
-        """The sub-batches of one training batch (``length_buckets``, CPU only): an
-        example's gradient does not depend on the other examples of its pass nor on
-        padding beyond its own length, so only the float rounding changes."""
+        """The sub-batches (passes) of one training batch: ``length_buckets`` (CPU only),
+        each cut into passes of at most ``physical_batch`` examples (gradient
+        accumulation, any device). An example's gradient does not depend on the other
+        examples of its pass nor on padding beyond its own length, so only the float
+        rounding changes; the step still clips and noises once (one release)."""
         if (
             not self.cfg.length_buckets
             or self.device.type != "cpu"
             or len(idx) < 2
             or data.cache_kind == "features"  # pooled features: nothing is padded
         ):
-            return [idx]
-        parts = length_chunks(data.lengths[idx].numpy(), self.BUCKET_OVERHEAD_TOKENS)
-        return [idx[torch.as_tensor(p, dtype=torch.long)] for p in parts]
+            parts = [idx]
+        else:
+            buckets = length_chunks(data.lengths[idx].numpy(), self.BUCKET_OVERHEAD_TOKENS)
+            parts = [idx[torch.as_tensor(p, dtype=torch.long)] for p in buckets]
+        cap = self.cfg.physical_batch
+        if cap and any(len(p) > cap for p in parts):
+            parts = [p[s : s + cap] for p in parts for s in range(0, len(p), cap)]
+        return parts
 
     def _groups(self, params: list[torch.nn.Parameter]) -> list[dict]:
         """The optimizer's parameter groups: the LoRA factors at ``lr``, the head at

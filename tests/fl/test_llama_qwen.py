@@ -261,3 +261,56 @@ def test_the_shape_family_keeps_gqa_and_grows_depth_with_width():
     assert small.heads > small.kv_heads and big.heads > big.kv_heads
     assert (small.layers, big.layers) == (4, 16)
     assert small.intermediate % 32 == 0 and small.intermediate >= 8 * 256 / 3
+
+
+def test_gradient_accumulation_releases_once_per_logical_step(folders, tmp_path):
+    """``physical_batch``: a Poisson batch cut into passes of at most 3 examples gives the
+    adapter of one pass per batch (to float rounding, the same seeded noise drawn once
+    per logical step) and the same ledger."""
+    common = dict(
+        model=folders["llama"],
+        noise_multiplier=1.0,
+        insecure_deterministic_noise=True,
+        length_buckets=False,
+        batch_size=8,
+    )
+    from safetensors.torch import load_file
+
+    mans, flats = [], []
+    for cap in (0, 3):
+        out = tmp_path / f"cap{cap}"
+        mans.append(train(tiny_lm_config(physical_batch=cap, **common), out, quiet=True))
+        flats.append(load_file(str(out / "adapter" / "adapter_model.safetensors")))
+    assert mans[0]["privacy"]["ledger"] == mans[1]["privacy"]["ledger"]
+    assert mans[0]["privacy"]["epsilon"] == mans[1]["privacy"]["epsilon"]
+    for k, v in flats[0].items():
+        torch.testing.assert_close(flats[1][k], v, rtol=1e-4, atol=1e-5)
+    assert any(float(v.abs().max()) > 0 for k, v in flats[0].items() if "lora_B" in k)
+
+
+def test_bf16_needs_a_device_that_runs_it():
+    from fl.errors import UsageError
+    from fl.models.causal_lm import bf16_supported, check_precision
+
+    assert bf16_supported(torch.device("cpu"))
+    check_precision(torch.device("cpu"), "bf16")
+    if not torch.cuda.is_available():
+        assert not bf16_supported(torch.device("cuda"))
+        with pytest.raises(UsageError, match="does not support bf16"):
+            check_precision(torch.device("cuda"), "bf16")
+    check_precision(torch.device("cuda"), "fp32")  # fp32 runs anywhere
+
+
+def test_physical_batch_cuts_each_pass_on_every_device_path(folders):
+    from fl.run.trainer import LocalTrainer
+
+    tok = load_tokenizer(folders["llama"])
+    data = LmTokenizedData([f"w{i} " * (1 + i % 4) for i in range(8)], tok, 16)
+    idx = torch.arange(8)
+    for buckets in (False, True):
+        cfg = tiny_lm_config(model=folders["llama"], physical_batch=3, length_buckets=buckets)
+        parts = LocalTrainer(cfg, 0, torch.device("cpu"))._chunks(data, idx)
+        assert max(len(p) for p in parts) <= 3
+        assert sorted(torch.cat(parts).tolist()) == list(range(8))
+    cfg = tiny_lm_config(model=folders["llama"], length_buckets=False)
+    assert len(LocalTrainer(cfg, 0, torch.device("cpu"))._chunks(data, idx)) == 1
