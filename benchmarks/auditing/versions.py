@@ -15,25 +15,29 @@ and its Flower and pfl modules) against each, one child process per (library, ve
 
 **Environments.** Not one venv per version (a venv from the project's interpreter, the
 CPU torch wheel and the pinned project took 140 s and 2.0 GB, wheels cached), but an
-*overlay*: ``pip install --no-deps --target WORK/LIB-X LIB==X``, plus the releases of
-the version's own requirements that the project's environment does not satisfy (flwr
-1.8.0: numpy < 2, protobuf < 5, cryptography < 43, typer 0.9 …), each found from the
-installed metadata's ``Requires-Dist`` and installed the same way (``--no-deps``, never
-torch). The child runs the project's interpreter with ``PYTHONPATH=WORK/LIB-X``, which
-Python places before site-packages, so the overlay shadows the project's release; the
-child reports ``LIB.__version__``, the distribution's version and the module's file,
-and a row whose module does not come from the overlay is marked not isolated. torch
-stays the project's 2.13 (a release pinning another torch is run with it, and the row's
-environment says so), as do the project's other ``==`` pins (dp-accounting 0.6.0, which
-pfl's metadata caps below 0.6). Measured: 1-11 s and 2-92 MB per release, and the same
-ε, verdict and findings as a full venv for opacus 1.4.0 (flat_poisson, low_sigma). The
-overlays are deleted at the end (``--keep`` keeps them), pip's cache is kept.
+*overlay*: what ``pip install LIB==X`` would change in the project's environment (pip's
+resolver, dry, with the project's ``==`` pins held; where that is impossible, with torch
+held and the pinned packages left out, with what only they require), installed with
+``pip install --no-deps --target WORK/LIB-X`` (flwr 1.8.0: numpy 1.26, protobuf 4.25,
+cryptography 42, typer 0.9 …); where pip cannot resolve the release at all (opacus 1.3.0
+needs functorch for torch < 2.1), the release alone and the requirements its metadata
+declares that the environment does not meet. The child runs the project's interpreter
+with ``PYTHONPATH=WORK/LIB-X``, which Python places before site-packages, so the overlay
+shadows the project's release; the child reports ``LIB.__version__``, the distribution's
+version and the module's file, and a row whose module does not come from the overlay is
+marked not isolated. torch stays the project's 2.13 (a release pinning another torch is
+run with it, and its environment row says so), as do the project's other ``==`` pins
+(dp-accounting 0.6.0, which pfl's metadata caps below 0.6). Measured: 5-22 s and
+1-92 MB per release, and the same ε, verdict and findings as a full venv for opacus
+1.4.0 (flat_poisson, low_sigma). The overlays are deleted at the end (``--keep`` keeps
+them), pip's cache is kept.
 
 Each row: library, version, in range, case, kind, verdict, expected verdict (the
 library table's rule), the findings' codes, seconds, or — where the case raised — the
 exception's last line (``error``) or ``refused`` where that error names the release and
 the release is outside the range the audit states. Out-of-range rows expect a clear
-error: one that names the installed version. Written to ``benchmarks/results/versions/{results.json,table.md}``.
+error: one that names the installed version. Written to
+``benchmarks/results/versions/{results.json,table.md}``.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ LIBRARIES: dict[str, dict] = {
         "last": "1.6.0",
         "cases_module": "benchmarks.auditing.libraries",
         "stated_in": "audit.libraries.opacus.versions",
-        "cases": ["flat_poisson", "ghost", "batch_memory_manager", "low_sigma", "averaged_noise"],
+        "cases": ["flat_poisson", "ghost", "batch_memory_manager", "low_sigma"],
     },
     "flwr": {
         "dist": "flwr",
@@ -277,36 +281,118 @@ def _pip_target(target: Path, specs: list[str]) -> str:
     return ""
 
 
+def resolve(dist: str, version: str, constraints: dict[str, str], work: Path) -> dict:
+    """What ``pip install dist==version`` would change in the project's environment, with
+    ``constraints`` (name -> version) held: pip's own resolver, run dry (``--dry-run
+    --report``); {"install": [(name, version)]} or {"error": pip's last line}."""
+    work.mkdir(parents=True, exist_ok=True)
+    cfile, report = work / "constraints.txt", work / "report.json"
+    cfile.write_text("".join(f"{n}=={v}\n" for n, v in sorted(constraints.items())))
+    report.unlink(missing_ok=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--report", str(report)]
+        + ["-c", str(cfile), f"{dist}=={version}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if r.returncode or not report.exists():
+        lines = [x for x in r.stderr.splitlines() if x.strip() and "WARNING" not in x]
+        bad = [x for x in lines if "conflict" in x.lower() or "depends on" in x]
+        return {"error": (bad or lines or [f"pip exited {r.returncode}"])[-1][:300]}
+    items = json.loads(report.read_text()).get("install", [])
+    return {
+        "install": [(_norm(i["metadata"]["name"]), i["metadata"]["version"]) for i in items],
+        "requires": {
+            _norm(i["metadata"]["name"]): i["metadata"].get("requires_dist") or [] for i in items
+        },
+    }
+
+
+def reachable(root: str, requires: dict[str, list[str]], skip: set[str]) -> set[str]:
+    """The packages of a resolution (name -> its ``Requires-Dist``) that ``root`` needs
+    without passing through ``skip`` (a pinned package left out takes its own
+    requirements with it); extras followed."""
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = [(_norm(root), frozenset())]
+    while todo:
+        name, extras = todo.pop()
+        if name in seen or name in skip or name not in requires:
+            continue
+        seen.add(name)
+        for s in requires[name]:
+            r = Requirement(s)
+            if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in extras | {""}):
+                todo.append((_norm(r.name), frozenset(r.extras)))
+    return seen
+
+
 def make_overlay(dist: str, version: str, target: Path, rounds: int = 5) -> dict:
-    """Install ``dist==version`` into ``target`` and, round by round, the requirements
-    the overlay's distributions declare that the overlay plus the project's environment
-    do not satisfy (never torch). Returns what it did: seconds, the packages the overlay
-    holds (name -> version), the requirements left unmet and pip's errors."""
+    """Install ``dist==version`` into ``target`` with what pip's resolver would change in
+    the project's environment for it (resolved with the project's ``==`` pins held; where
+    that is impossible, with torch alone held and the pinned packages left out), each
+    ``--no-deps``; then, round by round, any requirement the overlay's distributions
+    declare that the overlay plus the project's environment still do not satisfy (the
+    only step where pip cannot resolve at all, e.g. a release needing another torch),
+    never torch nor a pinned package. Returns what it did: seconds, the method, the
+    packages the overlay holds (name -> version), the requirements left unmet and pip's
+    errors."""
     t0 = time.time()
     target.mkdir(parents=True, exist_ok=True)
-    info: dict = {"seconds": None, "packages": {}, "unmet": [], "errors": []}
-    err = _pip_target(target, [f"{dist}=={version}"])
-    if err:
-        info["errors"].append(err)
+    info: dict = {"seconds": None, "method": None, "packages": {}, "unmet": [], "errors": []}
+    pins = {n: v for n, v in project_pins().items() if n != _norm(dist)}
+    held = [pins, {n: v for n, v in pins.items() if n == "torch"}]
+    scratch = target.parent / f".resolve-{target.name}"
+    plan, left = None, []
+    for i, cons in enumerate(held):
+        got = resolve(dist, version, cons, scratch)
+        if "install" in got:
+            keep = reachable(dist, got["requires"], set(pins) | NEVER)
+            plan = [(n, v) for n, v in got["install"] if n in keep or n in pins or n in NEVER]
+            info["method"] = "pip resolver, " + (
+                "the project's == pins held" if i == 0 else "torch held, pinned packages left out"
+            )
+            break
+        info.setdefault("resolver", []).append(got["error"])
+    shutil.rmtree(scratch, ignore_errors=True)
+    if plan is None:
+        info["method"] = "declared requirements (pip cannot resolve the release here)"
+        plan = [(_norm(dist), version)]
+    specs = []
+    for n, v in plan:
+        if n in pins or n in NEVER:
+            why = f"the project pins {n}=={pins[n]}" if n in pins else "never installed here"
+            left.append(f"pip would install {n} {v}: {why}")
+        else:
+            specs.append(f"{n}=={v}")
+    if _norm(dist) + "==" + version not in specs:
+        specs.insert(0, f"{dist}=={version}")
+    err = _pip_target(target, specs)
+    if err:  # one at a time: a requirement pip cannot meet must not block the others
+        for spec in specs:
+            e = _pip_target(target, [spec])
+            if e:
+                info["errors"].append(f"{spec}: {e}")
+    if not installed([str(target)]).get(_norm(dist)):
         info["seconds"] = time.time() - t0
         return info
-    pins = {n: v for n, v in project_pins().items() if n != _norm(dist)}
     extras: dict[str, set[str]] = {_norm(dist): set()}
     tried: set[str] = set()
-    left: list[str] = []
     for _ in range(rounds):
         have = installed([str(target), *base_paths()])
         flat = {n: v for n, (v, _d) in have.items()}
         overlay = installed([str(target)])
         need: dict[str, str] = {}
-        left = []
+        left_now = []
         for name, (_ver, d) in overlay.items():
             for n, spec in unmet(d.requires or [], extras.get(name, set()), flat):
                 if n in pins:
-                    left.append(f"{name} needs {spec}: the project pins {n}=={pins[n]}")
+                    left_now.append(f"{name} needs {spec}: the project pins {n}=={pins[n]}")
                     continue
                 if n in NEVER or spec in tried:
-                    left.append(f"{name} needs {spec}")
+                    left_now.append(f"{name} needs {spec}")
                     continue
                 need.setdefault(n, spec)
         if not need:
@@ -316,12 +402,11 @@ def make_overlay(dist: str, version: str, target: Path, rounds: int = 5) -> dict
         for n, spec in need.items():
             extras.setdefault(n, set()).update(Requirement(spec).extras)
         tried.update(need.values())
-        # one at a time: a requirement pip cannot meet must not block the others
         for spec in need.values():
             e = _pip_target(target, [spec])
             if e:
                 info["errors"].append(f"{spec}: {e}")
-    info["unmet"] = sorted(set(left))
+    info["unmet"] = sorted(set(left + left_now))
     info["packages"] = {n: v for n, (v, _d) in installed([str(target)]).items()}
     info["megabytes"] = sum(f.stat().st_size for f in target.rglob("*") if f.is_file()) / 2**20
     info["seconds"] = time.time() - t0
@@ -601,15 +686,15 @@ def table(head: dict, rows: list[dict], envs: list[dict]) -> str:
         "`--no-deps`, plus the releases of its own requirements the project's environment "
         "does not meet; torch always the project's):",
         "",
-        "| library | version | install s | MB | overlay holds | requirements left unmet | "
+        "| library | version | install s | MB | how | overlay holds | requirements left unmet | "
         "pip errors |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for e in envs:
         pk = ", ".join(f"{n} {v}" for n, v in sorted(e["packages"].items()))
         out.append(
             f"| {e['library']} | {e['version']} | {_f(e['seconds'])} | "
-            f"{_f(e.get('megabytes'))} | {pk or '—'} | "
+            f"{_f(e.get('megabytes'))} | {_f(e.get('method'))} | {pk or '—'} | "
             f"{_f('; '.join(e['unmet'])) if e['unmet'] else '—'} | "
             f"{_f('; '.join(e['errors'])) if e['errors'] else '—'} |"
         )

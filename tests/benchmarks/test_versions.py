@@ -35,6 +35,17 @@ def test_unmet_requirements_markers_and_extras():
     assert got["rich"] == "rich<14" and "torch" not in got  # no marker left on the spec
     assert V.unmet(req, set(), {**have, "numpy": "1.26.4", "typer": "0.9.4"}) == []
     assert V.project_pins()["torch"] == "2.13.0"  # an overlay never replaces the pins
+    # what a release needs of a resolution, a left-out pinned package taking its own
+    # requirements with it
+    res = {
+        "pfl": ["numpy<2", "dp-accounting<0.5", "typer[all]"],
+        "dp-accounting": ["absl-py~=1.0"],
+        "absl-py": [],
+        "numpy": [],
+        "typer": ["rich; extra == 'all'"],
+        "rich": [],
+    }
+    assert V.reachable("pfl", res, {"dp-accounting"}) == {"pfl", "numpy", "typer", "rich"}
 
 
 def _row(**kw):
