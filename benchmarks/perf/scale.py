@@ -26,8 +26,14 @@ width, which is ∝ T·N^(2/3) in this shape family: :data:`MEMORY_FEATURES`); e
 relative error and its leave-the-largest-model-out error (fit on the smaller models,
 predict the largest) are reported beside its predictions for 1 B, 7 B and 13 B.
 
-One thread (``torch.set_num_threads(1)``), CPU, fp32. Writes ``results.json``,
-``table.md`` and ``scale.png`` to ``benchmarks/results/scale/`` (or ``--out``).
+By default one thread (``torch.set_num_threads(1)``), CPU, fp32, and the seconds are CPU
+seconds of the measuring thread (``time.thread_time``: on a shared, oversubscribed machine
+wall time measures the neighbours; the wall time is kept beside it in results.json).
+``--device cuda --precisions fp32,bf16`` measures on a GPU (wall seconds after a
+synchronization, CUDA's peak allocated memory; ``benchmarks/gpu/gpu_llama_scale.sh``);
+``--widths``, ``--ranks``, ``--seqs``, ``--batch``, ``--reps`` change the grid. Writes
+``results.json``, ``table.md`` and ``scale.png`` to ``benchmarks/results/scale/`` (or
+``--out``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ import platform
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -131,21 +136,24 @@ def _params(n: float) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The measured points as a Markdown table (one row per model × rank × length)."""
+    """The measured points as a Markdown table (one row per model × precision × rank ×
+    length). Memory is the peak RSS of the process on the CPU, CUDA's peak allocated
+    memory on a GPU; the rise is the step's peak above the level just before it."""
     head = (
-        "| parameters | width × layers | LoRA rank (adapter params) | tokens/step (b × L) | "
-        "s/step non-DP | s/step DP | DP/non-DP | peak RSS non-DP | peak RSS DP | "
-        "step's rise non-DP / DP | per-example grads (DP) | same for the whole base |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| parameters | width × layers | precision | LoRA rank (adapter params) | "
+        "tokens/step (b × L) | s/step non-DP | s/step DP | DP/non-DP | peak memory non-DP | "
+        "peak memory DP | step's rise non-DP / DP | per-example grads (DP) | "
+        "same for the whole base |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         lines.append(
             f"| {_params(r['parameters'])} | {r['hidden']} × {r['layers']} | "
-            f"{r['rank']} ({r['adapter_parameters']:,}) | {r['tokens']} ({r['batch']} × "
-            f"{r['seq']}) | {r['s_nodp']:.3f} | {r['s_dp']:.3f} | {r['s_dp'] / r['s_nodp']:.2f} | "
-            f"{_bytes(r['rss_nodp'])} | {_bytes(r['rss_dp'])} | "
-            f"{_bytes(r['rss_rise_nodp'])} / {_bytes(r['rss_rise_dp'])} | "
+            f"{r.get('precision', 'fp32')} | {r['rank']} ({r['adapter_parameters']:,}) | "
+            f"{r['tokens']} ({r['batch']} × {r['seq']}) | {r['s_nodp']:.3f} | {r['s_dp']:.3f} | "
+            f"{r['s_dp'] / r['s_nodp']:.2f} | {_bytes(r['mem_nodp'])} | {_bytes(r['mem_dp'])} | "
+            f"{_bytes(r['mem_rise_nodp'])} / {_bytes(r['mem_rise_dp'])} | "
             f"{_bytes(r['grad_sample_bytes'])} | {_bytes(r['base_grad_sample_bytes'])} |"
         )
     return head + "\n".join(lines) + "\n"
@@ -161,15 +169,15 @@ def format_fits(fits: dict, tokens: list[int]) -> str:
         "|---|---|---|---|---|" + "---|" * (len(PREDICT) * len(tokens)),
     ]
     for name, f in fits.items():
-        feats = memory_features if name == "peak_rss" else time_features
-        model = "m0 + m1·N + m2·T·N^(2/3)" if name == "peak_rss" else "a + b·N·T"
+        feats = memory_features if name == "peak_memory" else time_features
+        model = "m0 + m1·N + m2·T·N^(2/3)" if name == "peak_memory" else "a + b·N·T"
         coef = ", ".join(f"{c:.3g}" for c in f["coef"])
         hold = f["holdout_largest_rel_error"]
         preds = []
         for n in PREDICT.values():
             for t in tokens:
                 v = predict(f, feats, n, t)
-                preds.append(_bytes(v) if name == "peak_rss" else f"{v:.1f} s")
+                preds.append(_bytes(v) if name == "peak_memory" else f"{v:.1f} s")
         out.append(
             f"| {name} | {model} | {coef} | {100 * f['max_rel_error']:.1f}% / "
             f"{100 * f['rms_rel_error']:.1f}% | "
@@ -211,14 +219,6 @@ class RssPeak:
         self.peak = max(self.peak, self.now())
 
 
-@dataclass
-class Point:
-    kind: str
-    hidden: int
-    rank: int
-    seq: int
-
-
 def _texts(n: int, seq: int) -> list[str]:
     """n texts long enough to fill ``seq`` byte-level BPE tokens (synthetic words)."""
     from fl.data.datasets import make_synthetic
@@ -228,7 +228,7 @@ def _texts(n: int, seq: int) -> list[str]:
     return [" ".join(base[i * per : (i + 1) * per]) for i in range(n)]
 
 
-def _trainer(folder: str, rank: int, seq: int):
+def _trainer(folder: str, rank: int, seq: int, batch: int, device: str, precision: str):
     import torch
 
     from fl.run.config import TrainConfig
@@ -239,19 +239,62 @@ def _trainer(folder: str, rank: int, seq: int):
         model=folder,
         dataset="synthetic",
         max_length=seq,
-        batch_size=BATCH,
+        batch_size=batch,
         rank=rank,
         alpha=2.0 * rank,
         lora_layers=0,
         progress=False,
-        device="cpu",
+        device=device,
+        precision=precision,
         length_buckets=False,
     )
-    return LocalTrainer(cfg, 0, torch.device("cpu"))
+    return LocalTrainer(cfg, 0, torch.device(device))
 
 
-def measure_model(folder: str, info: dict, reps: int, log) -> list[dict]:
-    """Every (rank, seq) point of one model folder."""
+class DevicePeak:
+    """Peak memory of one step: the process's RSS on the CPU (:class:`RssPeak`), CUDA's
+    ``max_memory_allocated`` on a GPU; ``rest`` is the level just before the step."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def __enter__(self):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.rest = torch.cuda.memory_allocated()
+        else:
+            self._rss = RssPeak().__enter__()
+            self.rest = RssPeak.now()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self._rss.__exit__(*exc)
+            self.peak = self._rss.peak
+
+
+def measure_model(
+    folder: str,
+    info: dict,
+    reps: int,
+    log,
+    device: str = "cpu",
+    precisions: tuple[str, ...] = ("fp32",),
+    ranks: tuple[int, ...] = RANKS,
+    seqs: tuple[int, ...] = SEQS,
+    batch: int = BATCH,
+) -> list[dict]:
+    """Every (precision, rank, seq) point of one model folder. Seconds are CPU seconds of
+    this thread on the CPU (robust on a shared machine; wall beside them), wall seconds
+    after a synchronization on a GPU."""
     from benchmarks.perf.dp_overhead import bench_streams
     from fl.data.lm import LmTokenizedData
     from fl.models.base import load_tokenizer
@@ -273,69 +316,86 @@ def measure_model(folder: str, info: dict, reps: int, log) -> list[dict]:
             )
             return super().__call__(params, batch_size)
 
+    import torch
+
+    cuda = device.startswith("cuda")
     tok = load_tokenizer(folder)
     rows = []
-    for rank in RANKS:
-        tr = _trainer(folder, rank, max(SEQS))
-        start = tr.initial_state()
-        params = tr._set_trainable({"A", "B"})
-        adapter = sum(p.numel() for p in params)
-        total = sum(p.numel() for p in tr.model.parameters())
-        for seq in SEQS:
-            data = LmTokenizedData(_texts(BATCH, seq), tok, seq)
-            assert int(data.lengths.min()) == seq, "every example must fill the sequence"
-            noise, batches = bench_streams("scale", info["hidden"], rank, seq)
-            dp = DpSgdParams(noise_multiplier=1.0, clip=1.0, sample_rate=1.0, expected_batch=BATCH)
+    for precision in precisions:
+        for rank in ranks:
+            tr = _trainer(folder, rank, max(seqs), batch, device, precision)
+            start = tr.initial_state()
+            params = tr._set_trainable({"A", "B"})
+            adapter = sum(p.numel() for p in params)
+            total = sum(p.numel() for p in tr.model.parameters())
+            for seq in seqs:
+                data = LmTokenizedData(_texts(batch, seq), tok, seq)
+                assert int(data.lengths.min()) == seq, "every example must fill the sequence"
+                noise, batches = bench_streams("scale", info["hidden"], precision, rank, seq)
+                dp = DpSgdParams(
+                    noise_multiplier=1.0, clip=1.0, sample_rate=1.0, expected_batch=batch
+                )
 
-            def step(private: bool, tr=tr, start=start, data=data, dp=dp, noise=noise, b=batches):
-                priv = MeasuredDpSgd(dp, noise) if private else NoPrivacy()
-                tr.run(start, data, np.arange(BATCH), 1, {"A", "B"}, priv, [], b, 0)
+                def step(private, tr=tr, start=start, data=data, dp=dp, noise=noise, b=batches):
+                    priv = MeasuredDpSgd(dp, noise) if private else NoPrivacy()
+                    tr.run(start, data, np.arange(batch), 1, {"A", "B"}, priv, [], b, 0)
 
-            if seq == SEQS[0]:
-                step(True)  # warm-up, once per trainer (first touch, Opacus hooks)
-            times = {False: [], True: []}
-            peaks = {False: 0, True: 0}
-            rises = {False: 0, True: 0}
-            for i in range(reps):
-                for private in (False, True) if i % 2 == 0 else (True, False):
-                    gc.collect()
-                    with RssPeak() as rp:
-                        rest = RssPeak.now()
-                        t0 = time.perf_counter()
-                        step(private)
-                        times[private].append(time.perf_counter() - t0)
-                    peaks[private] = max(peaks[private], rp.peak)
-                    rises[private] = max(rises[private], rp.peak - rest)
-            row = {
-                "kind": info["kind"],
-                "hidden": info["shape"]["hidden"],
-                "layers": info["shape"]["layers"],
-                "parameters": total,
-                "rank": rank,
-                "adapter_parameters": adapter,
-                "seq": seq,
-                "batch": BATCH,
-                "tokens": BATCH * seq,
-                "s_nodp": float(np.median(times[False])),
-                "s_dp": float(np.median(times[True])),
-                "s_nodp_all": times[False],
-                "s_dp_all": times[True],
-                "rss_nodp": peaks[False],
-                "rss_dp": peaks[True],
-                "rss_rise_nodp": rises[False],
-                "rss_rise_dp": rises[True],
-                "grad_sample_bytes": max(held),
-                "base_grad_sample_bytes": BATCH * (total - adapter) * 4,
-            }
-            held.clear()
-            rows.append(row)
-            log(
-                f"  rank {rank} seq {seq}: non-DP {row['s_nodp']:.3f} s, DP {row['s_dp']:.3f} s "
-                f"(×{row['s_dp'] / row['s_nodp']:.2f}); RSS {_bytes(row['rss_nodp'])} / "
-                f"{_bytes(row['rss_dp'])}; per-example grads {_bytes(row['grad_sample_bytes'])}"
-            )
-        del tr, start, params
-        gc.collect()
+                if seq == seqs[0]:
+                    step(True)  # warm-up, once per trainer (first touch, Opacus hooks)
+                times = {False: [], True: []}
+                walls = {False: [], True: []}
+                peaks = {False: 0, True: 0}
+                rises = {False: 0, True: 0}
+                for i in range(reps):
+                    for private in (False, True) if i % 2 == 0 else (True, False):
+                        gc.collect()
+                        with DevicePeak(device) as mem:
+                            t0, c0 = time.perf_counter(), time.thread_time()
+                            step(private)
+                            if cuda:
+                                torch.cuda.synchronize()
+                            c1, t1 = time.thread_time(), time.perf_counter()
+                        times[private].append(t1 - t0 if cuda else c1 - c0)
+                        walls[private].append(t1 - t0)
+                        peaks[private] = max(peaks[private], mem.peak)
+                        rises[private] = max(rises[private], mem.peak - mem.rest)
+                row = {
+                    "kind": info["kind"],
+                    "device": device,
+                    "precision": precision,
+                    "hidden": info["shape"]["hidden"],
+                    "layers": info["shape"]["layers"],
+                    "parameters": total,
+                    "rank": rank,
+                    "adapter_parameters": adapter,
+                    "seq": seq,
+                    "batch": batch,
+                    "tokens": batch * seq,
+                    "s_nodp": float(np.median(times[False])),
+                    "s_dp": float(np.median(times[True])),
+                    "s_nodp_all": times[False],
+                    "s_dp_all": times[True],
+                    "wall_nodp": float(np.median(walls[False])),
+                    "wall_dp": float(np.median(walls[True])),
+                    "mem_nodp": peaks[False],
+                    "mem_dp": peaks[True],
+                    "mem_rise_nodp": rises[False],
+                    "mem_rise_dp": rises[True],
+                    "grad_sample_bytes": max(held),
+                    "base_grad_sample_bytes": batch * (total - adapter) * 4,
+                }
+                held.clear()
+                rows.append(row)
+                log(
+                    f"  {precision} rank {rank} seq {seq}: non-DP {row['s_nodp']:.3f} s, DP "
+                    f"{row['s_dp']:.3f} s (×{row['s_dp'] / row['s_nodp']:.2f}); peak "
+                    f"{_bytes(row['mem_nodp'])} / {_bytes(row['mem_dp'])}; per-example grads "
+                    f"{_bytes(row['grad_sample_bytes'])}"
+                )
+            del tr, start, params
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -345,16 +405,23 @@ def fits_of(rows: list[dict]) -> dict:
     return {
         "s_nodp": fit_report(n, t, [r["s_nodp"] for r in rows], time_features),
         "s_dp": fit_report(n, t, [r["s_dp"] for r in rows], time_features),
-        "peak_rss": fit_report(n, t, [r["rss_dp"] for r in rows], memory_features),
+        "peak_memory": fit_report(n, t, [r["mem_dp"] for r in rows], memory_features),
     }
 
 
 def figure(rows: list[dict], fits: dict, path: Path) -> None:
+    """Three panels: step time against N·T with the fits; peak memory against N with the
+    fit extrapolated to 13 B; per-example gradient bytes against N (LoRA vs whole base)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    seqs = sorted({r["seq"] for r in rows})
+    ranks = sorted({r["rank"] for r in rows})
+    batch = rows[0]["batch"]
+    cpu = rows[0].get("device", "cpu") == "cpu"
+    what = "peak RSS" if cpu else "peak CUDA memory"
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.4))
     nt = np.array([r["parameters"] * r["tokens"] for r in rows], float)
     grid = np.logspace(np.log10(nt.min() / 2), np.log10(nt.max() * 2), 50)
@@ -366,26 +433,26 @@ def figure(rows: list[dict], fits: dict, path: Path) -> None:
         xscale="log",
         yscale="log",
         xlabel="parameters × tokens per step",
-        ylabel="seconds per step (1 CPU thread)",
+        ylabel="CPU seconds per step (1 thread)" if cpu else "seconds per step",
         title="step time",
     )
     ax[0].legend(fontsize=8)
     n = np.array([r["parameters"] for r in rows], float)
-    for seq in SEQS:
+    for seq in seqs:
         sel = [r for r in rows if r["seq"] == seq]
         ax[1].scatter(
             [r["parameters"] for r in sel],
-            [r["rss_dp"] / 2**30 for r in sel],
-            label=f"peak RSS, DP step, T={BATCH * seq}",
+            [r["mem_dp"] / 2**30 for r in sel],
+            label=f"{what}, DP step, T={batch * seq}",
         )
         g = np.logspace(np.log10(n.min() / 2), np.log10(max(PREDICT.values())), 50)
         ax[1].plot(
             g,
-            memory_features(g, np.full_like(g, BATCH * seq))
-            @ np.array(fits["peak_rss"]["coef"])
+            memory_features(g, np.full_like(g, batch * seq))
+            @ np.array(fits["peak_memory"]["coef"])
             / 2**30,
             "--",
-            label=f"fit, T={BATCH * seq}",
+            label=f"fit, T={batch * seq}",
         )
     for name, v in PREDICT.items():
         ax[1].axvline(v, color="grey", lw=0.5)
@@ -395,18 +462,18 @@ def figure(rows: list[dict], fits: dict, path: Path) -> None:
         yscale="log",
         xlabel="parameters N",
         ylabel="GiB",
-        title="peak resident memory (fp32)",
+        title=f"{what} ({rows[0].get('precision', 'fp32')})",
     )
     ax[1].legend(fontsize=8)
-    for rank in RANKS:
-        sel = [r for r in rows if r["rank"] == rank and r["seq"] == max(SEQS)]
+    for rank in ranks:
+        sel = [r for r in rows if r["rank"] == rank and r["seq"] == max(seqs)]
         ax[2].plot(
             [r["parameters"] for r in sel],
             [r["grad_sample_bytes"] / 2**20 for r in sel],
             "o-",
             label=f"per-example grads held, rank {rank}",
         )
-    sel = [r for r in rows if r["rank"] == RANKS[0] and r["seq"] == max(SEQS)]
+    sel = [r for r in rows if r["rank"] == ranks[0] and r["seq"] == max(seqs)]
     ax[2].plot(
         [r["parameters"] for r in sel],
         [r["base_grad_sample_bytes"] / 2**20 for r in sel],
@@ -418,7 +485,7 @@ def figure(rows: list[dict], fits: dict, path: Path) -> None:
         yscale="log",
         xlabel="parameters N",
         ylabel="MiB",
-        title=f"per-example gradients (batch {BATCH})",
+        title=f"per-example gradients (batch {batch})",
     )
     ax[2].legend(fontsize=8)
     fig.tight_layout()
@@ -427,13 +494,19 @@ def figure(rows: list[dict], fits: dict, path: Path) -> None:
 
 
 def write(rows: list[dict], out: Path, meta: dict) -> dict:
+    """results.json, table.md and scale.png in ``out``; the fits use the rows of the first
+    precision measured (fp32 by default)."""
     out.mkdir(parents=True, exist_ok=True)
-    fits = fits_of(rows)
+    first = rows[0].get("precision", "fp32")
+    fit_rows = [r for r in rows if r.get("precision", "fp32") == first]
+    fits = fits_of(fit_rows)
     tokens = sorted({r["tokens"] for r in rows})
     preds = {
         name: {
             k: {
-                str(t): predict(f, memory_features if name == "peak_rss" else time_features, n, t)
+                str(t): predict(
+                    f, memory_features if name == "peak_memory" else time_features, n, t
+                )
                 for t in tokens
             }
             for k, n in PREDICT.items()
@@ -447,14 +520,18 @@ def write(rows: list[dict], out: Path, meta: dict) -> dict:
         f"{meta['note']}\n",
         format_table(rows),
         "\n## Fits and predictions\n",
-        "N = parameters, T = tokens per step; relative least squares; the predictions "
-        "extrapolate far beyond the measured range (fp32, CPU, one thread) and are only "
-        "as good as the held-out error suggests.\n",
+        f"N = parameters, T = tokens per step; relative least squares over the {first} rows; "
+        "the predictions extrapolate far beyond the measured range (same device, precision "
+        "and thread count) and are only as good as the held-out error suggests.\n",
         format_fits(fits, tokens),
     ]
     (out / "table.md").write_text("\n".join(md))
-    figure(rows, fits, out / "scale.png")
+    figure(fit_rows, fits, out / "scale.png")
     return doc
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
 
 
 def main(argv=None) -> int:
@@ -465,11 +542,19 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--widths", default=",".join(map(str, WIDTHS)))
+    ap.add_argument("--widths", default=",".join(map(str, WIDTHS)), help="model widths")
+    ap.add_argument("--ranks", default=",".join(map(str, RANKS)), help="LoRA ranks")
+    ap.add_argument("--seqs", default=",".join(map(str, SEQS)), help="sequence lengths")
+    ap.add_argument("--batch", type=int, default=BATCH, help="examples per step")
     ap.add_argument("--reps", type=int, default=2, help="timed steps of each kind per point")
     ap.add_argument("--kind", default="llama", choices=("llama", "qwen2"))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--precisions", default="fp32", help="fp32, bf16 or fp32,bf16")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    ranks, seqs = _ints(args.ranks), _ints(args.seqs)
+    precisions = tuple(p for p in args.precisions.split(",") if p)
     t_all = time.perf_counter()
     rows = []
     tok = train_tokenizer(_texts(64, 32), 1024)
@@ -477,26 +562,38 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[scale +{time.perf_counter() - t_all:.0f}s] {msg}", flush=True)
 
-    for width in (int(w) for w in args.widths.split(",")):
+    for width in _ints(args.widths):
         with tempfile.TemporaryDirectory(prefix="fedlora-scale-") as tmp:
-            shape = decoder_shape(width, context=max(SEQS))
+            shape = decoder_shape(width, context=max(seqs))
             info = write_decoder_folder(tmp, args.kind, shape, tokenizer=tok, model_vocab=VOCAB)
             log(f"{args.kind} width {width}, {shape.layers} layers: {_params(info['parameters'])}")
             info["hidden"] = width
-            rows += measure_model(tmp, info, args.reps, log)
+            rows += measure_model(
+                tmp, info, args.reps, log, args.device, precisions, ranks, seqs, args.batch
+            )
         gc.collect()
+    where = (
+        f"{platform.node()} ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end), "
+        f"{args.threads} torch thread(s), CPU seconds of the measuring thread"
+        if args.device == "cpu"
+        else f"{torch.cuda.get_device_name(0)}, wall seconds after synchronization"
+    )
     meta = {
         "note": (
-            f"Measured {time.strftime('%Y-%m-%d', time.gmtime())} on {platform.node()} "
-            f"({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end), one torch "
-            f"thread, fp32, torch {torch.__version__}; {args.kind} shape family "
-            f"(fl.models.decoders.decoder_shape), vocabulary {VOCAB}, batch {BATCH}, LoRA on "
-            f"q_proj/v_proj of every layer, median of {args.reps} interleaved steps after one "
-            f"warm-up; total {time.perf_counter() - t_all:.0f} s."
+            f"Measured {time.strftime('%Y-%m-%d', time.gmtime())} on {where}; "
+            f"{'/'.join(precisions)}, torch {torch.__version__}; {args.kind} shape family "
+            f"(fl.models.decoders.decoder_shape), vocabulary {VOCAB}, batch {args.batch}, LoRA "
+            f"on q_proj/v_proj of every layer, median of {args.reps} interleaved steps (one "
+            f"warm-up DP step per LoRA set-up); total {time.perf_counter() - t_all:.0f} s."
         ),
-        "widths": args.widths,
+        "device": args.device,
+        "precisions": list(precisions),
+        "widths": list(_ints(args.widths)),
+        "ranks": list(ranks),
+        "seqs": list(seqs),
         "reps": args.reps,
-        "batch": BATCH,
+        "batch": args.batch,
+        "threads": args.threads,
         "vocab": VOCAB,
     }
     write(rows, Path(args.out), meta)

@@ -64,10 +64,10 @@ def test_the_tables_format_every_row_and_every_prediction():
                     tokens=4 * seq,
                     s_nodp=0.5,
                     s_dp=0.6,
-                    rss_nodp=2**30,
-                    rss_dp=1.5 * 2**30,
-                    rss_rise_nodp=2**20,
-                    rss_rise_dp=3 * 2**20,
+                    mem_nodp=2**30,
+                    mem_dp=1.5 * 2**30,
+                    mem_rise_nodp=2**20,
+                    mem_rise_dp=3 * 2**20,
                     grad_sample_bytes=4 * 26624 * 4,
                     base_grad_sample_bytes=int(4 * n * 4),
                 )
@@ -75,7 +75,7 @@ def test_the_tables_format_every_row_and_every_prediction():
     md = scale.format_table(rows)
     lines = md.strip().splitlines()
     assert len(lines) == 2 + len(rows)
-    assert "| 11.0 M | 256 × 4 | 8 (26,624) | 128 (4 × 32) | 0.500 | 0.600 | 1.20 |" in md
+    assert "| 11.0 M | 256 × 4 | fp32 | 8 (26,624) | 128 (4 × 32) | 0.500 | 0.600 | 1.20 |" in md
     assert "1.00 GiB" in md and "1.50 GiB" in md and "416.0 KiB" in md
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     fits = {
@@ -85,7 +85,7 @@ def test_the_tables_format_every_row_and_every_prediction():
             "rms_rel_error": 0.02,
             "holdout_largest_rel_error": 0.1,
         },
-        "peak_rss": {
+        "peak_memory": {
             "coef": [6e8, 4.0, 0.0],
             "max_rel_error": 0.01,
             "rms_rel_error": 0.01,
