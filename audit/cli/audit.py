@@ -117,7 +117,7 @@ def register(sub) -> None:
         "and on neighbours with every random draw frozen and compare what enters each noise "
         "call (‖q(D) − q(D′)‖ ≤ the sensitivity) and everything released without noise; "
         "KINDS: auto (remove,max-length), all, or a comma list of remove, duplicate, empty, "
-        "max-length, flipped, replace (docs/audit.md, 'Neighbour replay')",
+        "max-length, flipped, replace, empty-client (client level) (docs/replay.md)",
     )
     p.set_defaults(func=cmd_audit)
 

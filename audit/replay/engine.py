@@ -98,10 +98,13 @@ def _hook(nb: Neighbour, state: dict, max_length: int) -> Callable:
 
     def apply(eng, texts, labels, prompts):
         pos = np.asarray(eng.client_positions[nb.client])
+        state["n_client"] = len(pos)
         j = state["row"]  # the typical record: an index into the client's positions
         src = int(pos[j])
         if nb.removes:
             pos = np.delete(pos, j)
+        if nb.empties:
+            pos = pos[:0]
         if nb.adds:
             text, label = texts[src], labels[src]
             if nb.kind == "empty":
@@ -133,6 +136,8 @@ def _mask_map(nb: Neighbour, state: dict) -> Callable:
         if str(scope.get("client")) != nb.client:
             return [m.clone() for m in masks]
         n_d = n_dp + (1 if nb.removes else 0) - (1 if nb.adds else 0)
+        if nb.empties:  # no example left; the sampler canaries' rows keep their coins
+            return [m[state["n_client"] :].clone() for m in masks]
         out = []
         for m in masks:
             ex, tail = m[:n_d], m[n_d:]

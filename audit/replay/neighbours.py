@@ -27,6 +27,9 @@ ENGINE_KINDS = {
     "max-length": ("add/remove", "a text of the maximum length added"),
     "flipped": ("add/remove", "a typical record with another label added"),
     "replace": ("replace-one", "a typical record replaced by a copy with another label"),
+    # client level: a client whose records are all gone contributes nothing (add/remove
+    # one client, bound C)
+    "empty-client": ("add/remove-client", "every record of a client removed"),
 }
 #: what ``fedlora audit RUN --neighbours auto`` and ``fedlora run`` try
 DEFAULT_ENGINE = ("remove", "max-length")
@@ -48,7 +51,7 @@ class Neighbour:
 
     @property
     def relation(self) -> str:
-        if self.level == "client":
+        if self.level == "client" and self.kind != "empty-client":
             return "replace-one-client"
         return ENGINE_KINDS[self.kind][0]
 
@@ -58,11 +61,15 @@ class Neighbour:
 
     @property
     def adds(self) -> bool:
-        return self.kind != "remove"
+        return self.kind not in ("remove", "empty-client")
 
     @property
     def removes(self) -> bool:
         return self.kind in ("remove", "replace")
+
+    @property
+    def empties(self) -> bool:
+        return self.kind == "empty-client"
 
     def describe(self) -> str:
         where = f" at the {self.at} of client {self.client}" if self.adds else ""
@@ -82,7 +89,8 @@ class Neighbour:
 
 def parse_kinds(spec: str | None) -> tuple[str, ...]:
     """``--neighbours``: ``auto`` (:data:`DEFAULT_ENGINE`), ``all``, or a comma list of
-    kinds; a clear error names an unknown kind."""
+    kinds; a clear error names an unknown kind. ``empty-client`` applies at client level
+    only (it is left out of a sample-level run's neighbours)."""
     if spec is None or spec.strip() in ("", "auto"):
         return DEFAULT_ENGINE
     if spec.strip() == "all":
@@ -112,6 +120,10 @@ def engine_neighbours(
     added = 0
     for k in kinds:
         if k in ("flipped", "replace") and not classification:
+            continue
+        if k == "empty-client":
+            if level == "client":  # sample level: a client is not the unit
+                out.append(Neighbour(k, smallest, level=level))
             continue
         if k == "remove":
             out.append(Neighbour(k, largest, level=level))

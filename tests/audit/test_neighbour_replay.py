@@ -45,6 +45,7 @@ def test_a_correct_run_passes_every_neighbour_at_its_bound(runs):
     assert res["verdict"] == "pass", res["findings"]
     assert res["releases"] > 0
     kinds = [r["neighbour"]["kind"] for r in res["neighbours"]]
+    # (a client with no data is a client-level neighbour only)
     assert kinds == ["remove", "duplicate", "empty", "max-length", "flipped", "replace"]
     for r in res["neighbours"]:
         cmp = r["comparison"]
@@ -79,11 +80,14 @@ def test_clipping_skipped_is_a_sensitivity_violation(runs):
     assert v["distance"] > v["bound"] == 1.0
 
 
-def test_client_level_record_neighbours_are_held_to_2C(runs):
-    res = replay_neighbours(runs["client"], kinds="remove,duplicate")
+def test_client_level_record_neighbours_are_held_to_2C_an_empty_client_to_C(runs):
+    res = replay_neighbours(runs["client"], kinds="remove,duplicate,empty-client")
     assert res["verdict"] == "pass"
-    assert {r["neighbour"]["relation"] for r in res["neighbours"]} == {"replace-one-client"}
-    assert all(r["neighbour"]["bound"] == "2·C" for r in res["neighbours"])
+    rel = [(r["neighbour"]["relation"], r["neighbour"]["bound"]) for r in res["neighbours"]]
+    assert rel == [("replace-one-client", "2·C")] * 2 + [("add/remove-client", "1·C")]
+    # a client with no data removes its whole clipped update: exactly C (its update is
+    # longer than C on the tiny model)
+    assert abs(res["neighbours"][2]["comparison"]["max_ratio"] - 1) < 1e-4
 
 
 def test_a_method_whose_noise_bypasses_the_tap_is_never_a_pass(runs):
