@@ -10,7 +10,7 @@ gpu_prelude() {
     exit 2
   fi
   OUT="$1"
-  cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+  cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
   PY="${PYTHON:-}"
   if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
