@@ -166,10 +166,10 @@ def test_versions_outside_the_range_are_one_clear_line():
     import flwr
 
     with pytest.raises(RuntimeError) as err:
-        check_version("1.19.0")
+        check_version("1.7.0")
     msg = str(err.value)
-    assert "1.19.0" in msg and SUPPORTED in msg and "\n" not in msg
-    assert check_version("1.20.0") == "1.20.0" and check_version() == flwr.__version__
+    assert "1.7.0" in msg and SUPPORTED in msg and "\n" not in msg
+    assert check_version("1.8.0") == "1.8.0" and check_version() == flwr.__version__
     with pytest.warns(RuntimeWarning, match="1.50.0 is newer"):
         check_version("1.50.0")
 
@@ -177,10 +177,10 @@ def test_versions_outside_the_range_are_one_clear_line():
 def test_an_old_flwr_is_refused_before_training(monkeypatch):
     import flwr
 
-    monkeypatch.setattr(flwr, "__version__", "1.8.0")
+    monkeypatch.setattr(flwr, "__version__", "1.7.0")
     b = build("legacy_server_fixed", quick=True)
     b.pop("claim")
-    with pytest.raises(RuntimeError, match="supports flwr >= 1.20.*installed flwr is 1.8.0"):
+    with pytest.raises(RuntimeError, match="supports flwr >= 1.8.*installed flwr is 1.7.0"):
         FlowerRun(**b)
 
 
@@ -197,3 +197,20 @@ def test_legacy_api_runs_where_the_message_api_modules_do_not_exist(monkeypatch)
         res = run.audit(claim, permutations=199, seed=0)
     assert res["verdict"] == "pass" and res["mode"] == "legacy:local_dp"
     assert np.isfinite(res["recomputed_epsilon"])
+
+
+def test_the_local_proxy_of_flwr_1_8_gives_what_flowers_own_proxy_gives(monkeypatch):
+    """flwr 1.8's DriverClientProxy speaks gRPC, so the audit sends FitIns through
+    its own proxy there; on this flwr it must reproduce Flower's proxy exactly (same
+    records, failures included)."""
+    import audit.libraries.flower.run as run_mod
+    from audit.libraries.flower.compat import local_proxy
+
+    fails = [ClientFailure(3, None, "raise"), ClientFailure(5, None, "timeout")]
+    own, claim = _run("legacy_local_dp", fails)
+    monkeypatch.setattr(run_mod, "grid_proxy", local_proxy)
+    ours, _ = _run("legacy_local_dp", fails)
+    for a, b in zip(own.records, ours.records, strict=True):
+        np.testing.assert_array_equal(a.after, b.after)
+        assert a.failed.keys() == b.failed.keys() and a.weights == b.weights
+    assert ours.audit(claim, permutations=199, seed=0)["verdict"] == "pass"

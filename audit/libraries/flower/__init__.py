@@ -59,9 +59,10 @@ a release without noise (``noise_absent``) are findings with ε = ∞, never an 
 the untested parts (adaptive clipping: the clipped-count release's noise is not observed),
 ``fail`` (exit 1) on an error finding.
 
-**Versions.** flwr 1.20 (mid-2025) … 1.42: the legacy API from 1.20, the Message API from
-1.21 (:mod:`audit.libraries.flower.compat` says what differs); an older flwr is one
-``RuntimeError`` line naming it and the range (:data:`SUPPORTED`).
+**Versions.** flwr 1.8 (2024-04) … 1.42: the legacy API in all of them, the Message API
+from 1.21 (:mod:`audit.libraries.flower.compat` says what differs); an older flwr is one
+``RuntimeError`` line naming it and the range (:data:`SUPPORTED`). ``LocalDpMod`` of
+1.8 … 1.13 drops its noise: the audit says ``noise_absent``.
 
 **Layout.** :mod:`~audit.libraries.flower.canaries` (the canary clients, the block, the
 modes), :mod:`~audit.libraries.flower.compat` (what is read from flwr), :mod:`~audit.

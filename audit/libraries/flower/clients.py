@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from audit.libraries.flower.canaries import BLOCK_KEY, FIRST_NODE
-from audit.libraries.flower.compat import client_app_class, recorddict_compat
+from audit.libraries.flower.compat import client_app_class, fitres_of, new_context, records_class
 
 __all__ = ["build_apps", "record_reply"]
 
@@ -19,9 +19,8 @@ __all__ = ["build_apps", "record_reply"]
 def build_apps(run) -> dict:
     """node id -> (ClientApp, Context, is_canary) of every node of the run: the real clients
     behind a shim that hides and restores the canary block, and the canary clients."""
-    from flwr.common import Context, RecordDict
 
-    ClientApp = client_app_class()
+    ClientApp, RecordDict = client_app_class(), records_class()
 
     apps: dict = {}
     if run.api == "legacy":
@@ -69,6 +68,9 @@ def build_apps(run) -> dict:
                 return EvaluateRes(Status(Code.OK, ""), 0.0, 0, {})
 
         def real_fn(ctx):
+            if isinstance(ctx, str):  # flwr 1.8, 1.9: client_fn(cid), cid = the node here
+                node = int(ctx)
+                return Shim(run.client_fn(str(node - FIRST_NODE)), node)
             return Shim(run.client_fn(ctx), ctx.node_id)
 
         real_app = ClientApp(client_fn=real_fn, mods=run.mods)
@@ -145,10 +147,10 @@ def build_apps(run) -> dict:
             canary_apps.append(app)
     for i in range(run.k):
         node = FIRST_NODE + i
-        ctx = Context(1, node, {"partition-id": i, "num-partitions": run.k}, RecordDict(), {})
+        ctx = new_context(node, {"partition-id": i, "num-partitions": run.k})
         apps[node] = (real_app, ctx, False)
     for j, node in enumerate(run.canary_nodes):
-        ctx = Context(1, node, {"canary": j}, RecordDict(), {})
+        ctx = new_context(node, {"canary": j})
         apps[node] = (canary_apps[j], ctx, True)
     return apps
 
@@ -186,10 +188,7 @@ def record_reply(run, msg, reply, is_canary: bool) -> None:
     if run.api == "legacy":
         from flwr.common import parameters_to_ndarrays
 
-        compat = recorddict_compat()
-        nd = parameters_to_ndarrays(
-            compat.recorddict_to_fitres(reply.content, keep_input=True).parameters
-        )
+        nd = parameters_to_ndarrays(fitres_of(reply.content).parameters)
         block = nd[-1]
     else:
         (akey,) = list(reply.content.array_records)

@@ -3,25 +3,42 @@ supported releases, the modules each release has, the two Flower internals an in
 needs (the task identity a ``Message`` reads, the grid client proxy of the legacy API) and
 the classification of a strategy and its mods.
 
-**Supported releases** (:data:`SUPPORTED`): flwr 1.20 (mid-2025) … 1.42, read from their
-sources. What differs between them and is handled here:
+**Supported releases** (:data:`SUPPORTED`): flwr 1.8 (2024-04) … 1.42, read from their
+sources and tried in throwaway venvs (1.8, 1.9, 1.10, 1.12, 1.13, 1.14, 1.16, 1.19, 1.20,
+1.21, 1.30, 1.42). What differs between them and is handled here:
 
 * the legacy API (``flwr.server.strategy``'s four DP wrappers, ``flwr.client.mod``'s
-  ``fixedclipping_mod``, ``adaptiveclipping_mod``, ``LocalDpMod``) runs over an in-process
-  Grid from 1.20 on (``flwr.server.Grid`` and ``GridClientProxy`` appear in 1.20; before,
-  a ``Driver`` and ``DriverClientProxy`` of another signature: not supported);
+  ``fixedclipping_mod``, ``adaptiveclipping_mod``, ``LocalDpMod``) exists in all of them;
+  its in-process loop sends each FitIns through Flower's own client proxy over the local
+  grid: ``GridClientProxy(node, grid, run)`` from 1.18, ``DriverClientProxy(node, driver,
+  run)`` in 1.15 … 1.17, with an ``anonymous`` flag in 1.9 … 1.14 (1.9 … 1.11 push and
+  poll: the grid answers ``push_messages``/``pull_messages`` too); 1.8's proxy speaks gRPC
+  to a SuperLink, so a local proxy does what the later ones do (:func:`local_proxy`);
+* the client side: ``client_fn(context)`` and ``Context(run_id?, node_id, node_config,
+  state, run_config)`` from 1.10 (``run_id`` from 1.13); 1.8 and 1.9 call
+  ``client_fn(cid)`` with the message's ``partition_id`` and build ``Context(state)``
+  (the user's ``client_fn`` then takes the partition index as a string);
+* the records: ``RecordDict`` and ``recorddict_compat`` from 1.18, ``RecordSet`` and
+  ``recordset_compat`` before; ``Message`` takes keywords (``content``, ``dst_node_id``, …)
+  and ``Message(Error, reply_to=…)`` from 1.18, a ``Metadata`` and ``create_error_reply``
+  before;
+* flwr 1.8 … 1.12 need numpy < 2 (their metadata pins it; ``np.float_``), which the
+  project's own pins exclude: they run in an environment with numpy 1.26;
 * the Message API (``flwr.serverapp.strategy``'s DP wrappers, ``flwr.clientapp.mod``'s
   mods) exists from 1.21 on with fixed clipping (:func:`message_strategies` is None before:
   a Message API strategy cannot be built there); its adaptive wrappers and its own
   ``LocalDpMod`` by 1.23 (a wrapper a release lacks is simply not there to classify);
   1.21 samples evaluation nodes even at ``fraction_evaluate`` = 0, so the run configures
   no evaluation round at all;
-* ``Grid`` is ``flwr.serverapp.Grid`` from 1.21, ``flwr.server.Grid`` in 1.20; ``ClientApp``
-  ``flwr.clientapp.ClientApp`` or ``flwr.client.ClientApp``; ``recorddict_compat`` moved to
-  ``flwr.compat.common`` in 1.35; the records and ``Message`` are read from ``flwr.common``,
-  which has them in every supported release;
+* ``Grid`` is ``flwr.serverapp.Grid`` from 1.21, ``flwr.server.Grid`` in 1.18 … 1.20,
+  ``flwr.server.Driver`` before; ``ClientApp`` ``flwr.clientapp.ClientApp`` or
+  ``flwr.client.ClientApp``; ``recorddict_compat`` moved to ``flwr.compat.common`` in 1.35;
 * ``TaskIdentity`` (read by ``Message(...)``) exists from 1.40 on (:func:`task_identity`
   sets it only where it exists); Flower's accountant (``accountant=``) from 1.35.
+
+Found on the way: ``LocalDpMod`` of flwr 1.8 … 1.13 drops its noise (it calls
+``add_localdp_gaussian_noise_to_params`` and discards the result; fixed in 1.14): the audit
+says ``noise_absent``, ε = ∞.
 
 A release below the range is one ``RuntimeError`` line naming it and the range; one above
 it is a ``RuntimeWarning`` line (not yet tried).
@@ -31,6 +48,7 @@ flwr is imported only inside functions (this module imports on a machine without
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -43,23 +61,29 @@ __all__ = [
     "check_version",
     "classify",
     "client_app_class",
+    "error_message",
+    "fitres_of",
     "grid_class",
     "grid_proxy",
     "installed_version",
+    "local_proxy",
     "local_dp_classes",
     "message_strategies",
+    "new_context",
+    "new_message",
     "recorddict_compat",
+    "records_class",
     "task_identity",
 ]
 
 #: the oldest release supported (the legacy API over an in-process Grid)
-OLDEST = (1, 20, 0)
+OLDEST = (1, 8, 0)
 #: the oldest release with the Message API's DP wrappers
 OLDEST_MESSAGE_API = (1, 21, 0)
 #: the first release not yet tried
 BEYOND = (1, 43, 0)
 #: the range in words
-SUPPORTED = "flwr >= 1.20, < 1.43 (1.20 … 1.42; the Message API from 1.21)"
+SUPPORTED = "flwr >= 1.8, < 1.43 (1.8 … 1.42; the Message API from 1.21)"
 
 
 def _parse(v: str) -> tuple[int, ...]:
@@ -118,11 +142,15 @@ def local_dp_classes() -> tuple:
 
 
 def grid_class():
-    """Flower's ``Grid`` base class (``flwr.serverapp`` from 1.21, ``flwr.server`` in 1.20)."""
+    """Flower's ``Grid`` base class (``flwr.serverapp`` from 1.21, ``flwr.server`` in 1.18 …
+    1.20, ``flwr.server.Driver`` before: the same methods under its old name)."""
     try:
         from flwr.serverapp import Grid
     except ImportError:
-        from flwr.server import Grid
+        try:
+            from flwr.server import Grid
+        except ImportError:
+            from flwr.server import Driver as Grid
     return Grid
 
 
@@ -135,14 +163,89 @@ def client_app_class():
     return ClientApp
 
 
+def new_context(node_id: int, node_config: dict):
+    """A node's ``Context`` (``run_id`` first from 1.13; 1.10 … 1.12 have none)."""
+    from flwr.common import Context
+
+    params = inspect.signature(Context.__init__).parameters
+    if "node_id" not in params:  # 1.8, 1.9: the state only (client_fn takes a cid)
+        return Context(state=records_class()())
+    kw = {"node_id": node_id, "node_config": node_config, "state": records_class()()}
+    if "run_id" in params:
+        kw["run_id"] = 1
+    return Context(**kw, run_config={})
+
+
+def records_class():
+    """Flower's record container: ``RecordDict`` (1.18 on) or ``RecordSet`` (before)."""
+    import flwr.common as common
+
+    return getattr(common, "RecordDict", None) or common.RecordSet
+
+
 def recorddict_compat():
     """Flower's ``recorddict_compat`` (``flwr.compat.common`` from 1.35, ``flwr.common``
-    before)."""
+    before; ``recordset_compat`` before 1.18)."""
     try:
         from flwr.compat.common import recorddict_compat as compat
     except ImportError:
-        from flwr.common import recorddict_compat as compat
+        try:
+            from flwr.common import recorddict_compat as compat
+        except ImportError:
+            from flwr.common import recordset_compat as compat
     return compat
+
+
+def fitres_of(content):
+    """The legacy ``FitRes`` a reply's content holds (``recorddict_to_fitres``, or
+    ``recordset_to_fitres`` before 1.18)."""
+    compat = recorddict_compat()
+    to_fitres = getattr(compat, "recorddict_to_fitres", None) or compat.recordset_to_fitres
+    return to_fitres(content, keep_input=True)
+
+
+def new_message(content, message_type: str, dst_node_id: int, group_id, ttl):
+    """A message to ``dst_node_id`` as ``Grid.create_message`` makes it: the keyword
+    constructor (1.18 on), else a ``Metadata`` built by hand (before)."""
+    from flwr.common import Message
+
+    try:
+        return Message(
+            content=content,
+            dst_node_id=dst_node_id,
+            message_type=message_type,
+            group_id=group_id,
+            ttl=ttl,
+        )
+    except TypeError:
+        from flwr.common import DEFAULT_TTL, Metadata
+
+        kw = {}
+        if "partition_id" in inspect.signature(Metadata.__init__).parameters:
+            kw["partition_id"] = dst_node_id  # 1.8, 1.9: the ClientApp's client_fn(cid)
+        meta = Metadata(
+            run_id=1,
+            message_id="",
+            src_node_id=0,
+            dst_node_id=dst_node_id,
+            reply_to_message="",
+            group_id=group_id or "",
+            ttl=DEFAULT_TTL if ttl is None else ttl,
+            message_type=message_type,
+            **kw,
+        )
+        return Message(metadata=meta, content=content)
+
+
+def error_message(msg, code: int, reason: str):
+    """The error reply to ``msg`` (``Message(Error, reply_to=…)`` from 1.18 on,
+    ``msg.create_error_reply(Error)`` before)."""
+    from flwr.common import Error, Message
+
+    try:
+        return Message(Error(code=code, reason=reason), reply_to=msg)
+    except TypeError:
+        return msg.create_error_reply(Error(code=code, reason=reason))
 
 
 def task_identity():
@@ -171,11 +274,59 @@ def _set_task_identity(TaskIdentity):
         TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = old
 
 
+def local_proxy(node_id: int, grid):
+    """A legacy ClientProxy that sends FitIns over ``grid`` as ``GridClientProxy`` does, for
+    flwr 1.8, whose ``DriverClientProxy`` speaks gRPC to a SuperLink: the FitIns as
+    a record set, the grid's ``send_and_receive``, a missing reply (timed out) or an error
+    reply raised, the FitRes read back (flwr 1.10 server/compat/driver_client_proxy.py)."""
+    from flwr.common import MessageType
+    from flwr.server.client_proxy import ClientProxy
+
+    compat = recorddict_compat()
+    to_records = getattr(compat, "fitins_to_recorddict", None) or compat.fitins_to_recordset
+    to_fitres = getattr(compat, "recorddict_to_fitres", None) or compat.recordset_to_fitres
+
+    class LocalProxy(ClientProxy):
+        def __init__(self):
+            super().__init__(str(node_id))
+            self.node_id = node_id
+
+        def fit(self, ins, timeout, group_id):
+            content = to_records(ins, keep_input=True)
+            msg = new_message(content, MessageType.TRAIN, node_id, str(group_id or ""), timeout)
+            out = list(grid.send_and_receive([msg]))
+            if not out:
+                raise TimeoutError("the reply did not arrive before the timeout")
+            if out[0].has_error():
+                raise ValueError(f"Message contains an Error (reason: {out[0].error.reason})")
+            return to_fitres(out[0].content, keep_input=False)
+
+        def get_properties(self, ins, timeout, group_id=None):
+            raise NotImplementedError("the audit runs training rounds only")
+
+        get_parameters = evaluate = get_properties
+
+        def reconnect(self, ins, timeout, group_id=None):
+            raise NotImplementedError("the audit runs training rounds only")
+
+    return LocalProxy()
+
+
 def grid_proxy(node_id: int, grid):
     """The legacy ClientProxy that sends FitIns over a Grid (what ``start_grid`` registers).
-    Internal API (flwr 1.20 … 1.42: flwr/server/compat/grid_client_proxy.py)."""
-    from flwr.server.compat.grid_client_proxy import GridClientProxy
+    Internal API (flwr 1.18 … 1.42: flwr/server/compat/grid_client_proxy.py; before,
+    ``DriverClientProxy``, with an ``anonymous`` flag up to 1.14)."""
+    try:
+        from flwr.server.compat.grid_client_proxy import GridClientProxy
+    except ImportError:
+        from flwr.server.compat.driver_client_proxy import DriverClientProxy
 
+        params = inspect.signature(DriverClientProxy.__init__).parameters
+        if "driver" in params and "Grpc" in str(params["driver"].annotation):
+            return local_proxy(node_id, grid)  # 1.8: gRPC to a SuperLink
+        if "anonymous" in params:
+            return DriverClientProxy(node_id, grid, False, 1)
+        return DriverClientProxy(node_id, grid, 1)
     return GridClientProxy(node_id, grid, 1)
 
 

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from audit.libraries.flower.compat import grid_class
+from audit.libraries.flower.compat import error_message, grid_class, new_message
 
 __all__ = ["LocalGrid", "error_reply", "make_grid"]
 
@@ -22,11 +22,10 @@ class LocalGrid:
 
 def error_reply(msg, ex: BaseException):
     """The reply Flower's SuperNode sends for a ClientApp that raised ``ex``."""
-    from flwr.common import Error, Message
     from flwr.common.constant import ErrorCode
 
     reason = str(type(ex)) + ":<'" + str(ex) + "'>"
-    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+    return error_message(msg, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason)
 
 
 def make_grid(apps: dict, on_reply, timed_out=lambda msg: False):
@@ -35,6 +34,7 @@ def make_grid(apps: dict, on_reply, timed_out=lambda msg: False):
     class _Grid(Grid, LocalGrid):
         def __init__(self):
             self.apps, self._run = apps, None
+            self._pending, self._pushed = {}, 0
 
         def set_run(self, run) -> None:
             self._run = run
@@ -44,24 +44,26 @@ def make_grid(apps: dict, on_reply, timed_out=lambda msg: False):
             return self._run
 
         def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-            from flwr.common import Message
-
-            return Message(
-                content=content,
-                dst_node_id=dst_node_id,
-                message_type=message_type,
-                group_id=group_id,
-                ttl=ttl,
-            )
+            return new_message(content, message_type, dst_node_id, group_id, ttl)
 
         def get_node_ids(self):
             return list(self.apps)
 
+        # flwr 1.10 and 1.11's DriverClientProxy pushes a message and polls for its reply
         def push_messages(self, messages):
-            raise NotImplementedError("LocalGrid answers through send_and_receive only")
+            ids = []
+            for msg in messages:
+                self._pushed += 1
+                ids.append(f"local-{self._pushed}")
+                self._pending[ids[-1]] = msg
+            return ids
 
         def pull_messages(self, message_ids):
-            raise NotImplementedError("LocalGrid answers through send_and_receive only")
+            msgs = [self._pending.pop(i) for i in message_ids if i in self._pending]
+            out = list(self.send_and_receive(msgs))
+            if len(out) < len(msgs):  # a reply that times out: the proxy's wait ends
+                raise TimeoutError("the reply did not arrive before the timeout")
+            return out
 
         def send_and_receive(self, messages, *, timeout=None):
             msgs = sorted(messages, key=lambda m: apps[m.metadata.dst_node_id][2])
