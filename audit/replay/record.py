@@ -94,10 +94,10 @@ class Recorder(Tap):
         self._expected: list[Release] = []
 
     # ---- the tap -----------------------------------------------------------------------
-    def release(self, kind, value, noise, sensitivity, part=""):
+    def release(self, kind, value, noise, sensitivity, part="", released=None):
         scope = current_scope()
         if self.mode == "record":
-            out = value + noise.to(value.dtype)
+            out = value + noise.to(value.dtype) if released is None else released
             rel = self._group
             if rel is None or rel.kind != kind or rel.scope != scope or part in rel.value:
                 rel = Release(len(self.releases), kind, scope, float(sensitivity))
@@ -106,9 +106,9 @@ class Recorder(Tap):
             rel.value[part] = value.detach().to("cpu", copy=True)
             rel.output[part] = out.detach().to("cpu", copy=True)
             return out
-        return self._replay(kind, value, noise, sensitivity, part, scope)
+        return self._replay(kind, value, noise, sensitivity, part, scope, released)
 
-    def _replay(self, kind, value, noise, sensitivity, part, scope):
+    def _replay(self, kind, value, noise, sensitivity, part, scope, released=None):
         if self.divergence is None:
             rel = self._group
             if rel is None or part in rel.neighbour or part not in rel.value:
@@ -134,9 +134,11 @@ class Recorder(Tap):
             else:
                 rel.neighbour[part] = value.detach().to("cpu", copy=True)
                 # a copy: the caller may change it in place (DP-SGD divides it by B)
-                return rel.output[part].to(value.device, value.dtype, copy=True)
+                like = value if released is None else released
+                return rel.output[part].to(like.device, like.dtype, copy=True)
         self.extra_releases += 1
-        return value + noise.to(value.dtype)  # off the recorded path: nothing frozen
+        # off the recorded path: nothing frozen
+        return value + noise.to(value.dtype) if released is None else released
 
     def batches(self, masks, n):
         scope = tuple(sorted(current_scope().items()))

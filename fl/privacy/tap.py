@@ -49,12 +49,15 @@ class Tap:
         noise: torch.Tensor,
         sensitivity: float,
         part: str = "",
+        released: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The released tensor for ``value`` (q(D), flat or shaped) and ``noise``.
         ``sensitivity``: the ℓ2 bound on ‖q(D) − q(D′)‖ the release's accounting assumes
         (over all parts of one release together); ``part``: the name of this tensor when
-        one release is made of several (a client-level aggregate, one per state key)."""
-        return value + noise.to(value.dtype)
+        one release is made of several (a client-level aggregate, one per state key).
+        ``released``: what is actually released when it is a public map of value + noise
+        computed by the caller (FedASK's B-sum from the W-space sum); default value + noise."""
+        return value + noise.to(value.dtype) if released is None else released
 
     def batches(self, masks: list[torch.Tensor], n: int) -> list[torch.Tensor]:
         """The Poisson batches of one local training: ``masks`` (one bool vector per step
@@ -99,15 +102,20 @@ def current_scope() -> dict:
 
 
 def release(
-    kind: str, value: torch.Tensor, noise: torch.Tensor, sensitivity: float, part: str = ""
+    kind: str,
+    value: torch.Tensor,
+    noise: torch.Tensor,
+    sensitivity: float,
+    part: str = "",
+    released: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``value + noise``, through the installed tap if there is one (see :class:`Tap`).
-    The result is a new tensor unless no tap is installed and ``value`` may be reused
-    (callers treat ``value`` as consumed)."""
+    """``value + noise`` (or ``released``), through the installed tap if there is one (see
+    :class:`Tap`). The result is a new tensor unless no tap is installed and ``value``
+    may be reused (callers treat ``value`` as consumed)."""
     tap = _TAP.get()
     if tap is None:
-        return value.add_(noise.to(value.dtype))
-    return tap.release(kind, value, noise, sensitivity, part)
+        return value.add_(noise.to(value.dtype)) if released is None else released
+    return tap.release(kind, value, noise, sensitivity, part, released)
 
 
 def batches(masks: list[torch.Tensor], n: int) -> list[torch.Tensor]:

@@ -69,6 +69,7 @@ import torch
 
 from fl.errors import UsageError
 from fl.models import factors as F
+from fl.privacy import tap
 from fl.privacy.dpsgd import (
     DpSgdParams,
     clip_factors,
@@ -311,6 +312,23 @@ class WSpaceClipper:
         finally:
             self._clear()
 
+    def _tapped_b(self, p, summed, noise, z, A, dp, part: str) -> torch.Tensor:
+        """The B factor's release through the tap (a neighbour replay is watching). What
+        is compared lives in A's row space, where the W-space sum is released: with
+        A = U S Vᵀ the released B-sum s·(Σ_W + Z)Aᵀ is a public map of (Σ_W + Z)·V, whose
+        value part Σ_W·V = summed·U/(s·S) moves by at most ‖ΔΣ_W‖ ≤ C (V orthonormal):
+        the release's declared sensitivity, jointly with the head. What is released (and
+        frozen on D′) is the B-sum computed as without a tap, bit for bit. Sets
+        ``p.grad``; returns the noisy B-space sum (what canaries observe)."""
+        U, S, V = (t.to(p.device) for t in slot_basis(A))
+        value = summed.double() @ U / (self.s * S)  # Σ_W V (m×r)
+        noisy = tap.release(
+            "dpsgd-wspace", value, z.double() @ V, dp.clip, part=part, released=summed + noise
+        )
+        p.grad = (noisy / dp.expected_batch).to(p.dtype)
+        p.grad_sample = None
+        return noisy
+
     def _canary_slots(self, params, cc) -> dict[int, _Slots]:
         """The canaries of ``cc`` per parameter index (cached for the local training: A
         is fixed within it, checked by :meth:`_apply`)."""
@@ -414,6 +432,7 @@ class WSpaceClipper:
             summed = clipped_sum(p, factor)
             if canaries is not None and i in slots:
                 self._contribute(slots[i], summed, canaries, sel)
+            tapped_ = tap.active() is not None
             if id(p) in self._bkey:
                 key = self._bkey[id(p)]
                 A = self.layers[key][2].detach()
@@ -423,9 +442,19 @@ class WSpaceClipper:
                 if self.keep_noise:
                     self.last_noise[key] = z.detach().cpu()
                 noise = self.s * (z @ A.float().mT)
+                if tapped_:
+                    noisy = self._tapped_b(p, summed, noise, z, A, dp, str(i))
+                    if canaries is not None and i in slots:
+                        self._observe(slots[i], noisy, seen)
+                    continue
             else:
                 noise = gaussian_noise(tuple(p.shape), std, generator, p.dtype, p.device)
-            noisy = set_noisy_grad(p, summed, noise, dp)
+            if tapped_:  # one release over every parameter (fl.privacy.tap)
+                noisy = tap.release("dpsgd-wspace", summed, noise, dp.clip, part=str(i))
+                p.grad = (noisy / dp.expected_batch).to(p.dtype)
+                p.grad_sample = None
+            else:
+                noisy = set_noisy_grad(p, summed, noise, dp)
             if canaries is not None and i in slots:
                 self._observe(slots[i], noisy, seen)
         if canaries is not None:

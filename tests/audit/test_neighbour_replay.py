@@ -200,3 +200,26 @@ def test_the_reports_replay_column_reads_the_file_as_untrusted(tmp_path):
     cell = replay_cell(read_replay(tmp_path), True)
     assert cell.startswith("fail (1 neighbours × 3 releases, largest ‖Δq‖/bound 1.500)")
     assert cell.endswith(": sensitivity_exceeded") and replay_cell(None, False) == "–"
+
+
+def test_fedask_w_space_is_replayed_and_recording_changes_no_bit(tmp_path):
+    """FedASK's W-space step passes its release through the tap in A's row space (the
+    W-space sum, sensitivity C); the B-sum it releases is computed as without a tap, so a
+    recorded training gives the adapter of an unrecorded one bit for bit."""
+    from fl.run.engine import train
+    from fl.testing import tiny_config
+
+    cfg = tiny_config(
+        dp_level="sample", noise_multiplier=1.0, method="fedask", insecure_deterministic_noise=True
+    )
+    train(cfg, tmp_path / "plain", quiet=True)
+    rec = Recorder()
+    rec.keep_deliveries = True
+    with tap.tapped(rec):
+        train(cfg, tmp_path / "taped", quiet=True)
+    name = "adapter/adapter_model.safetensors"
+    assert (tmp_path / "plain" / name).read_bytes() == (tmp_path / "taped" / name).read_bytes()
+    assert {r.kind for r in rec.releases} == {"dpsgd-wspace"}
+    res = replay_recorded(cfg, tmp_path / "taped", rec, kinds="remove")
+    assert res["verdict"] == "pass", res["findings"]
+    assert 0.9 < res["neighbours"][0]["comparison"]["max_ratio"] <= 1 + 1e-4
