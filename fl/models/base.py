@@ -8,7 +8,8 @@ Models by name:
   ever needed.
 - any local Hugging Face model folder.
 
-The classification head (``classifier`` for BERT, ``score`` for GPT-2) is trained and
+The classification head (``classifier`` for BERT, ``score`` for GPT-2, Llama, Qwen2 and
+other decoders: :func:`head_module`) is trained and
 released with the LoRA factors (peft ``modules_to_save``); it is trained under the
 same DP mechanism as the factors and is part of every released adapter. It reads the
 pooled encoder output chosen by ``pooling`` (:mod:`fl.models.heads`: the CLS pooler, or the mean
