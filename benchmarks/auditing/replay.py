@@ -37,6 +37,7 @@ CORRECT = [
     ("flexlora", "sample"),
     ("hetlora", "sample"),
     ("fedpower", "sample"),
+    ("fedask", "sample"),
     ("fedavg", "client"),
     ("ffa", "client"),
     ("fedprox", "client"),
