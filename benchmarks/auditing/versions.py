@@ -88,7 +88,7 @@ LIBRARIES: dict[str, dict] = {
         "last": "0.6.0",
         "cases_module": "benchmarks.auditing.libraries_pfl",
         "stated_in": "audit.libraries.pfl.compat",
-        "cases": ["full_accountant", "laplace_full", "low_sigma", "overshoot"],
+        "cases": ["full_accountant", "laplace_full", "low_sigma", "clip_mismatch"],
         # what pfl's cases import: the range starts at the oldest release where this works
         "probe": "import pfl.model.pytorch, pfl.privacy, pfl.aggregate.simulate",
     },
@@ -127,6 +127,10 @@ KNOWN = {
     "1.12.0 1.11.1 1.11.0 1.10.0 1.9.0 1.8.0 1.7.0 1.6.0 1.5.0",
     "pfl": "0.6.0 0.5.2 0.5.1 0.5.0 0.4.0 0.3.1 0.3.0 0.2.0 0.1.0",
 }
+
+#: the pseudo-case run first on every release: the audit module's ``check_version()``
+#: (a release in the range it states is accepted, one outside refused naming it)
+CHECK = "version_check"
 
 #: the marker of the child's result lines on stdout
 MARK = "@@versions@@ "
@@ -466,7 +470,8 @@ def probe(module: str, overlays: list[Path], code: str = "", env: dict | None = 
 #: error is that case's error, and every case's)
 CHILD = r"""
 import importlib, importlib.metadata as md, json, sys, time, traceback
-MARK, ROOT, lib, modname, dist, cases_module, *cases = sys.argv[1:]
+CHECK = "version_check"
+MARK, ROOT, lib, modname, dist, cases_module, stated_in, *cases = sys.argv[1:]
 head = {"dist_version": None, "module_version": None, "module_file": None}
 try:
     head["dist_version"] = md.version(dist)
@@ -486,6 +491,12 @@ for case in cases:
     t0 = time.time()
     out = {"case": case}
     try:
+        if case == CHECK:  # the audit's own version check, apart from any training
+            out.update(kind="check", what="check_version()")
+            importlib.import_module(stated_in).check_version()
+            out.update(verdict="accepted", findings=[])
+            print(MARK + json.dumps({**out, "seconds": time.time() - t0}), flush=True)
+            continue
         mod = importlib.import_module(cases_module)
         from benchmarks.auditing.libraries import row
         kinds = {c[0]: c[1:] for c in mod.CASES}
@@ -515,7 +526,7 @@ def run_cases(lib: str, cases: list[str], overlay: Path, timeout: float = 900) -
     """The cases of ``lib`` in one child on ``overlay``: {"head": ..., "cases": [...]}."""
     spec = LIBRARIES[lib]
     args = [MARK, str(ROOT) + os.sep, lib, spec["module"], spec["dist"], spec["cases_module"]]
-    args += cases
+    args += [spec["stated_in"], *cases]
     try:
         r = subprocess.run(
             [sys.executable, "-c", CHILD, *args],
@@ -557,6 +568,8 @@ def kinds(lib: str) -> dict[str, str]:
 
 def expected_verdict(kind: str | None) -> str | None:
     """The library table's rule (:func:`benchmarks.auditing.libraries.row`)."""
+    if kind == "check":
+        return "accepted"
     return None if kind is None else "pass" if kind == "correct" else "fail"
 
 
@@ -571,7 +584,7 @@ def row(
 ) -> dict:
     """One table row: (library, version, case) and what happened. ``stated_spec``: the
     range the audit module states (a release outside it should be refused)."""
-    kind = c.get("kind") or kinds(lib).get(c["case"])
+    kind = c.get("kind") or ("check" if c["case"] == CHECK else kinds(lib).get(c["case"]))
     isolated = bool(head.get("module_file")) and str(overlay) in str(head.get("module_file"))
     seen = head.get("module_version") or head.get("dist_version")
     r = {
@@ -836,8 +849,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"errors {info['errors']}",
                     flush=True,
                 )
-                # out of range: the first case shows the refusal
-                res = run_cases(lib, cases if ranged else cases[:1], ov)
+                # the audit's version check first; out of range, it and the first case
+                # show the refusal
+                res = run_cases(lib, [CHECK, *(cases if ranged else cases[:1])], ov)
                 for c in res["cases"]:
                     rows.append(row(lib, v, ranged, res["head"], c, ov, rng["stated_spec"]))
                     r = rows[-1]

@@ -68,6 +68,17 @@ def test_rows_status_and_table():
         "opacus", "1.3.0", False, head, {"case": "x", "error": "E: needs 1.4; 1.3.0"}, Path("/w/o")
     )
     assert out["status"] == "as expected" and out["expected"].startswith("clear error")
+    chk = V.row(
+        "opacus",
+        "1.4.0",
+        True,
+        {"module_version": "1.4.0", "module_file": "/w/o/opacus/__init__.py"},
+        {"case": V.CHECK, "verdict": "accepted"},
+        Path("/w/o"),
+    )
+    assert (
+        chk["kind"] == "check" and chk["expected"] == "accepted" and chk["status"] == "as expected"
+    )
     spec = V.parse_stated("flwr >= 1.20, < 1.43 (1.20 … 1.42; the Message API from 1.21)")
     assert spec == "<1.43,>=1.20" and V.in_stated("1.42.0", spec) and not V.in_stated("1.8.0", spec)
     assert V.in_stated("1.8.0", None) is None and V.parse_stated("nonsense ((") is None
