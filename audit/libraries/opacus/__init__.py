@@ -84,16 +84,21 @@ accountant's.
 
 from __future__ import annotations
 
-from audit.libraries.opacus.canaries import (
-    CanaryBlock,
-    CanaryDataset,
-    CanaryLoss,
-    CanaryModel,
-    SamplerCanaries,
-)
-from audit.libraries.opacus.recorder import OpacusAudit
-from audit.libraries.opacus.verdict import REL_TOL
-from audit.libraries.opacus.versions import SUPPORTED, check_version
+from fl.lazy import lazy_exports
+
+#: public name -> the module that defines it, imported on first use (the package itself
+#: imports neither torch nor opacus)
+_EXPORTS = {
+    "CanaryBlock": "audit.libraries.opacus.canaries",
+    "CanaryDataset": "audit.libraries.opacus.canaries",
+    "CanaryLoss": "audit.libraries.opacus.canaries",
+    "CanaryModel": "audit.libraries.opacus.canaries",
+    "SamplerCanaries": "audit.libraries.opacus.canaries",
+    "OpacusAudit": "audit.libraries.opacus.recorder",
+    "REL_TOL": "audit.libraries.opacus.verdict",
+    "SUPPORTED": "audit.libraries.opacus.versions",
+    "check_version": "audit.libraries.opacus.versions",
+}
 
 __all__ = [
     "MODES",
@@ -129,6 +134,9 @@ MODES = {
 }
 
 
-def attach(canaries: SamplerCanaries, privacy_engine, optimizer, data_loader) -> OpacusAudit:
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
+
+def attach(canaries, privacy_engine, optimizer, data_loader):
     """Instrument what ``make_private`` (or ``make_private_with_epsilon``) returned."""
     return canaries.attach(privacy_engine, optimizer, data_loader)
