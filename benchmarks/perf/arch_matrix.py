@@ -40,7 +40,15 @@ def one(folder: str, task: str, method: str, level: str, out: Path) -> dict:
         cfg = tiny_lm_config(**kw)
     else:
         cfg = tiny_config(
-            members=60, nonmembers=20, test=20, max_length=16, local_steps=2, batch_size=8, **kw
+            members=60,
+            nonmembers=20,
+            test=20,
+            max_length=16,
+            clients=2,
+            rounds=1,
+            local_steps=2,
+            batch_size=8,
+            **kw,
         )
     t0 = time.perf_counter()
     row = {"task": task, "method": method, "level": level}
