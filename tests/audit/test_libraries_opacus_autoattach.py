@@ -87,7 +87,7 @@ def _data(n=200, seed=1):
     return TensorDataset(x, (x[:, 0] > 0).long())
 
 
-def _train(*, transform=None, ghost=False, shuffle_only=False):
+def _train(*, transform=None, ghost=False, shuffle_only=False, per_layer=False, physical=None):
     """A user's loop, no audit code in it: returns what it trained with."""
 
     def train():
@@ -98,12 +98,20 @@ def _train(*, transform=None, ghost=False, shuffle_only=False):
         kw = {"poisson_sampling": not shuffle_only}
         if ghost:
             kw.update(grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss())
+        if per_layer:  # four norms of 0.5: C = 1 (the canary block's adds a fifth)
+            kw.update(clipping="per_layer")
         out = PrivacyEngine().make_private(
             module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-            max_grad_norm=1.0, **kw,
+            max_grad_norm=[0.5] * 4 if per_layer else 1.0, **kw,
         )  # fmt: skip
         model, opt, loader = out[0], out[1], out[-1]
         crit = out[2] if ghost else nn.CrossEntropyLoss()
+        if physical:  # BatchMemoryManager: physical batches, one noised step per logical one
+            from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+            loader = BatchMemoryManager(
+                data_loader=loader, max_physical_batch_size=physical, optimizer=opt
+            ).__enter__()
         for xb, yb in loader:
             opt.zero_grad()
             xb = transform(xb) if transform else xb
@@ -113,13 +121,17 @@ def _train(*, transform=None, ghost=False, shuffle_only=False):
     return train
 
 
-def test_a_loop_that_transforms_the_batch_and_ghost_clipping_carry_the_canaries():
+def test_a_transformed_batch_ghost_per_layer_and_physical_batches_carry_the_canaries():
     res = run_with_canaries(_train(transform=lambda x: x * 2.0), CLAIM, **_fast())
     assert res["verdict"] == "pass", res["findings"]
     assert res["runs"][0]["side_channel"]["by_order"] == 10  # matched by size and order
     res = run_with_canaries(_train(ghost=True), CLAIM, **_fast())
     assert res["runs"][0]["mode"] == "ghost" and res["verdict"] == "pass", res["findings"]
     assert res["coverage"]["tested"]["sampling"]  # the criterion carried the canaries
+    res = run_with_canaries(_train(per_layer=True), CLAIM, **_fast())
+    assert res["runs"][0]["mode"] == "per_layer" and res["verdict"] == "pass", res["findings"]
+    res = run_with_canaries(_train(physical=6), CLAIM, **_fast())
+    assert res["verdict"] == "pass" and res["runs"][0]["run"]["steps"] == 10, res["findings"]
 
 
 def test_the_side_channel_finds_each_batch_by_tag_fingerprint_or_order():

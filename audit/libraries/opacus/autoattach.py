@@ -328,7 +328,7 @@ class CanaryRun:
             raise
         dp_opt, dp_loader = out[1], out[-1]
         if poisson:  # the mechanism is the user's: q and steps from the user's loader
-            dp_opt.expected_batch_size = int(len(loader.dataset) / len(loader))
+            dp_opt.expected_batch_size = int(len(loader.dataset) * (1 / len(loader)))
         self.audits.append(can.attach(engine, dp_opt, dp_loader))
         self.models.append(model)
         self.channels.append(ch)
@@ -352,12 +352,16 @@ class CanaryRun:
                 continue
             if claim is None or self.error:
                 continue
+            run_claim, extra = _per_layer_claim(a, claim)
             try:
-                res = a.audit(claim, permutations=permutations, alpha=alpha, seed=self.seed)
+                res = a.audit(run_claim, permutations=permutations, alpha=alpha, seed=self.seed)
             except ValueError as exc:  # e.g. fewer than two noised steps
                 reasons.append(f"run {k + 1}: {exc}")
                 continue
             res["side_channel"] = {"by_order": ch.by_order, "unmatched": ch.unmatched}
+            res["findings"] = extra + res["findings"]
+            if extra:
+                res["verdict"], res["exit_code"] = "fail", 1
             runs.append(res)
             cov.merge(Coverage.from_dict(res["coverage"]))
             for f in res["findings"]:
@@ -393,6 +397,30 @@ class CanaryRun:
             "runs": runs,
             "reasons": reasons,
         }
+
+
+def _per_layer_claim(a, claim):
+    """Per-layer clipping: the canary block's norm c is one more entry of Opacus's norm
+    vector, so the run's C (the norm of the vector, which scales every coordinate's noise)
+    is sqrt(C_user² + c²): more noise, the same σ, the same ε. The claim's C is checked
+    here against the user's norms, and the canary audit is handed the claim at the run's C
+    (its other fields as claimed)."""
+    if claim is None or a.mode != "per_layer" or claim.clipping_norm is None:
+        return claim, []
+    import dataclasses
+
+    c_run = float(a.optimizer.max_grad_norm)
+    c_user = math.sqrt(max(c_run**2 - float(a._per_layer_clip) ** 2, 0.0))
+    found = []
+    if abs(claim.clipping_norm - c_user) > 1e-6 * max(c_user, 1e-300):
+        found.append(
+            {
+                "code": "clipping_norm_mismatch",
+                "message": f"the claim's clipping_norm = {claim.clipping_norm:.6g} but the "
+                f"run's per-layer norms have norm {c_user:.6g}",
+            }
+        )
+    return dataclasses.replace(claim, clipping_norm=c_run), found
 
 
 def _cannot(module, opt, loader, kw: dict) -> str | None:
