@@ -393,7 +393,8 @@ def make_overlay(dist: str, version: str, target: Path, rounds: int = 5) -> dict
         for name, (_ver, d) in overlay.items():
             for n, spec in unmet(d.requires or [], extras.get(name, set()), flat):
                 if n in pins:
-                    left_now.append(f"{name} needs {spec}: the project pins {n}=={pins[n]}")
+                    if not any(f"install {n} " in x for x in left):  # said once
+                        left_now.append(f"{name} needs {spec}: the project pins {n}=={pins[n]}")
                     continue
                 if n in NEVER or spec in tried:
                     left_now.append(f"{name} needs {spec}")
