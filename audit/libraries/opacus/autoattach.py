@@ -519,7 +519,7 @@ def run_with_canaries(
     trained = time.time() - t0
     res = run.audit(claim, permutations=permutations)
     res["printed"] = buf.getvalue()
-    res["seconds"] = {"run": round(trained, 2), "audit": round(time.time() - t0 - trained, 2)}
-    if math.isfinite(trained):
-        res["seconds"]["total"] = round(time.time() - t0, 2)
+    total = time.time() - t0
+    res["seconds"] = {"run": round(trained, 2), "audit": round(total - trained, 2),
+                      "total": round(total, 2)}  # fmt: skip
     return res
