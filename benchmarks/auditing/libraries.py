@@ -84,15 +84,48 @@ UNDETECTABLE = [
 ]
 
 
+#: the neighbours each library's replay tries for the table (docs/replay.md): a typical
+#: record (client, user) removed or replaced, and one far above C placed at both ends of the
+#: batches. The adversarial ones are left to the tests: a NaN record or client fails every
+#: library (NaN passes Opacus's and Flower's clip), a client with no data crashes Flower's
+#: clip, a huge num_examples moves FedAvg's weighted mean (tests/audit/test_replay_*.py)
+REPLAY_NEIGHBOURS = {
+    "opacus": "remove,scaled@end,scaled@start",
+    # token records: no float features to scale (remove and a duplicate)
+    "hf_trainer": "remove,duplicate@end",
+    "flower": "replace,huge",
+    "pfl": "replace,huge",
+}
+#: the replay's trainings: Opacus MLP and LoRA steps, HF and Flower quick, pfl rounds
+REPLAY_STEPS, REPLAY_PFL_ROUNDS = 60, 5
+#: rows the replay cannot drive, with the reason (a "not run" replay)
+REPLAY_NOT_RUN = {
+    (
+        "hf_trainer",
+        "trainer_own_loader",
+    ): "the Trainer builds its own loader from train_dataset: the neighbour reaches only "
+    "make_private's loader, which the training does not use (a replay there would compare "
+    "D with D's records shifted, not with a neighbour)",
+}
+#: (library, case) -> (the expected verdict, why) where it is not the kind's ("correct":
+#: pass, else fail); filled from what the rows measured, each with its reason
+EXPECTED: dict[tuple[str, str], tuple[str, str]] = {}
+#: what the replay's findings are (the script audit's other findings are its noise tests)
+REPLAY_CODES = ("sensitivity_exceeded", "data_dependent_release", "replay_empty")
+
+
 def train_and_audit(
     case: str,
     steps: int,
     seed: int = 0,
     sigma: float = 1.0,
     permutations: int = PERMUTATIONS,
+    audit: bool = True,
 ) -> dict:
     """Train the MLP through Opacus in mode ``case`` for ``steps`` noised steps and audit it;
-    returns the audit's result with ``wall_s`` and ``case``."""
+    returns the audit's result with ``wall_s`` and ``case``. ``audit=False`` (the neighbour
+    replay calls the training once per neighbour): the training only, no canary statistics;
+    returns ``{"case", "claim", "wall_s"}``."""
     import torch
     from opacus import PrivacyEngine
     from opacus.utils.batch_memory_manager import BatchMemoryManager
@@ -104,7 +137,7 @@ def train_and_audit(
     t0 = time.time()
     warnings.filterwarnings("ignore")
     if case == "peft_lora":
-        return _lora(steps, seed, sigma, permutations, t0)
+        return _lora(steps, seed, sigma, permutations, t0, audit=audit)
     g = torch.Generator().manual_seed(1000 + seed)
     x = torch.randn(N, 10, generator=g)
     y = (x[:, 0] + 0.3 * x[:, 1] > 0).long()
@@ -158,7 +191,7 @@ def train_and_audit(
             max_grad_norm=CLIP,
             poisson_sampling=case != "flat_shuffle_as_poisson",
         )
-    audit = can.attach(pe, opt, loader)
+    obs = can.attach(pe, opt, loader)
     done = 0
     while done < steps:
         if case == "batch_memory_manager":
@@ -169,7 +202,7 @@ def train_and_audit(
                     opt.zero_grad()
                     crit(model(xb, cid), yb).backward()
                     opt.step()
-                    done = len(audit.obs)
+                    done = len(obs.obs)
                     if done >= steps:
                         break
         else:
@@ -177,13 +210,13 @@ def train_and_audit(
                 opt.zero_grad()
                 crit(model(xb, cid), yb).backward()
                 opt.step()
-                done = len(audit.obs)
+                done = len(obs.obs)
                 if done >= steps:
                     break
     train_s = time.time() - t0
     # Opacus's accountant at a tiny σ grows past memory (measured: killed at 22 GB for
     # σ ≈ 0.02); the calibrated runs claim their target ε and do not ask it here
-    eps_acc = None if claimed_eps else pe.get_epsilon(DELTA)
+    eps_acc = None if claimed_eps or not audit else pe.get_epsilon(DELTA)
     # the claim a user of Opacus writes: Opacus's σ (the calibrated one for the misuses),
     # its q and steps, Poisson sampling, the accountant's ε (target ε for the calibrated runs)
     per_layer_c = float(opt.max_grad_norm)
@@ -192,21 +225,25 @@ def train_and_audit(
         noise_multiplier=claim_sigma,
         sampling="poisson",
         rounds=1,
-        steps_per_round=len(audit.obs),
+        steps_per_round=len(obs.obs),
         sample_rate=q,
         clipping_norm=per_layer_c,
         claimed_epsilon=claimed_eps if claimed_eps else eps_acc,
         delta=DELTA,
         accounting="composed",
     )
-    res = audit.audit(claim, permutations=permutations, seed=seed)
+    if not audit:
+        return {"case": case, "claim": claim, "wall_s": time.time() - t0}
+    res = obs.audit(claim, permutations=permutations, seed=seed)
     res["case"] = case
     res["train_s"] = train_s
     res["wall_s"] = time.time() - t0
     return res
 
 
-def _lora(steps: int, seed: int, sigma: float, permutations: int, t0: float) -> dict:
+def _lora(
+    steps: int, seed: int, sigma: float, permutations: int, t0: float, audit: bool = True
+) -> dict:
     """Tiny BERT + PEFT LoRA (docs/examples/opacus_peft_audit.py's model and data) through
     Opacus's flat clipping and Poisson batches, with the sampler canaries."""
     import torch
@@ -230,9 +267,9 @@ def _lora(steps: int, seed: int, sigma: float, permutations: int, t0: float) -> 
         noise_multiplier=sigma,
         max_grad_norm=CLIP,
     )
-    audit = can.attach(pe, opt, loader)
+    obs = can.attach(pe, opt, loader)
     model.train()
-    while len(audit.obs) < steps:
+    while len(obs.obs) < steps:
         for x, mask, y, cid in loader:
             opt.zero_grad()
             if len(y):
@@ -242,7 +279,7 @@ def _lora(steps: int, seed: int, sigma: float, permutations: int, t0: float) -> 
                 for p in opt.params:
                     p.grad_sample = torch.zeros((0, *p.shape))
             opt.step()
-            if len(audit.obs) >= steps:
+            if len(obs.obs) >= steps:
                 break
     train_s = time.time() - t0
     claim = dict(
@@ -250,16 +287,103 @@ def _lora(steps: int, seed: int, sigma: float, permutations: int, t0: float) -> 
         noise_multiplier=sigma,
         sampling="poisson",
         rounds=1,
-        steps_per_round=len(audit.obs),
+        steps_per_round=len(obs.obs),
         sample_rate=1 / len(loader),
         clipping_norm=CLIP,
-        claimed_epsilon=pe.get_epsilon(DELTA),
+        claimed_epsilon=pe.get_epsilon(DELTA) if audit else None,
         delta=DELTA,
         accounting="composed",
     )
-    res = audit.audit(claim, permutations=permutations, seed=seed)
+    if not audit:
+        return {"case": "peft_lora", "claim": claim, "wall_s": time.time() - t0}
+    res = obs.audit(claim, permutations=permutations, seed=seed)
     res.update(case="peft_lora", train_s=train_s, wall_s=time.time() - t0)
     return res
+
+
+def _script_replay(train, clip: float | None, neighbours: str) -> dict:
+    """The replay column from :func:`audit.replay.script.audit_script` on ``train`` (a
+    training without the canary statistics), held to ``clip`` (the claim's C)."""
+    import contextlib
+    import io
+    import types
+
+    from audit.replay.script import audit_script
+
+    def quiet():  # what the training prints (the Trainer's timing) is not what is compared
+        with contextlib.redirect_stdout(io.StringIO()):
+            train()
+
+    claim = types.SimpleNamespace(clipping_norm=clip, noise_multiplier=None)
+    res = audit_script(quiet, claim, neighbours)
+    rp = res["replay"]
+    compared = [n["comparison"] for n in rp["neighbours"] if "comparison" in n]
+    codes = [
+        f["code"]
+        for f in res["findings"]
+        if f["code"] in REPLAY_CODES and (f["severity"] == "error" or f["code"] == "replay_empty")
+    ]
+    errors = [c for c in codes if c != "replay_empty"]
+    verdict = "fail" if errors else ("pass" if rp["releases"] and compared else "not run")
+    ratios = [c["max_ratio"] for c in compared if c["max_ratio"] is not None]
+    return {
+        "verdict": verdict,
+        "neighbours": len(compared),
+        "releases": int(rp["releases"]),
+        "findings": list(dict.fromkeys(codes)),
+        "max_ratio": max(ratios) if ratios else None,
+        "seconds": round(sum(rp["seconds"].values()), 2),
+    }
+
+
+def replay_case(lib: str, case: str, res: dict) -> dict:
+    """The neighbour replay of one row (:data:`REPLAY_NEIGHBOURS`): ``{"verdict", "neighbours",
+    "releases", "findings"}`` (:mod:`audit.libraries.results`' format) plus ``max_ratio``
+    (the largest ‖q(D) − q(D′)‖ / bound) and ``seconds``. ``res``: the row's canary audit
+    (its claim)."""
+    why = REPLAY_NOT_RUN.get((lib, case))
+    if why:
+        return {"verdict": "not run", "neighbours": 0, "releases": 0, "findings": [], "reason": why}
+    claim = res.get("claim") or {}
+    nb = REPLAY_NEIGHBOURS[lib]
+    if lib == "opacus":
+        return _script_replay(
+            lambda: train_and_audit(case, REPLAY_STEPS, audit=False),
+            claim.get("clipping_norm"),
+            nb,
+        )
+    if lib == "hf_trainer":
+        from benchmarks.auditing.libraries_hf import CLIP as HF_CLIP
+        from benchmarks.auditing.libraries_hf import run_case
+
+        return _script_replay(
+            lambda: run_case(case, quick=True, permutations=99),
+            claim.get("clipping_norm") or HF_CLIP,
+            nb,
+        )
+    t0 = time.time()
+    if lib == "flower":
+        import functools
+
+        from audit.libraries.replay_glue import replay_flower_case
+        from audit.replay.flower import summary
+        from benchmarks.auditing.libraries_flower import build
+
+        out = replay_flower_case(
+            functools.partial(build, case, quick=True, seed=0), neighbours=nb, seed=0
+        )
+    else:
+        from audit.libraries.replay_glue import replay_pfl_case
+        from audit.replay.flower import summary
+        from benchmarks.auditing.libraries_pfl import simulate
+
+        sigma = claim.get("noise_multiplier")
+        out = replay_pfl_case(
+            lambda: simulate(case, seed=0, rounds=REPLAY_PFL_ROUNDS, sigma=sigma),
+            claim=claim,
+            neighbours=nb,
+        )
+    return {**summary(out), "max_ratio": out["max_ratio"], "seconds": round(time.time() - t0, 2)}
 
 
 def _p(res: dict, group: str) -> float | None:
@@ -269,9 +393,34 @@ def _p(res: dict, group: str) -> float | None:
     return None
 
 
-def row(res: dict, kind: str, what: str, version: str) -> dict:
-    """One table row from a library audit's result (any library: the keys are shared)."""
+def row(
+    res: dict, kind: str, what: str, version: str, replay: dict | None = None, lib: str = ""
+) -> dict:
+    """One table row from a library audit's result (any library: the keys are shared) and
+    its neighbour replay (:func:`replay_case`). The verdict is both instruments': a failed
+    replay fails the row (its findings join the row's), a passed one tests the clipping
+    (:class:`audit.coverage.Coverage`), so a part the canaries could not reach may be
+    covered by it; ``expected`` is :data:`EXPECTED`'s where a row's is not its kind's."""
+    from audit.coverage import Coverage, decide
+
     conf = res["conformance"]
+    findings = [f["code"] for f in res["findings"]]
+    verdict, untested, coverage = res["verdict"], res["untested"], res.get("coverage")
+    if replay is not None:
+        failed = replay["verdict"] == "fail"
+        if failed:
+            findings += [c for c in replay["findings"] if c not in findings]
+        if coverage is not None:
+            cov = Coverage.from_dict(coverage)
+            if replay["verdict"] == "pass":
+                cov.add("clipping", "replay")
+            verdict = decide(verdict == "fail" or failed, cov)[0]
+            coverage, untested = cov.to_dict(), cov.untested()
+        elif failed:
+            verdict = "fail"
+    expected, reason = EXPECTED.get(
+        (lib, res["case"]), ("pass" if kind == "correct" else "fail", "")
+    )
     worst = min(
         (t for t in conf["tests"] if "observed_over_claimed" in t and t["test"] == "scale"),
         key=lambda t: t["observed_over_claimed"],
@@ -295,15 +444,32 @@ def row(res: dict, kind: str, what: str, version: str) -> dict:
         "sampling_p_release": _p(res, "sampling:release"),
         "sampling_p_sampler": _p(res, "sampling:sampler"),
         "sampling_p_rate": _p(res, "sampling:rate"),
-        "findings": [f["code"] for f in res["findings"]],
+        "findings": findings,
         "canary_clip_error": res.get("canary_clip_error"),
-        "untested": res["untested"],
-        "verdict": res["verdict"],
-        "expected": "pass" if kind == "correct" else "fail",
+        "untested": untested,
+        "coverage": coverage,
+        "replay": replay,
+        "canary_verdict": res["verdict"],
+        "verdict": verdict,
+        "expected": expected,
+        "expected_reason": reason,
         "steps": res["run"].get("steps"),
         "sigma_run": res["run"].get("noise_multiplier"),
         "wall_s": res["wall_s"],
     }
+
+
+def _replay_cell(rep: dict | None) -> str:
+    """The replay column: verdict, neighbours × releases, the largest ‖Δq‖/bound."""
+    if rep is None:
+        return "—"
+    if rep["verdict"] == "not run":
+        return "not run" + (f": {rep['reason']}" if rep.get("reason") else "")
+    ratio = f", max ‖Δq‖/bound {_fmt(rep.get('max_ratio'))}" if rep.get("max_ratio") else ""
+    text = f"{rep['verdict']} ({rep['neighbours']} nb × {rep['releases']} rel{ratio})"
+    if rep["findings"]:
+        text += ": " + ", ".join(rep["findings"])
+    return text
 
 
 def _fmt(x, nd=3) -> str:
@@ -361,8 +527,8 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
         "",
         "| library | version | mode | kind | claimed ε | recomputed ε | library accountant ε | "
         "ε lower bound | implied ε | conformance | noise obs/claimed | sampling p (release) | "
-        "sampling p (sampler) | rate p | findings | verdict | expected | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "sampling p (sampler) | rate p | findings | replay | verdict | expected | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
@@ -384,8 +550,9 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
                     _fmt(r["sampling_p_sampler"]),
                     _fmt(r["sampling_p_rate"]),
                     ", ".join(dict.fromkeys(r["findings"])) or "—",
+                    _replay_cell(r.get("replay")),
                     r["verdict"],
-                    r["expected"],
+                    r["expected"] + ("²" if r.get("expected_reason") else ""),
                     f"{r['wall_s']:.1f}",
                 ]
             )
@@ -394,8 +561,15 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
     for u in undetectable:
         out.append(
             f"| {u['library']} | {u['version']} | {u['misuse']} | misuse | — | — | — | — | — | "
-            f"— | — | — | — | — | not detectable: {u['reason']} | — | — | — |"
+            f"— | — | — | — | — | not detectable: {u['reason']} | — | — | — | — |"
         )
+    reasons = [r for r in rows if r.get("expected_reason")]
+    if reasons:
+        out += ["", "² Expected verdicts that are not their kind's, and why:", ""]
+        out += [
+            f"- {r['library']} {r['mode']}: {r['expected']} — {r['expected_reason']}"
+            for r in reasons
+        ]
     if power:
         out += [
             "",
@@ -429,6 +603,19 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
         "permutations), rate p: the included canaries' draws against Binomial(T·n, q). The "
         "Opacus rows: MLP σ = 1 (unless calibrated), C = 1, δ = 1e-5, 300 noised steps; the "
         "ε lower bound from 128 canaries; ghost clipping's canaries carry noise only. "
+        "Replay: the neighbour replay (docs/replay.md; Opacus and the Trainer by "
+        "`audit.replay.script.audit_script`, Flower and pfl by `audit.replay.flower` / "
+        "`audit.replay.pfl`): the same training run on D and on each neighbour with every "
+        "random draw frozen, ‖q(D) − q(D′)‖ at every noise call against the bound derived "
+        "from the mechanism (C for a record added or removed; 2·std/σ = 2C/m for a Flower "
+        "client replaced; LocalDpMod's own sensitivity; 2·C·σ_mech/σ_claim for a pfl user "
+        f"replaced). Neighbours: {'; '.join(f'{k}: {v}' for k, v in REPLAY_NEIGHBOURS.items())}"
+        f" ({REPLAY_STEPS} Opacus steps, the Trainer's and Flower's quick runs, "
+        f"{REPLAY_PFL_ROUNDS} pfl rounds); nb × rel: neighbours compared × releases; a "
+        "failed replay fails the row (its findings join the row's), a passed one tests the "
+        "clipping. The verdict is both instruments' (`audit.coverage.decide`): pass only "
+        "when sampling, clipping, noise and accounting were each tested, incomplete (exit 4) "
+        "otherwise. A pass of the replay covers only the neighbours and positions tried. "
         "Details per library: docs/audit.md (Opacus), docs/audit_hf_trainer.md, "
         "docs/audit_flower.md, docs/audit_pfl.md.",
         "",
@@ -475,7 +662,7 @@ def _print(r: dict) -> None:
         f"{r['library']:10s} {r['mode']:26s} verdict {r['verdict']:4s} (expected "
         f"{r['expected']}) ε claimed {_fmt(r['claimed_epsilon'])} recomputed "
         f"{_fmt(r['recomputed_epsilon'])} implied {_fmt(r['implied_epsilon'])} "
-        f"{sorted(set(r['findings']))} {r['wall_s']:.1f}s",
+        f"{sorted(set(r['findings']))} replay {_replay_cell(r.get('replay'))} {r['wall_s']:.1f}s",
         flush=True,
     )
 
@@ -490,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--library", action="append", choices=sorted(LIBRARIES), help="default: all four"
     )
+    ap.add_argument("--no-replay", action="store_true", help="the canary audits only")
     a = ap.parse_args(argv)
     import importlib
 
@@ -518,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             for case, kind, what in CASES:
                 res = train_and_audit(case, steps, permutations=PERMUTATIONS)
-                rows.append(row(res, kind, what, versions["opacus"]))
+                rep = replay_case(lib, case, res) if not a.no_replay else None
+                rows.append(row(res, kind, what, versions["opacus"], rep, lib))
                 _print(rows[-1])
             undet, version = UNDETECTABLE, versions["opacus"]
         else:
@@ -537,7 +726,8 @@ def main(argv: list[str] | None = None) -> int:
             for case, kind, what in mod.CASES:
                 res = mod.run_case(case, seed=0, quick=a.quick, permutations=PERMUTATIONS)
                 version = version or str(res.get("version", "?"))
-                rows.append(row(res, kind, what, version))
+                rep = replay_case(lib, case, res) if not a.no_replay else None
+                rows.append(row(res, kind, what, version, rep, lib))
                 _print(rows[-1])
             undet = mod.UNDETECTABLE
         undetectable += [
