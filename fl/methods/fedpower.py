@@ -53,7 +53,7 @@ from fl.errors import UsageError
 from fl.methods.base import Method, Options
 from fl.methods.context import ClientView, ServerView
 from fl.methods.registry import register
-from fl.privacy import clipping
+from fl.privacy import clipping, tap
 from fl.privacy import powerdp as P
 
 PERTURBATIONS = ("powerdp", "input", "output", "none")
@@ -308,8 +308,12 @@ def server_aggregate(
             if private_head and noise_multiplier > 0:
                 if generator is None:
                     raise ValueError("a generator is required for the private head")
-                tot = tot + P.gaussian_noise(
+                noise = P.gaussian_noise(
                     tuple(tot.shape), noise_multiplier * clip * wb, generator, tot
+                )
+                # one release over the head's keys (fl.privacy.tap), sensitivity clip·p
+                tot = tap.release(
+                    "fedpower-head", tot, noise, clip * wb, part=k, released=tot + noise
                 )
             head[k] = (head[k].to(dt) + tot).to(head[k].dtype)
         if private_head:

@@ -64,7 +64,7 @@ from collections.abc import Sequence
 import torch
 
 from fl import linalg
-from fl.privacy import clipping
+from fl.privacy import clipping, tap
 from fl.privacy.accounting import calibrate_noise, epsilon
 from fl.privacy.rng import draw_normal
 
@@ -198,11 +198,14 @@ def noisy_projection(
     transpose: bool = False,
     dense: Tensor | None = None,
     stacked: tuple[Tensor, Tensor, Tensor] | None = None,
+    sensitivity: float | None = None,
 ) -> Tensor:
     """One Gaussian release: W̄ X + G (X n×k -> m×k) or, with ``transpose``, W̄ᵀ X + G
     (X m×k -> n×k); W̄ = Σ p_k B_k A_k applied factored (or the given ``dense`` W̄);
     G ~ N(0, noise_std² I). ``noise_std = 0`` adds nothing. ``stacked``: the result of
-    ``linalg.stack_factors`` for these clients and weights (used instead of them)."""
+    ``linalg.stack_factors`` for these clients and weights (used instead of them).
+    ``sensitivity``: the bound on ‖Δ(W̄ X)‖ the accounting assumes (X orthonormal: that of
+    W̄), declared to the release tap (:mod:`fl.privacy.tap`; a neighbour replay)."""
     if dense is not None:
         Y = dense.mT @ X if transpose else dense @ X
     elif stacked is not None:
@@ -214,7 +217,10 @@ def noisy_projection(
     if noise_std > 0:
         if generator is None:
             raise ValueError("a generator is required when noise_std > 0")
-        Y.add_(gaussian_noise(tuple(Y.shape), noise_std, generator, Y))  # Y is fresh
+        noise = gaussian_noise(tuple(Y.shape), noise_std, generator, Y)
+        if sensitivity is not None and tap.active() is not None:
+            return tap.release("powerdp", Y, noise, sensitivity)
+        Y.add_(noise)  # Y is fresh
     return Y
 
 
@@ -321,7 +327,16 @@ def powerdp(
 
     def release(M: Tensor, transpose: bool, i: int, final: bool = False) -> Tensor:
         Y = noisy_projection(
-            Bc, Ac, w, M, std, generator, transpose=transpose, dense=W, stacked=stacked
+            Bc,
+            Ac,
+            w,
+            M,
+            std,
+            generator,
+            transpose=transpose,
+            dense=W,
+            stacked=stacked,
+            sensitivity=sens,
         )
         rec = _record(
             "projection",
@@ -371,7 +386,8 @@ def input_perturbation(
     if noise_multiplier > 0:
         if generator is None:
             raise ValueError("a generator is required when noise_multiplier > 0")
-        Wn = Wn + gaussian_noise(tuple(Wn.shape), noise_multiplier * sens, generator, Wn)
+        noise = gaussian_noise(tuple(Wn.shape), noise_multiplier * sens, generator, Wn)
+        Wn = tap.release("powerdp-input", Wn, noise, sens, released=Wn + noise)
     U, s, Vh = torch.linalg.svd(Wn, full_matrices=False)
     B, A = linalg.factors_from_svd(U, s, Vh, rank, "left")
     return B, A, [_record("dense_update", 0, sens, noise_multiplier, shape=list(Wn.shape))]
@@ -429,8 +445,11 @@ def output_perturbation(
     if noise_multiplier > 0:
         if generator is None:
             raise ValueError("a generator is required when noise_multiplier > 0")
-        B = B + gaussian_noise(tuple(B.shape), noise_multiplier * sens_B, generator, B)
-        A = A + gaussian_noise(tuple(A.shape), noise_multiplier * sens_A, generator, A)
+        nB = gaussian_noise(tuple(B.shape), noise_multiplier * sens_B, generator, B)
+        nA = gaussian_noise(tuple(A.shape), noise_multiplier * sens_A, generator, A)
+        # two releases (fl.privacy.tap), each at its own declared sensitivity
+        B = tap.release("powerdp-output-B", B, nB, sens_B, released=B + nB)
+        A = tap.release("powerdp-output-A", A, nA, sens_A, released=A + nA)
     recs = [
         _record("factor_B", 0, sens_B, noise_multiplier, shape=list(B.shape)),
         _record("factor_A", 0, sens_A, noise_multiplier, shape=list(A.shape)),

@@ -28,7 +28,7 @@ def runs(tmp_path_factory):
         "correct": {},
         "no_clip": {"inject_fault": "no_clip"},
         "client": {"dp_level": "client", "clients": 4},
-        "fedpower": {"dp_level": "client", "method": "fedpower"},
+        "fedpower": {"dp_level": "client", "method": "fedpower", "clients": 4},
     }.items():
         cfg = tiny_config(**{"dp_level": "sample", "noise_multiplier": 1.0, **kw})
         rec = Recorder()
@@ -90,11 +90,28 @@ def test_client_level_record_neighbours_are_held_to_2C_an_empty_client_to_C(runs
     assert abs(res["neighbours"][2]["comparison"]["max_ratio"] - 1) < 1e-4
 
 
-def test_a_method_whose_noise_bypasses_the_tap_is_never_a_pass(runs):
-    res = replay_neighbours(runs["fedpower"], kinds="remove")
+def test_a_method_whose_noise_bypasses_the_tap_is_never_a_pass(runs, monkeypatch):
+    import fl.privacy.dpsgd as dpsgd
+
+    class Bypass:  # DP-SGD's noise added beside the seam, as an uninstrumented method would
+        @staticmethod
+        def release(kind, value, noise, sensitivity, part="", released=None):
+            return value.add_(noise.to(value.dtype))
+
+    monkeypatch.setattr(dpsgd, "tap", Bypass)
+    res = replay_neighbours(runs["correct"], kinds="remove")
     assert res["verdict"] == "incomplete"
     assert res["releases"] == 0
     assert [f["code"] for f in res["findings"]] == ["replay_empty"]
+
+
+def test_fedpower_powerdp_projections_and_private_head_are_replayed(runs):
+    cfg, rec = runs["fedpower:recorded"]
+    assert {r.kind for r in rec.releases} == {"powerdp", "fedpower-head"}
+    res = replay_recorded(cfg, runs["fedpower"], rec, kinds="remove,empty-client")
+    assert res["verdict"] == "pass", res["findings"]
+    assert all(r["public_diffs"] == [] for r in res["neighbours"])  # nothing else moved
+    assert all(0 < r["comparison"]["max_ratio"] <= 1 for r in res["neighbours"])
 
 
 def test_cli_neighbours_exit_codes(runs, capsys):
