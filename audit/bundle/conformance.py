@@ -26,6 +26,7 @@ from audit.bounds.conformance import (
     TESTS,
     Block,
     GroupTest,
+    clip_contribution_test,
     conformance,
     implied_noise_factor,
 )
@@ -50,6 +51,13 @@ __all__ = [
 SAMPLING_TEST = (
     "the batches are Poisson-sampled: each sampler canary's appearances are exchangeable over "
     "the steps (a permutation test)"
+)
+
+
+#: the two-sided clip test (:func:`audit.bounds.conformance.clip_contribution_test`)
+CONTRIBUTION_TEST = (
+    "a drawn canary adds EXACTLY C, as the step's clip of each example gives it: two-sided, "
+    "for any data gradient"
 )
 
 
@@ -190,20 +198,26 @@ def run_conformance(
     findings: Findings,
 ) -> dict:
     """The conformance tests of a run's gradient canaries (``records``; None when it has
-    none) and sampler canaries, Holm-corrected together; its noise-implied ε; and a
-    ``mechanism_mismatch`` finding per rejected test."""
+    none: scale, freshness, the one-sided clip test and the two-sided ``contribution``, a
+    drawn canary adds exactly C) and sampler canaries, Holm-corrected together; its
+    noise-implied ε; and a ``mechanism_mismatch`` finding per rejected test."""
     blocks, notes, stream = [], [], None
     if records:
         obs = G.read_observations(run)
         stream = coin_stream(Path(run), manifest)
         blocks, notes = gradient_blocks(records, obs, manifest, stream)
     # the sampler test's Monte Carlo floor 1/(P + 1) must reach Holm's smallest threshold
-    # α/k with room for a few exceedances: k counts at most three tests per observed group
-    # and the sampler test itself; P = 2k/α − 1, at most 19 999
-    k = 3 * len({str(g) for b in blocks for g in np.unique(b.groups)}) + 1
+    # α/k with room for a few exceedances: k counts at most four tests per observed group
+    # (scale, fresh, clip, contribution) and the sampler test itself; P = 2k/α − 1, at
+    # most 19 999
+    k = 4 * len({str(g) for b in blocks for g in np.unique(b.groups)}) + 1
     p_max = min(19_999, math.ceil(2 * k / ALPHA) - 1)
     samp, samp_res = sampler_test(Path(run), manifest, permutations=p_max)
-    res = conformance(blocks, extra=(samp,) if samp is not None else ())
+    # the two-sided clip test: the engine adds each sampled included canary's clipped
+    # K·C·e_j (C exactly) to the clipped sum of the data's per-example clips, drawn
+    # independently of its coin: a drawn canary adds exactly C (not only at most)
+    extra = clip_contribution_test(blocks) + ((samp,) if samp is not None else ())
+    res = conformance(blocks, extra=extra)
     factor, group = implied_noise_factor(res)
     eps_implied, at_least = implied_epsilon(manifest, factor, delta)
     if not blocks:  # no observation of the noise (sampler canaries only): nothing implied
@@ -214,7 +228,7 @@ def run_conformance(
             seen = f"p = {t.p_value:.3g}; {seen}"
             what = SAMPLING_TEST
         else:
-            seen, what = t.evidence(), TESTS[t.test]
+            seen, what = t.evidence(), {**TESTS, "contribution": CONTRIBUTION_TEST}[t.test]
         if t.rejected:
             findings.add(
                 Code.MECHANISM_MISMATCH,

@@ -44,7 +44,8 @@ Each step draws one Bernoulli(q) coin per canary from the set's key (stream
 1 enters the step as one more per-sample gradient K·C·e_j (K = 100) that the training's own
 clip must reduce to C·e_j. Where per-sample gradients are out of reach,
 :meth:`GradientCanaryHook.add_clipped` adds the clipped C·e_j to the clipped sum instead
-(the clip is then not tested).
+(the clip is then not tested: the file records ``canaries_entered = "clipped_sum"`` and the
+audit reads the clipping untested).
 
 Input canaries: :func:`input_canaries` gives the (text, label) records to add to the
 training data; after training, :func:`write_input_observations` records each canary's loss
@@ -148,6 +149,7 @@ class GradientCanaryHook:
         self.scales: list[float] = []
         self.entered: list[np.ndarray] = []  # per step: the canaries placed (bit and coin)
         self.source = "plain"
+        self.entered_as: str | None = None  # "per_example" (canary_rows) / "clipped_sum"
         self.sampling: str | None = None  # "poisson" / "shuffle" when the hook knows it
         self.run_clip: float | None = None  # the run's C when the hook reads it (Opacus)
         self._bound = None
@@ -230,6 +232,12 @@ class GradientCanaryHook:
             )
         self.inserted = True
 
+    def _entered(self, how: str) -> None:
+        """Record how the canaries enter (a training that mixes both reads as
+        ``clipped_sum``: its clip was not exercised at every step)."""
+        if self.entered_as != "clipped_sum":
+            self.entered_as = how
+
     def _placed(self, sel: np.ndarray) -> None:
         row = np.zeros(self.m, dtype=bool)
         row[sel] = True
@@ -245,6 +253,7 @@ class GradientCanaryHook:
 
         b = self._need_bound()
         self._mark()
+        self._entered("per_example")
         sel = self._sampled()
         self._placed(sel)
         rows = []
@@ -264,6 +273,7 @@ class GradientCanaryHook:
         b = self._need_bound()
         ts = self._tensors(summed, "add_clipped()")
         self._mark()
+        self._entered("clipped_sum")
         sel = self._sampled()
         self._placed(sel)
         for j in sel.tolist():
@@ -405,6 +415,8 @@ class GradientCanaryHook:
         }
         if self.sampling is not None:
             out["sampling"] = self.sampling
+        if self.entered_as is not None:
+            out["canaries_entered"] = self.entered_as
         if self.expected_batch_size is not None:
             out["expected_batch_size"] = float(self.expected_batch_size)
         return out

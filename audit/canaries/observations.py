@@ -28,6 +28,8 @@ __all__ = [
     "SAMPLING_DIFFERS",
     "STATED_SIGMA_DIFFERS",
     "STEPS_DIFFERS",
+    "ENTERED",
+    "canaries_entered",
     "client_round_findings",
     "clip_findings",
     "gradient_run",
@@ -189,6 +191,26 @@ def sampling_of(obs: dict, where: str) -> str | None:
     return None if v == "unknown" else v
 
 
+#: how a gradient hook's canaries entered the steps (field ``canaries_entered``):
+#: ``per_example``, as per-example rows K·C·e_j before the training's own clip
+#: (``GradientCanaryHook.canary_rows``, ``attach_opacus``), or ``clipped_sum``, as C·e_j
+#: added to the clipped sum (``add_clipped``: the training's clip never sees them)
+ENTERED = ("per_example", "clipped_sum")
+
+
+def canaries_entered(obs: dict, where: str) -> str:
+    """The field ``canaries_entered`` (:data:`ENTERED`); files of hooks that do not record
+    it hold per-example rows (before ``add_clipped`` was told apart, a file of its canaries
+    reads as per-example: its two-sided clip test still holds, the clip itself was not
+    exercised)."""
+    if "canaries_entered" not in obs:
+        return "per_example"
+    v = str(np.asarray(obs["canaries_entered"]))
+    if v not in ENTERED:
+        raise UsageError(f"{where}: field 'canaries_entered' is {v!r}, not {' / '.join(ENTERED)}")
+    return v
+
+
 def gradient_run(obs: dict, steps: int, claim, spec: dict, where: str, notes: list) -> dict:
     """What a gradient hook's file says of the run (σ, C, q, sampling) and, in
     ``findings``, each way the run differs from the claim: its C (:func:`clip_findings`),
@@ -264,7 +286,15 @@ def gradient_run(obs: dict, steps: int, claim, spec: dict, where: str, notes: li
             f"{steps} of the claim's {claimed_steps} steps observed: the bound concerns "
             "the observed steps"
         )
-    return {"sigma": sigma, "clip": clip, "q": q, "sampling": sampling, "findings": own}
+    entered = canaries_entered(obs, where)
+    return {
+        "sigma": sigma,
+        "clip": clip,
+        "q": q,
+        "sampling": sampling,
+        "entered": entered,
+        "findings": own,
+    }
 
 
 def client_round_findings(per_round: int, t: int, claim, where: str, notes: list) -> list[dict]:

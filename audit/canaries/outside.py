@@ -25,7 +25,9 @@ valid for any mechanism), each at α/2, so it holds at 1 − α (the run audit's
 Gradient canaries and canary clients with orthogonal directions also get the conformance
 tests of :mod:`audit.bounds.conformance` (the run audit's, ``audit.bundle.conformance``):
 what was released at each step carries at least the claim's Gaussian noise N(0, σ²C²) at
-every canary, fresh at every step, and a canary adds at most C, for any data gradient. What
+every canary, fresh at every step, and a canary adds at most C, for any data gradient; a
+gradient canary adds EXACTLY C (the two-sided clip test: a training that clips the batch sum
+instead of each example gives each drawn canary about C/√(canaries drawn)). What
 is tested is the CLAIM: σ is the claim's ``noise_multiplier``, C its ``clipping_norm``; the σ
 an observation file states is the trainer's word, reported (``stated_sigma_differs``) and
 never used. The coins are drawn again from the set's key, as the hooks drew them (without
@@ -55,7 +57,8 @@ test: the run still fails).
 
 **No pass without a test** (:mod:`audit.coverage`): ``ok`` (exit 0) only when the noise
 (the scale and freshness tests), the clipping (the clipping test: it needs the canaries'
-coins, re-drawn from the set's key), the accounting (the claim check, against what the file
+coins, re-drawn from the set's key; for gradient canaries the two-sided one, on canaries that
+entered before the training's clip), the accounting (the claim check, against what the file
 records of the run) and the sampling were each tested, or do not apply. The training's own
 sampler is not observed here, so a claim that takes amplification by Poisson sampling at
 q < 1 reads ``incomplete`` (exit 4, ``untested`` names the parts and why) when nothing is
@@ -236,6 +239,7 @@ def _gradient_scores(cs: CanarySet, obs: dict, claim, where: str, notes: list, o
         scale = obs_array(obs, "scale", (x.shape[0],), where)
     raw = {"x": x, "q": q, "clip": clip, "sigma": sigma, "expected_batch": expected}
     raw["scale"], raw["nonfinite"] = scale, int(bad.sum())
+    raw["entered"] = info["canaries_entered"] = run["entered"]
     return scores, info, raw
 
 
@@ -310,7 +314,8 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
 
     Gradient canaries and canary clients (orthogonal directions) also get the conformance
     tests (:mod:`audit.bounds.conformance`: the noise at each canary is at least the
-    claim's N(0, σ²C²), fresh at every step, and a canary adds at most C) with the claim's
+    claim's N(0, σ²C²), fresh at every step, a canary adds at most C, and a gradient
+    canary exactly C: :func:`audit.bounds.conformance.clip_contribution_test`) with the claim's
     σ and C, never the file's, the coins re-drawn from the set's key, and the noise-implied
     ε of the claim's mechanism (``conformance``).
 
@@ -397,7 +402,12 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
             ("the releases hold NaN or Inf (release_nonfinite): no noise scale to test"),
         )
     if block is not None:
-        conf = outside_conformance(block, how, claim_clip(cs, c), c, checked, alpha, own)
+        # gradient canaries: the two-sided clip test joins the family (a drawn canary adds
+        # exactly C where the training clips each example, which a sample-level claim is)
+        two = cs.kind == "gradient"
+        conf = outside_conformance(block, how, claim_clip(cs, c), c, checked, alpha, own, two)
+        if two:
+            conf["canaries_entered"] = raw["entered"]
         if conf["skipped"]:
             notes.append(
                 "conformance: the clipping test is skipped (the canaries' coins are "
@@ -531,7 +541,9 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
 def _coverage(kind: str, c, checked: dict, conf: dict, how: str) -> Coverage:
     """Which part of the mechanism this audit tested (:mod:`audit.coverage`): the noise by
     the conformance tests' scale and freshness tests, the clipping by their clipping test
-    (it needs the canaries' coins), the accounting by the claim check (ε recomputed, the
+    (it needs the canaries' coins; gradient canaries: the two-sided test, and only where they
+    entered as per-example rows before the training's clip, since "at most C" passes a clip
+    of the batch sum), the accounting by the claim check (ε recomputed, the
     run's C, q, steps compared with the claim's; input canaries record nothing of the run).
     The training's own sampler is never observed here: where the claim takes amplification
     by sampling (Poisson at q < 1), sampling is untested; elsewhere it does not apply."""
@@ -543,7 +555,23 @@ def _coverage(kind: str, c, checked: dict, conf: dict, how: str) -> Coverage:
         cov.add("noise", "canaries")
     else:
         cov.skip("noise", str(conf.get("reason") or "no conformance test ran"))
-    if "clip" in ran:
+    if kind == "gradient" and conf.get("canaries_entered") == "clipped_sum" and ran:
+        cov.skip(
+            "clipping",
+            "the canaries were added to the clipped sum (GradientCanaryHook.add_clipped): "
+            "the training's clip never saw them; give them as per-example rows "
+            "(canary_rows) before the clip to test it",
+        )
+    elif kind == "gradient" and "contribution" in ran:
+        cov.add("clipping", "canaries")  # the two-sided test ran (conformance: contribution)
+    elif kind == "gradient" and "clip" in ran:
+        cov.skip(
+            "clipping",
+            "only the one-sided clip test ran (no drawn canary had a random coin for the "
+            "two-sided one): 'at most C' passes a clip of the batch sum, whose canaries add "
+            "less than C",
+        )
+    elif "clip" in ran:
         cov.add("clipping", "canaries")
     elif conf.get("performed"):
         cov.skip("clipping", f"the clipping test needs the canaries' coins, which are {how}")

@@ -164,18 +164,44 @@ def claim_mechanism(c, checked: dict):
     return ref
 
 
+#: the two-sided clip test (:func:`audit.bounds.conformance.clip_contribution_test`), in the
+#: words the findings use beside :data:`audit.bounds.conformance.TESTS`
+CONTRIBUTION = (
+    "a drawn canary adds EXACTLY C, as a clip of each example gives it: two-sided, for any "
+    "data gradient"
+)
+
+
 def outside_conformance(
-    block, how: str, clip: float, c, checked: dict, alpha: float, findings: list
+    block,
+    how: str,
+    clip: float,
+    c,
+    checked: dict,
+    alpha: float,
+    findings: list,
+    two_sided: bool = False,
 ) -> dict:
     """The conformance tests of one block against the claim, the noise-implied ε of the
-    claim's mechanism, and a ``mechanism_mismatch`` finding per rejected test."""
-    from audit.bounds.conformance import TESTS, conformance, implied_noise_factor
+    claim's mechanism, and a ``mechanism_mismatch`` finding per rejected test.
+    ``two_sided``: the canaries went through the training's clip of each example (gradient
+    canaries' rows): the two-sided clip test ``contribution``
+    (:func:`audit.bounds.conformance.clip_contribution_test`, a drawn canary adds exactly
+    C) joins the family (Holm) beside the one-sided ``clip``; it needs the coins."""
+    from audit.bounds.conformance import (
+        TESTS,
+        clip_contribution_test,
+        conformance,
+        implied_noise_factor,
+    )
     from audit.claims.implied import epsilon_of_scaled_claim, noise_finding
     from audit.findings import Code
 
     # the family's levels are the conformance module's (verdict 0.001, warning 0.05);
     # ``alpha`` is the one-run bound's confidence
-    res = conformance([block])
+    extra = clip_contribution_test([block]) if two_sided else ()
+    res = conformance([block], extra=extra)
+    words = {**TESTS, "contribution": CONTRIBUTION}
     factor, group = implied_noise_factor(res)
     mech = claim_mechanism(c, checked)
     eps_implied, at_least = epsilon_of_scaled_claim(mech, c.noise_multiplier, factor, c.delta)
@@ -191,7 +217,7 @@ def outside_conformance(
             }
         )
     for t in res.rejected + res.weak:
-        where = f"Group {t.group}, {t.test} test ({TESTS[t.test]})"
+        where = f"Group {t.group}, {t.test} test ({words[t.test]})"
         against = f"tested against the claim's σ = {c.noise_multiplier:g}"
         if t.rejected:
             findings.append(

@@ -6,7 +6,7 @@ catches it.
 
 The loop (an MLP on synthetic data; Poisson batches at rate q; per-example gradients with
 ``torch.func``; a flat clip at C; the expected batch size B = q·n as the divisor, as Opacus
-does) is trained three times with gradient canaries
+does) is trained once per variant with gradient canaries
 (``audit.canaries.hooks.GradientCanaryHook``), each with its own way of adding the noise:
 
 ``correct``   the privatized sum S + N(0, σ²C²), then divided by B. The hook observes the
@@ -18,13 +18,20 @@ does) is trained three times with gradient canaries
               to the SUM before the division, S + N(0, (σC/B)²), then divided by B — the noise
               divided by B twice (the average carries σC/B² instead of σC/B). The hook
               observes the sum with noise σC/B: observed/claimed = 1/B.
+``batch_clip`` the other classic bug: the noise is right, but the loop clips the BATCH SUM to
+              norm C instead of each example (a record's gradient no longer bounded by C
+              alone). The canaries share that one clip: each drawn canary adds about
+              C/√(canaries drawn), less than C, so the one-sided clip test ("at most C")
+              passes it; the two-sided one (``contribution``: a drawn canary adds exactly
+              C, :func:`audit.bounds.conformance.clip_contribution_test`) fails it.
 
-The claim is the same for all three: Poisson-subsampled Gaussian, σ calibrated to the
+The claim is the same for all: Poisson-subsampled Gaussian, σ calibrated to the
 target ε at q over the steps, C = 1. Each training's observations are audited with
 ``audit.canaries.outside.audit_outside``, what ``fedlora audit --canaries DIR
 --observations FILE --claim CLAIM`` runs: the conformance tests use the CLAIM's σ (the
 file's is the trainer's word), so the correct and the average loops pass and the bug is
-``mechanism_mismatch`` ("does not implement its claim", exit 1).
+``mechanism_mismatch`` ("does not implement its claim", exit 1), the batch clip too (by the
+two-sided clip test).
 
 The printed observed/claimed ratio is the audit's: sqrt(Σe²/σ² / N) over the canaries'
 innovations, an estimate that the data's own step-to-step variation at the canary
@@ -50,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("correct", "average", "bug")
+VARIANTS = ("correct", "average", "bug", "batch_clip")
 
 
 def build_model(features: int, hidden: int, classes: int = 2, seed: int = 0):
@@ -74,7 +81,8 @@ def synthetic_data(n: int, features: int, seed: int = 0):
 
 def train(model, x, y, hook, *, variant, sigma, clip, q, steps, lr=0.5, seed=None):
     """DP-SGD by hand with the canary hook; returns (train accuracy, std of the noise on
-    the sum in units of σC: 1 for ``correct`` and ``average``, 1/B for ``bug``).
+    the sum in units of σC: 1 for ``correct``, ``average`` and ``batch_clip``, 1/B for
+    ``bug``).
     ``seed`` (tests only) makes the batches and the noise reproducible, hence not private."""
     import torch
     from torch.func import functional_call, grad, vmap
@@ -101,11 +109,16 @@ def train(model, x, y, hook, *, variant, sigma, clip, q, steps, lr=0.5, seed=Non
             per = [torch.zeros((0, *p.shape)) for p in params.values()]
         # the canaries: K·C·e_j per-example rows, before the clip
         per = [torch.cat([a, r]) for a, r in zip(per, hook.canary_rows())]
-        norms = torch.sqrt(sum(a.reshape(len(a), -1).pow(2).sum(1) for a in per))
-        f = torch.clamp(clip / norms.clamp_min(1e-12), max=1.0)
-        summed = [torch.einsum("i,i...->...", f, a) for a in per]
+        if variant == "batch_clip":  # the bug: ONE clip of the batch sum to norm C
+            summed = [a.sum(0) for a in per]
+            norm = torch.sqrt(sum(s.pow(2).sum() for s in summed))
+            summed = [s * torch.clamp(clip / norm.clamp_min(1e-12), max=1.0) for s in summed]
+        else:  # each example clipped to norm C, then summed
+            norms = torch.sqrt(sum(a.reshape(len(a), -1).pow(2).sum(1) for a in per))
+            f = torch.clamp(clip / norms.clamp_min(1e-12), max=1.0)
+            summed = [torch.einsum("i,i...->...", f, a) for a in per]
         z = [torch.randn(p.shape, generator=gen) for p in params.values()]
-        if variant == "correct":  # N(0, σ²C²) on the sum, then / B
+        if variant in ("correct", "batch_clip"):  # N(0, σ²C²) on the sum, then / B
             noisy_sum = [s + sigma * clip * e for s, e in zip(summed, z)]
             hook.observe(noisy_sum)
             avg = [s / B for s in noisy_sum]
@@ -210,6 +223,13 @@ def describe(variant: str, res: dict, rc: int, true_ratio: float, acc: float) ->
                 f"  noise observed/claimed ({t['group']}): {t['observed_over_claimed']:.4f} "
                 f"[{lo:.4f}, {hi:.4f}]; true {true_ratio:.4f}"
             )
+    for t in c["tests"]:
+        if t["test"] == "contribution":
+            p = "p < 1e-300" if t["log10_p"] <= -300 else f"p = {t['p_value']:.3g}"
+            lines.append(
+                f"  a drawn canary adds {t['statistic']:.4f}·C ({t['group']}; exactly 1 under "
+                f"a clip of each example; two-sided {p})"
+            )
     rej = ", ".join(c["rejected"]) or "none"
     ge = "≥ " if c["implied_epsilon_at_least"] else ""
     eps = c["implied_epsilon"]
@@ -243,6 +263,7 @@ def main(argv=None) -> int:
     # failed (exit 4, incomplete: the loop's own sampler is not observed; never 1)
     ok = out["correct"][1] in (0, 4) and out["average"][1] in (0, 4)
     ok = ok and out["bug"][0]["verdict"] == "does not implement its claim"
+    ok = ok and out["batch_clip"][0]["verdict"] == "does not implement its claim"
     return 0 if ok else 1
 
 

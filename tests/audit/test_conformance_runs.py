@@ -1,6 +1,7 @@
 """The conformance tests on real engine runs at q = 0.25 (tiny-bert, 2 rounds × 4 steps,
 2 000 gradient canaries): a correct run passes and its implied ε is its ledger's; noise × ½,
-an un-noised head and a skipped clip are each a ``mechanism_mismatch`` naming the group, and
+an un-noised head and a skipped clip are each a ``mechanism_mismatch`` naming the group (the
+skipped clip by the one-sided and the two-sided clip tests), and
 the verdict reads "does not implement its claim" first."""
 
 import pytest
@@ -72,6 +73,21 @@ def test_an_unnoised_head_is_named(audits):
 def test_a_skipped_clip_is_caught_by_the_clipping_test(audits):
     c = audits["noclip"]["one_run"]["conformance"]
     assert any(r.endswith(":clip") for r in c["rejected"])
+    # the two-sided clip test (a drawn canary adds exactly C) too, per group, in the family
+    assert {"A:contribution", "B:contribution", "head:contribution"} <= set(c["rejected"])
+    est = [t["statistic"] for t in c["tests"] if t["test"] == "contribution"]
+    assert est and all(e > 20 for e in est)  # K·C = 100·C per draw
+    msg = [
+        f["message"] for f in audits["noclip"]["findings"] if "contribution test" in f["message"]
+    ]
+    assert msg and "EXACTLY C" in msg[0]
+
+
+def test_the_two_sided_clip_test_passes_a_correct_run(audits):
+    c = audits["correct"]["one_run"]["conformance"]
+    tests = [t for t in c["tests"] if t["test"] == "contribution"]
+    assert {t["group"] for t in tests} == {"A", "B", "head"}
+    assert not any(t["rejected"] or t.get("weak") for t in tests)
 
 
 def test_verdict_reads_does_not_implement_its_claim_first():

@@ -1,6 +1,7 @@
 """Conformance tests of trainings done elsewhere (audit.canaries.outside): the hand-written
 DP-SGD loop of docs/examples/dpsgd_bug_audit.py passes when its noise is right (on the sum,
-or on the average at σC/B) and is a mechanism_mismatch when the noise is divided by B twice;
+or on the average at σC/B) and is a mechanism_mismatch when the noise is divided by B twice
+or when it clips the batch sum instead of each example (the two-sided clip test);
 the tests use the claim's σ, never the file's; without the key only the clipping test is
 skipped; the coins are the hook's; canary clients get the same tests; the implied ε's core
 is the run audit's."""
@@ -67,7 +68,7 @@ def test_right_noise_passes(example, variant):
     assert res["coverage"]["tested"]["clipping"] == ["canaries"]
     assert c["performed"] and c["passed"] and "mechanism_mismatch" not in _codes(res)
     assert c["coins"] == "re-drawn from the set's key" and not c["skipped"]
-    assert {t["test"] for t in c["tests"]} == {"scale", "fresh", "clip"}
+    assert {t["test"] for t in c["tests"]} == {"scale", "fresh", "clip", "contribution"}
     assert true_ratio == 1.0 and 0.97 < _scale(res)["observed_over_claimed"] < 1.1
     # the implied ε is the claim's own up to the noise factor's confidence bound
     assert c["implied_factor"] > 0.97 and not c["implied_epsilon_at_least"]
@@ -98,6 +99,26 @@ def test_noise_divided_twice_is_a_mechanism_mismatch(example):
     assert acc > out["correct"][3]  # what the bug buys: a model trained with little noise
 
 
+def test_a_clip_of_the_batch_sum_is_a_mechanism_mismatch(example):
+    """The loop clips the batch sum instead of each example: the noise is the claim's and
+    no canary adds more than C (the one-sided clip test passes), but each drawn canary adds
+    about C/√(canaries drawn): the two-sided clip test rejects."""
+    _, out, _ = example
+    res, rc, true_ratio, _ = out["batch_clip"]
+    c = res["conformance"]
+    assert rc == 1 and res["verdict"] == "does not implement its claim"
+    assert true_ratio == 1.0 and 0.97 < _scale(res)["observed_over_claimed"] < 1.1
+    tests = {t["test"]: t for t in c["tests"]}
+    assert tests["clip"]["p_value"] == 1.0 and not tests["clip"]["rejected"]
+    t = tests["contribution"]
+    assert c["rejected"] == ["other:contribution"] and t["log10_p"] < -10
+    assert 0.2 < t["statistic"] < 0.5  # about 1/√7.5 (300 canaries, half in, q = 0.05)
+    # the correct loops' contribution is 1 within its noise
+    for v in ("correct", "average"):
+        (tv,) = [x for x in out[v][0]["conformance"]["tests"] if x["test"] == "contribution"]
+        assert not tv["rejected"] and 0.75 < tv["statistic"] < 1.25
+
+
 def test_example_prints_the_verdicts(example):
     text = example[2]
     assert "(expected batch B = 10), 60 steps" in text and "claimed ε = 2" in text
@@ -105,6 +126,9 @@ def test_example_prints_the_verdicts(example):
     assert "average: verdict INCOMPLETE (exit 4)" in text
     assert "bug: verdict DOES NOT IMPLEMENT ITS CLAIM (exit 1)" in text
     assert "true 0.1000" in text and "conformance tests rejected: other:scale, other:fresh" in text
+    assert "batch_clip: verdict DOES NOT IMPLEMENT ITS CLAIM (exit 1)" in text
+    assert "conformance tests rejected: other:contribution" in text
+    assert "a drawn canary adds 0.3" in text and "two-sided p = " in text
 
 
 def _rewrite(path: Path, dest: Path, **fields) -> Path:
@@ -177,7 +201,7 @@ def test_without_the_key_only_the_clipping_test_is_skipped(example, capsys):
         assert "clipping" in res["coverage"]["untested"]
         with_key = out[variant][0]["conformance"]
         assert _scale(res)["terms"] == _scale(out[variant][0])["terms"]
-        assert {t["test"] for t in with_key["tests"]} == {"scale", "fresh", "clip"}
+        assert {t["test"] for t in with_key["tests"]} == {"scale", "fresh", "clip", "contribution"}
     rc = main(["audit", "--canaries", str(work / "canaries-correct"), "--observations",
                str(work / "obs-correct.npz"), "--claim", str(work / "claim.json")])  # fmt: skip
     text = capsys.readouterr().out

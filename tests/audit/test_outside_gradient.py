@@ -108,6 +108,8 @@ def test_plain_loop_matches_reference(mode, tmp_path):
     assert got["obs"].shape == (steps, m)
     np.testing.assert_allclose(got["obs"], expected, rtol=1e-5, atol=1e-5)
     assert got["sigma"] == sigma and got["clip"] == clip and got["q"] == q
+    # how the canaries entered: the audit tests the clip only on per-example rows
+    assert got["canaries_entered"] == {"rows": "per_example", "clipped": "clipped_sum"}[mode]
     assert got["set_sha256"] == CS.load_canary_set(out).sha256
     assert entered > 20  # canaries did enter (about M·q·steps/2 = 50)
 
