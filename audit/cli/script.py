@@ -55,7 +55,7 @@ def register(sub) -> None:
         "--neighbours",
         metavar="KINDS",
         default="auto",
-        help="auto (remove, scaled@end, scaled@start, nan@end), all, or a comma list of "
+        help="auto (remove, scaled@end, scaled@start), all, or a comma list of "
         "kind[@start|@end] among remove, duplicate, scaled, nan, inf (default: auto)",
     )
     p.add_argument(

@@ -64,7 +64,8 @@ def test_nan_poisons_opacus_sum_and_a_printed_loss_is_a_release():
 def test_cli_and_bad_input(tmp_path, capsys):
     claim = tmp_path / "claim.json"
     claim.write_text(__import__("json").dumps(CLAIM))
-    assert main(["audit-script", str(SCRIPT), "--claim", str(claim), "--neighbours", "remove"]) == 4
+    args = ["audit-script", str(SCRIPT), "--claim", str(claim), "--neighbours", "remove"]
+    assert main([*args, "--canaries", "0"]) == 4  # the replay alone
     assert "verdict: incomplete (sampling untested; accounting untested)" in capsys.readouterr().out
     assert main(["audit-script", str(tmp_path / "nope.py")]) == 2
     assert main(["audit-script", str(SCRIPT), "--neighbours", "bad@middle"]) == 2
@@ -74,3 +75,22 @@ def test_neighbour_view_and_kinds():
     ds = NeighbourDataset(list(range(5)), remove=1, added="z")
     assert [ds[i] for i in range(len(ds))] == [0, 2, 3, 4, "z"] and ds[-1] == "z"
     assert [n.kind for n in parse_script_kinds("all")][:3] == ["remove", "duplicate", "duplicate"]
+
+
+def test_timings_printed_are_not_releases_and_token_features_skip_nonfinite_kinds():
+    import torch
+
+    from audit.replay.script import _first_diff, _perturb, _volatile_lines
+
+    res = audit_script(SCRIPT, validate_claim(CLAIM), "remove", argv=["--print-time"])
+    rep = res["replay"]
+    assert rep["determinism"]["deterministic"] and rep["printed_volatile_lines"] == [0]
+    assert not [f for f in res["findings"] if f["code"] == "data_dependent_release"]
+    assert _volatile_lines("a\nb", "a") is None and _first_diff("x", "y", None) is None
+    assert _first_diff("t 1\nloss 2", "t 3\nloss 4", {0}) == (
+        "line 2: D printed 'loss 2', D′ printed 'loss 4'"
+    )
+    with pytest.raises(ValueError, match="floating-point features"):
+        _perturb((torch.tensor([1, 2, 3]), torch.tensor(0)), "nan")
+    x, y = _perturb((torch.ones(3), torch.tensor(1)), "scaled")
+    assert float(x.sum()) == 3000.0 and int(y) == 0  # another label: a large gradient

@@ -30,6 +30,10 @@ for xb, yb in loader:
     loss = nn.functional.cross_entropy(model(xb), yb)
     loss.backward()
     opt.step()
+if "--print-time" in sys.argv:  # differs on every run, data or not: never a finding
+    import time
+
+    print(f"took {time.perf_counter()}")
 if "--print-loss" in sys.argv:
     print(f"final loss {loss.item():.6f}")
 print("done")
