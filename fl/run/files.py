@@ -14,7 +14,7 @@ import os
 import shutil
 
 from fl.errors import UsageError
-from fl.io import atomic_write_json
+from fl.io import atomic_write_json, read_json
 from fl.models import factors as F
 from fl.privacy import rng as R
 from fl.privacy.accounting import Event
@@ -27,7 +27,21 @@ from fl.run.rundir import MANIFEST, StartUndo, append_metrics, jsonable, truncat
 
 __all__ = ["RunFiles"]
 
+
 #: the files the operator manifest vouches for (fl.run.integrity): what an audit reads
+def canonical_adapter_config(path) -> None:
+    """Rewrite peft's ``adapter_config.json`` with its set-valued fields sorted: peft keeps
+    ``target_modules`` as a Python set and writes it in the set's iteration order, which
+    changes with the process's string-hash seed, so a run retrained in another process
+    (the audit's replay) would write ``["v_proj", "q_proj"]`` where the run wrote
+    ``["q_proj", "v_proj"]`` and the release would not compare equal."""
+    doc = read_json(path)
+    for key in ("target_modules", "exclude_modules"):
+        if isinstance(doc.get(key), list):
+            doc[key] = sorted(doc[key])
+    atomic_write_json(path, doc)
+
+
 _SEALED_FILES = (
     "adapter/adapter_config.json",
     "adapter/adapter_model.safetensors",
@@ -155,6 +169,7 @@ class RunFiles:
         shutil.rmtree(tmp, ignore_errors=True)
         F.set_state(self.trainer.model, self.method.released_state())
         self.trainer.model.save_pretrained(str(tmp))
+        canonical_adapter_config(tmp / "adapter_config.json")
         shutil.rmtree(adapter, ignore_errors=True)
         os.replace(tmp, adapter)
         atomic_write_json(self.out / "ledger.json", self.ledger.state_dict())

@@ -189,6 +189,20 @@ def test_causal_lm_adapter_loads_with_peft_on_the_original_folder(folders, tmp_p
     batch.pop("labels")
     a = _logits(eng.trainer.model.eval(), batch)
     assert torch.max((a - _logits(peft_model, batch)).abs()) <= 1e-5
+    adapter_cfg = json.loads((tmp_path / "lm" / "adapter" / "adapter_config.json").read_text())
+    assert adapter_cfg["target_modules"] == ["q_proj", "v_proj"]  # sorted: see below
+
+
+def test_the_adapter_config_is_written_the_same_in_every_process(tmp_path):
+    """peft writes ``target_modules`` in a set's order, which depends on the process's
+    hash seed: a replay in another process (``fedlora audit --key --neighbours``) found
+    ``release_mismatch`` on half of the runs. The engine sorts it after saving."""
+    from fl.run.files import canonical_adapter_config
+
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({"r": 4, "target_modules": ["v_proj", "q_proj"]}, indent=2))
+    canonical_adapter_config(path)
+    assert json.loads(path.read_text()) == {"r": 4, "target_modules": ["q_proj", "v_proj"]}
 
 
 def test_classification_on_the_folder_trains_the_score_head_and_loads_with_peft(folders, tmp_path):
