@@ -127,6 +127,9 @@ def _phase_stat(x: np.ndarray, L: int) -> np.ndarray:
 OFFSETS = (0, 1, 2)
 #: permutations that standardise the statistics (module doc)
 PILOT = 200
+#: a statistic whose pilot spread is below this share of Σx² (the scale of every statistic
+#: here) is one the permutations cannot move (float32 rounding only): left out of the maximum
+DEGENERATE = 1e-5
 
 
 def _windows(q: float, T: int) -> list[int]:
@@ -154,7 +157,7 @@ def sampling_test(
     obs = np.zeros(S)
     data = []  # (x centred, windows)
     canaries = steps = 0
-    disp_num = disp_den = 0.0
+    disp_num = disp_den = energy = 0.0
     for u, sigma, q in blocks:
         u = np.asarray(u, dtype=np.float64)
         if u.ndim != 2:
@@ -174,6 +177,7 @@ def sampling_test(
             obs[2 * k] += float(_window_stat(x, L))
             obs[2 * k + 1] += float(_phase_stat(x, L))
         data.append((x, Ls))
+        energy += float(np.square(x, dtype=np.float64).sum())  # the statistics' scale
         canaries += M
         steps = max(steps, T)
         # per-canary sums: Var = Var(count) + Tσ² under the null; Binomial gives Tq(1−q)
@@ -197,15 +201,22 @@ def sampling_test(
 
     pilot = np.concatenate([draw(min(cap, PILOT - i)) for i in range(0, PILOT, cap)])
     mean, sd = pilot.mean(axis=0), pilot.std(axis=0)
-    sd = np.where(sd > 0, sd, 1.0)
-    z_obs = sign * (obs - mean) / sd
+    # A statistic the permutations cannot move (a window or epoch as long as the run: the
+    # square of the whole sum, Σx²) varies only by float rounding; standardised, that
+    # rounding would rank the observed value at random — a false alarm at any level. Such
+    # statistics are left out (z = −∞); with none left there is nothing to test.
+    live = sd > DEGENERATE * max(energy, np.finfo(np.float64).tiny)
+    sd = np.where(live, sd, 1.0)
+    z_obs = np.where(live, sign * (obs - mean) / sd, -np.inf)
     t_obs = float(z_obs.max())
     exceed = g_w = g_p = 0
     stop_at = 0
     done, chunk = 0, min(cap, 64)
+    if not live.any():
+        permutations = 0  # p = 1: no statistic the permutations move
     while done < permutations:
         n = min(chunk, permutations - done)
-        z = sign * (draw(n) - mean) / sd
+        z = np.where(live, sign * (draw(n) - mean) / sd, -np.inf)
         t = z.max(axis=1)
         ext = t >= t_obs
         if stop_after is not None and exceed + int(ext.sum()) >= stop_after:
@@ -218,6 +229,8 @@ def sampling_test(
             break
         chunk = min(cap, 2 * chunk)
     p_value = stop_after / stop_at if stop_at else (1 + exceed) / (1 + done)
+    if not live.any():
+        p_value = 1.0
     best = int(np.argmax(z_obs))
     return SamplingTest(
         z_window=float(-z_obs[0::2].max()),
@@ -232,5 +245,5 @@ def sampling_test(
         count_dispersion=disp_num / disp_den if disp_den > 0 and math.isfinite(disp_num) else None,
         max_permutations=permutations,
         stop_after=stop_after,
-        statistics=S,
+        statistics=int(live.sum()),
     )

@@ -200,3 +200,22 @@ def test_sampler_canaries_alone_are_audited(tmp_path):
     assert out.returncode == 1, out.stderr
     assert "REJECTED: sampler:sampling" in out.stdout and "sampling test" in out.stdout
     assert "no ε lower bound" in out.stdout and "mechanism_mismatch" in out.stdout
+
+
+def test_a_run_no_longer_than_an_epoch_has_no_statistic_to_permute():
+    """With T ≤ ⌊1/q⌋ every window and epoch spans the run: the statistics are the square of
+    the whole sum and Σx², which no permutation moves; standardised, their float rounding
+    would rank the observed value at random (a false alarm at any level: seen on a 10-step
+    Opacus run, p = 5e-5). They are left out; with none left, p = 1."""
+    import numpy as np
+
+    from audit.bounds.sampling import sampling_test
+
+    rng = np.random.default_rng(0)
+    for seed in range(5):
+        u = rng.normal(size=(8, 50)) + (rng.random((8, 50)) < 0.1)
+        t = sampling_test([(u, 1.0, 0.1)], permutations=999, seed=seed)
+        assert t.p_value == 1.0 and t.statistics == 0 and t.permutations == 0
+    # one step more than the longest window: the windows shorter than the run stay live
+    t = sampling_test([(rng.normal(size=(12, 50)), 1.0, 0.1)], permutations=199, seed=1)
+    assert 0 < t.statistics < 6 and t.permutations > 0
