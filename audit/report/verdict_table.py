@@ -122,6 +122,10 @@ def rejected_text(c: dict, key: str = "rejected") -> str | None:
             return f"{what}: noise {_fmt(t['observed_over_claimed'], 2)}× claimed{ci}"
         if t["test"] == "clip":
             return f"{what}: a canary adds more than C"
+        if t["test"] == "contribution":
+            est = t.get("statistic")
+            got = f" ({_fmt(est, 2)}·C)" if isinstance(est, int | float) else ""
+            return f"{what}: a drawn canary does not add exactly C{got}"
         if t["test"] == "sampling":
             return f"{what}: the batches are not Poisson-sampled"
         return what

@@ -104,3 +104,10 @@ def test_without_coins_nothing_is_tested():
     b = _sim(2, q=0.1)
     nb = Block(u=b.u, tracks=b.tracks, groups=b.groups, sigma=b.sigma, included=b.included)
     assert clip_contribution_test([nb]) == ()
+
+
+def test_the_verdict_table_names_a_rejected_contribution_test():
+    from audit.report.verdict_table import rejected_text
+
+    c = {"tests": [{"group": "B", "test": "contribution", "rejected": True, "statistic": 0.31}]}
+    assert rejected_text(c) == "B contribution: a drawn canary does not add exactly C (0.31·C)"
