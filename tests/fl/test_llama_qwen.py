@@ -328,3 +328,18 @@ def test_physical_batch_cuts_each_pass_on_every_device_path(folders):
         assert sorted(torch.cat(parts).tolist()) == list(range(8))
     cfg = tiny_lm_config(model=folders["llama"], length_buckets=False)
     assert len(LocalTrainer(cfg, 0, torch.device("cpu"))._chunks(data, idx)) == 1
+
+
+def test_fedlora_base_random_writes_a_folder_that_train_accepts(tmp_path, capsys):
+    from pipeline.cli import main
+
+    out = tmp_path / "q"
+    flags = ["--hidden", "32", "--layers", "2", "--intermediate", "64", "--context", "64"]
+    assert main(["base", "random", "--arch", "qwen2", *flags, "--vocab-size", "300",
+                 "--out", str(out)]) == 0  # fmt: skip
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["kind"] == "qwen2" and info["vocab_size"] == 300
+    man = train(tiny_lm_config(model=str(out)), tmp_path / "run", quiet=True)
+    assert math.isfinite(man["metrics"]["final"]["loss"])
+    for bad in (["--heads", "3"], ["--vocab-size", "10"], ["--layers", "0"]):
+        assert main(["base", "random", *bad, "--out", str(tmp_path / "bad")]) == 2
