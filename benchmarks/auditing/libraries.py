@@ -91,11 +91,13 @@ UNDETECTABLE = [
 #: clip, a huge num_examples moves FedAvg's weighted mean (tests/audit/test_replay_*.py)
 REPLAY_NEIGHBOURS = {
     "opacus": "remove,scaled@end,scaled@start",
-    # token records: no float features to scale (remove and a duplicate)
-    "hf_trainer": "remove,duplicate@end",
+    # token records: no float features to scale (a removal and a duplicate at both ends)
+    "hf_trainer": "remove,duplicate@end,duplicate@start",
     "flower": "replace,huge",
     "pfl": "replace,huge",
 }
+#: rows whose records differ from their library's (token ids: no float features to scale)
+REPLAY_CASE_NEIGHBOURS = {("opacus", "peft_lora"): "remove,duplicate@end,duplicate@start"}
 #: the replay's trainings: Opacus MLP and LoRA steps, HF and Flower quick, pfl rounds
 REPLAY_STEPS, REPLAY_PFL_ROUNDS = 60, 5
 #: rows the replay cannot drive, with the reason (a "not run" replay)
@@ -303,19 +305,15 @@ def _lora(
 
 def _script_replay(train, clip: float | None, neighbours: str) -> dict:
     """The replay column from :func:`audit.replay.script.audit_script` on ``train`` (a
-    training without the canary statistics), held to ``clip`` (the claim's C)."""
-    import contextlib
-    import io
+    training without the canary statistics), held to ``clip`` (the claim's C). What the
+    training prints is compared (lines that differ between two runs on D, timings, are not);
+    a training that is not deterministic on D is a replay "not run"."""
     import types
 
     from audit.replay.script import audit_script
 
-    def quiet():  # what the training prints (the Trainer's timing) is not what is compared
-        with contextlib.redirect_stdout(io.StringIO()):
-            train()
-
     claim = types.SimpleNamespace(clipping_norm=clip, noise_multiplier=None)
-    res = audit_script(quiet, claim, neighbours)
+    res = audit_script(train, claim, neighbours)
     rp = res["replay"]
     compared = [n["comparison"] for n in rp["neighbours"] if "comparison" in n]
     codes = [
@@ -324,16 +322,22 @@ def _script_replay(train, clip: float | None, neighbours: str) -> dict:
         if f["code"] in REPLAY_CODES and (f["severity"] == "error" or f["code"] == "replay_empty")
     ]
     errors = [c for c in codes if c != "replay_empty"]
+    det = rp.get("determinism") or {"deterministic": True}
     verdict = "fail" if errors else ("pass" if rp["releases"] and compared else "not run")
     ratios = [c["max_ratio"] for c in compared if c["max_ratio"] is not None]
-    return {
+    out = {
         "verdict": verdict,
         "neighbours": len(compared),
         "releases": int(rp["releases"]),
         "findings": list(dict.fromkeys(codes)),
         "max_ratio": max(ratios) if ratios else None,
         "seconds": round(sum(rp["seconds"].values()), 2),
+        "skipped": [n["neighbour"] for n in rp["neighbours"] if "skipped" in n],
     }
+    if verdict == "pass" and not det["deterministic"]:
+        out["verdict"] = "not run"
+        out["reason"] = f"not deterministic on D: {det.get('divergence') or det}"
+    return out
 
 
 def replay_case(lib: str, case: str, res: dict) -> dict:
@@ -345,7 +349,7 @@ def replay_case(lib: str, case: str, res: dict) -> dict:
     if why:
         return {"verdict": "not run", "neighbours": 0, "releases": 0, "findings": [], "reason": why}
     claim = res.get("claim") or {}
-    nb = REPLAY_NEIGHBOURS[lib]
+    nb = REPLAY_CASE_NEIGHBOURS.get((lib, case), REPLAY_NEIGHBOURS[lib])
     if lib == "opacus":
         return _script_replay(
             lambda: train_and_audit(case, REPLAY_STEPS, audit=False),
@@ -610,6 +614,7 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
         "from the mechanism (C for a record added or removed; 2·std/σ = 2C/m for a Flower "
         "client replaced; LocalDpMod's own sensitivity; 2·C·σ_mech/σ_claim for a pfl user "
         f"replaced). Neighbours: {'; '.join(f'{k}: {v}' for k, v in REPLAY_NEIGHBOURS.items())}"
+        f"; peft_lora: {REPLAY_CASE_NEIGHBOURS[('opacus', 'peft_lora')]}"
         f" ({REPLAY_STEPS} Opacus steps, the Trainer's and Flower's quick runs, "
         f"{REPLAY_PFL_ROUNDS} pfl rounds); nb × rel: neighbours compared × releases; a "
         "failed replay fails the row (its findings join the row's), a passed one tests the "
