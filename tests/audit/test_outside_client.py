@@ -107,7 +107,10 @@ def test_flower_wrapper_in_process(task_identity, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "server_sigma, verdict", [(2.0, "ok"), (0.5, "does not implement its claim")]
+    # correct: incomplete — the canary clients enter after the server's clip, so the clip
+    # itself is not exercised (clipping untested), never "ok"
+    "server_sigma, verdict",
+    [(2.0, "incomplete"), (0.5, "does not implement its claim")],
 )
 def test_flower_conformance(server_sigma, verdict, task_identity, tmp_path):
     """The Flower wrapper's observations in the tests' units (⟨ĉ_j, Δ_r⟩·m/C: noise
@@ -170,7 +173,7 @@ def _server_loop(hook, *, rounds, clients, d, clip, sigma, noise_scale, seed):
 
 
 @pytest.mark.parametrize(
-    "noise_scale, verdict", [(1.0, "ok"), (0.0, "does not implement its claim")]
+    "noise_scale, verdict", [(1.0, "incomplete"), (0.0, "does not implement its claim")]
 )
 def test_client_audit(noise_scale, verdict, tmp_path):
     from fl.privacy.rng import NoiseKey
@@ -191,6 +194,8 @@ def test_client_audit(noise_scale, verdict, tmp_path):
     claim["claimed_epsilon"] = check_claim(claim)["epsilon_pld"]
     res = O.audit_outside(out, obs, claim, key_file=kp)
     assert res["verdict"] == verdict, (res["epsilon_lb"], res["conformance"]["rejected"])
+    if verdict == "incomplete":
+        assert res["coverage"]["untested"] == ["clipping"]
     assert res["relation"].startswith("a canary client is one client")
     est = res["estimate"]["all_iterates"]
     assert est["kind"] == "estimate"
