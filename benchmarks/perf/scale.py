@@ -382,7 +382,10 @@ def measure_model(
                     "mem_rise_nodp": rises[False],
                     "mem_rise_dp": rises[True],
                     "grad_sample_bytes": max(held),
-                    "base_grad_sample_bytes": batch * (total - adapter) * 4,
+                    # at the measured bytes per element (4 in fp32, 2 under bf16 autocast)
+                    "base_grad_sample_bytes": int(max(held) / (batch * adapter))
+                    * batch
+                    * (total - adapter),
                 }
                 held.clear()
                 rows.append(row)
