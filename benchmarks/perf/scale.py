@@ -228,7 +228,9 @@ def _texts(n: int, seq: int) -> list[str]:
     return [" ".join(base[i * per : (i + 1) * per]) for i in range(n)]
 
 
-def _trainer(folder: str, rank: int, seq: int, batch: int, device: str, precision: str):
+def _trainer(
+    folder: str, rank: int, seq: int, batch: int, device: str, precision: str, physical: int = 0
+):
     import torch
 
     from fl.run.config import TrainConfig
@@ -247,6 +249,7 @@ def _trainer(folder: str, rank: int, seq: int, batch: int, device: str, precisio
         device=device,
         precision=precision,
         length_buckets=False,
+        physical_batch=physical,
     )
     return LocalTrainer(cfg, 0, torch.device(device))
 
@@ -291,6 +294,7 @@ def measure_model(
     ranks: tuple[int, ...] = RANKS,
     seqs: tuple[int, ...] = SEQS,
     batch: int = BATCH,
+    physical: int = 0,
 ) -> list[dict]:
     """Every (precision, rank, seq) point of one model folder. Seconds are CPU seconds of
     this thread on the CPU (robust on a shared machine; wall beside them), wall seconds
@@ -323,7 +327,7 @@ def measure_model(
     rows = []
     for precision in precisions:
         for rank in ranks:
-            tr = _trainer(folder, rank, max(seqs), batch, device, precision)
+            tr = _trainer(folder, rank, max(seqs), batch, device, precision, physical)
             start = tr.initial_state()
             params = tr._set_trainable({"A", "B"})
             adapter = sum(p.numel() for p in params)
@@ -370,6 +374,7 @@ def measure_model(
                     "adapter_parameters": adapter,
                     "seq": seq,
                     "batch": batch,
+                    "physical_batch": physical,
                     "tokens": batch * seq,
                     "s_nodp": float(np.median(times[False])),
                     "s_dp": float(np.median(times[True])),
@@ -554,6 +559,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--precisions", default="fp32", help="fp32, bf16 or fp32,bf16")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument(
+        "--physical-batch", type=int, default=0, help="examples per pass (0: the whole batch)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ranks, seqs = _ints(args.ranks), _ints(args.seqs)
@@ -572,7 +580,16 @@ def main(argv=None) -> int:
             log(f"{args.kind} width {width}, {shape.layers} layers: {_params(info['parameters'])}")
             info["hidden"] = width
             rows += measure_model(
-                tmp, info, args.reps, log, args.device, precisions, ranks, seqs, args.batch
+                tmp,
+                info,
+                args.reps,
+                log,
+                args.device,
+                precisions,
+                ranks,
+                seqs,
+                args.batch,
+                args.physical_batch,
             )
         gc.collect()
     where = (
@@ -585,7 +602,8 @@ def main(argv=None) -> int:
         "note": (
             f"Measured {time.strftime('%Y-%m-%d', time.gmtime())} on {where}; "
             f"{'/'.join(precisions)}, torch {torch.__version__}; {args.kind} shape family "
-            f"(fl.models.decoders.decoder_shape), vocabulary {VOCAB}, batch {args.batch}, LoRA "
+            f"(fl.models.decoders.decoder_shape), vocabulary {VOCAB}, batch {args.batch} "
+            f"({args.physical_batch or args.batch} a pass), LoRA "
             f"on q_proj/v_proj of every layer, median of {args.reps} interleaved steps (one "
             f"warm-up DP step per LoRA set-up); total {time.perf_counter() - t_all:.0f} s."
         ),
@@ -596,6 +614,7 @@ def main(argv=None) -> int:
         "seqs": list(seqs),
         "reps": args.reps,
         "batch": args.batch,
+        "physical_batch": args.physical_batch,
         "threads": args.threads,
         "vocab": VOCAB,
     }

@@ -28,7 +28,6 @@ from fl.run.rundir import MANIFEST, StartUndo, append_metrics, jsonable, truncat
 __all__ = ["RunFiles"]
 
 
-#: the files the operator manifest vouches for (fl.run.integrity): what an audit reads
 def canonical_adapter_config(path) -> None:
     """Rewrite peft's ``adapter_config.json`` with its set-valued fields sorted: peft keeps
     ``target_modules`` as a Python set and writes it in the set's iteration order, which
@@ -42,6 +41,7 @@ def canonical_adapter_config(path) -> None:
     atomic_write_json(path, doc)
 
 
+#: the files the operator manifest vouches for (fl.run.integrity): what an audit reads
 _SEALED_FILES = (
     "adapter/adapter_config.json",
     "adapter/adapter_model.safetensors",
