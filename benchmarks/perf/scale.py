@@ -223,8 +223,8 @@ def _texts(n: int, seq: int) -> list[str]:
     """n texts long enough to fill ``seq`` byte-level BPE tokens (synthetic words)."""
     from fl.data.datasets import make_synthetic
 
-    base = make_synthetic(max(8 * n, 64)).texts
     per = max(1, -(-seq // 10))  # a synthetic text is ≥ 10 tokens
+    base = make_synthetic(max(n * per, 64)).texts
     return [" ".join(base[i * per : (i + 1) * per]) for i in range(n)]
 
 
