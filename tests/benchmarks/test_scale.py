@@ -96,3 +96,15 @@ def test_the_tables_format_every_row_and_every_prediction():
     assert "7B at T=512" in out and "| — |" in out and "10.0%" in out
     # 7 B parameters in fp32 at 4 bytes each plus 0.6 GB: 26.6 GiB
     assert f"{(6e8 + 4 * 6.74e9) / 2**30:.1f} GiB" in out
+
+
+def test_the_texts_fill_every_batch_and_length_the_scripts_use():
+    """Every example fills its L tokens (no padding: T = b × L exactly), also at the GPU
+    script's batch 8 × 512 (a short corpus once left the last examples of a batch short)."""
+    from fl.data.lm import LmTokenizedData
+    from fl.models.pretrain import train_tokenizer
+
+    tok = train_tokenizer(scale._texts(64, 32), 1024)
+    for batch, seq in ((4, 32), (4, 128), (8, 128), (8, 512)):
+        data = LmTokenizedData(scale._texts(batch, seq), tok, seq)
+        assert int(data.lengths.min()) == seq
