@@ -75,12 +75,6 @@ UNDETECTABLE = [
         "Opacus protects a record; the unit of privacy is outside the mechanism the "
         "canaries travel through",
     ),
-    (
-        "ghost clipping: sampling and clipping",
-        "ghost clipping reweights the loss in a second backward pass, which a gradient "
-        "injected apart from the loss does not follow: its canaries carry noise only, so "
-        "a sampling or clipping fault in this mode is not seen (the noise and the claim are)",
-    ),
 ]
 
 
@@ -179,9 +173,11 @@ def train_and_audit(
             **kw, noise_multiplier=sigma, max_grad_norm=norms, clipping="per_layer"
         )
     elif case == "ghost":
+        # the canaries' term joins each record's loss, so ghost clipping's second pass
+        # clips a canary like a record (audit.libraries.opacus: SamplerCanaries.criterion)
         model, opt, crit, loader = pe.make_private(
             **kw,
-            criterion=crit,
+            criterion=can.criterion(crit),
             noise_multiplier=sigma,
             max_grad_norm=CLIP,
             grad_sample_mode="ghost",
@@ -531,8 +527,9 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
         "",
         "| library | version | mode | kind | claimed ε | recomputed ε | library accountant ε | "
         "ε lower bound | implied ε | conformance | noise obs/claimed | sampling p (release) | "
-        "sampling p (sampler) | rate p | findings | replay | verdict | expected | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "sampling p (sampler) | rate p | findings | replay | verdict | expected | wall s | "
+        "replay s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
@@ -558,6 +555,7 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
                     r["verdict"],
                     r["expected"] + ("²" if r.get("expected_reason") else ""),
                     f"{r['wall_s']:.1f}",
+                    _fmt((r.get("replay") or {}).get("seconds")),
                 ]
             )
             + " |"
@@ -565,7 +563,7 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
     for u in undetectable:
         out.append(
             f"| {u['library']} | {u['version']} | {u['misuse']} | misuse | — | — | — | — | — | "
-            f"— | — | — | — | — | not detectable: {u['reason']} | — | — | — | — |"
+            f"— | — | — | — | — | not detectable: {u['reason']} | — | — | — | — | — |"
         )
     reasons = [r for r in rows if r.get("expected_reason")]
     if reasons:
@@ -596,8 +594,8 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
         "run really used (≥: σ below 0.25, computed at 0.25, a lower bound); library "
         "accountant ε: the library's own figure for the run; ε lower bound: the one-run bound "
         "(the larger of Steinke et al.'s and the f-DP one, each at α/2 = 0.025) from the "
-        "canaries' inclusion bits (p = 1/2), — where no canary carries a contribution (ghost "
-        "clipping, LocalDpMod's first releases only); implied ε: the claim's mechanism at σ "
+        "canaries' inclusion bits (p = 1/2), — where no canary carries a contribution "
+        "(LocalDpMod's first releases only); implied ε: the claim's mechanism at σ "
         "times the worst group's upper confidence bound on the observed noise factor; "
         "conformance: the Holm family (scale, fresh, clip, the sampling permutation tests and "
         "the library's own: Flower's weights, pfl's contribution and Laplace tests) at the "
@@ -606,7 +604,8 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
         "p columns: the permutation tests' p-values (sequential, at most 19 999 "
         "permutations), rate p: the included canaries' draws against Binomial(T·n, q). The "
         "Opacus rows: MLP σ = 1 (unless calibrated), C = 1, δ = 1e-5, 300 noised steps; the "
-        "ε lower bound from 128 canaries; ghost clipping's canaries carry noise only. "
+        "ε lower bound from 128 canaries; ghost clipping's canaries travel through the loss "
+        "(SamplerCanaries.criterion given to make_private). "
         "Replay: the neighbour replay (docs/replay.md; Opacus and the Trainer by "
         "`audit.replay.script.audit_script`, Flower and pfl by `audit.replay.flower` / "
         "`audit.replay.pfl`): the same training run on D and on each neighbour with every "
@@ -620,7 +619,8 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
         "failed replay fails the row (its findings join the row's), a passed one tests the "
         "clipping. The verdict is both instruments' (`audit.coverage.decide`): pass only "
         "when sampling, clipping, noise and accounting were each tested, incomplete (exit 4) "
-        "otherwise. A pass of the replay covers only the neighbours and positions tried. "
+        "otherwise. A pass of the replay covers only the neighbours and positions tried; replay "
+        "s: its wall time (the run on D, the script audit's second run on D, each neighbour). "
         "Details per library: docs/audit.md (Opacus), docs/audit_hf_trainer.md, "
         "docs/audit_flower.md, docs/audit_pfl.md.",
         "",
