@@ -24,9 +24,10 @@ the arrays are then overwritten by D's recorded output, so both runs follow one 
   ``num_sampled_clients``; ``server_round`` in a frame): the round. Flower's fixed cohort lets
   a client's data change (replace-one-client) move the mean of m clipped updates by up to
   2C/m; the noise ``std`` = σ·C/m is calibrated to that unit, so the bound is derived as
-  **2·std/σ** with σ the claim's noise multiplier (else the wrapper's): a wrapper built with a
-  smaller σ than claimed, or noising at a smaller clip than it clipped at (adaptive clipping's
-  next clip), is held to the bound its noise really protects;
+  **2·std/σ** with σ the larger of the claim's noise multiplier and the wrapper's own (σ_Δ
+  for adaptive clipping): a wrapper built with a smaller σ than claimed, or noising at a
+  smaller clip than it clipped at (adaptive clipping's next clip), is held to the bound its
+  noise really protects;
 * ``LocalDpMod`` (``self`` with ``sensitivity``): one release per client reply, scope the
   client's node and its reply's index; the bound is the mod's own ``sensitivity`` (its noise is
   calibrated to it; any two inputs of a client differ by up to 2C after its clip).
@@ -283,7 +284,9 @@ def _declared(std: float, owner) -> tuple[float, dict, str]:
     sigma = _C.sigma
     if owner is not None and hasattr(owner, "num_sampled_clients"):
         own = float(getattr(owner, "noise_multiplier", 0) or 0)
-        s = sigma if sigma else own
+        # the larger of the claim's σ and the wrapper's (adaptive clipping noises the
+        # aggregate at its σ_Δ > σ, the rest of the budget going to the clipped count)
+        s = max(sigma or 0.0, own)
         if s and std > 0:
             return 2.0 * float(std) / s, {}, "flower:central"
         return (

@@ -18,8 +18,8 @@ trajectory.
 
 **The bound.** A user's data changed (replace-one-user) moves the sum of clipped statistics by
 up to 2C; pfl's noise is calibrated to C (Gaussian std = σ·C, Laplace scale C/ε), so the
-bound is **2·C·σ_mech/σ_claim** (σ_mech: ``relative_noise_stddev``, or 1/ε for Laplace; σ_claim
-the claim's noise multiplier, else σ_mech): a mechanism built with less noise than claimed,
+bound is **2·C·σ_mech/σ** (σ_mech: ``relative_noise_stddev``, or 1/ε for Laplace; σ the
+larger of the claim's noise multiplier and σ_mech): a mechanism built with less noise than claimed,
 or a weighting applied after the clip (``WeightByDatapoints`` after the mechanism multiplies
 a clipped update by its user's row count), exceeds it. Laplace's sensitivity is ℓ1; the
 replay measures ℓ2 (≤ ℓ1): a violation is certain, a pass is for ℓ2.
@@ -131,8 +131,8 @@ def _wrap_noise(orig):
         if tap is None or not _P.active:
             return out, metrics
         c, s_mech = _mechanism_sigma(self)
-        s = _P.sigma or s_mech
-        sens = 2.0 * c * s_mech / s if s and math.isfinite(s_mech) else 2.0 * c
+        s = max(_P.sigma or 0.0, s_mech) if math.isfinite(s_mech) else 0.0
+        sens = 2.0 * c * s_mech / s if s > 0 else 2.0 * c
         labels = {}
         f = sys._getframe(1)
         for _ in range(8):
@@ -231,7 +231,7 @@ def replay_pfl(
         kinds=PFL_KINDS,
         neighbours=kinds,
         eligible=eligible,
-        relation="replace-one-user: 2·C·σ_mech/σ_claim",
+        relation="replace-one-user: 2·C·σ_mech/σ (σ the larger of the claim's and σ_mech)",
         held_fixed={
             "generators": "numpy (pfl's sampler and noise seeds), random and torch reset to one "
             "snapshot before every run; every release's output is D's on D′",

@@ -611,7 +611,7 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
         "`audit.replay.pfl`): the same training run on D and on each neighbour with every "
         "random draw frozen, ‖q(D) − q(D′)‖ at every noise call against the bound derived "
         "from the mechanism (C for a record added or removed; 2·std/σ = 2C/m for a Flower "
-        "client replaced; LocalDpMod's own sensitivity; 2·C·σ_mech/σ_claim for a pfl user "
+        "client replaced, σ the larger of the claim's and the wrapper's; LocalDpMod's own sensitivity; 2·C·σ_mech/σ for a pfl user "
         f"replaced). Neighbours: {'; '.join(f'{k}: {v}' for k, v in REPLAY_NEIGHBOURS.items())}"
         f"; peft_lora: {REPLAY_CASE_NEIGHBOURS[('opacus', 'peft_lora')]}"
         f" ({REPLAY_STEPS} Opacus steps, the Trainer's and Flower's quick runs, "
