@@ -507,7 +507,9 @@ def write(rows: list[dict], out: Path, meta: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     first = rows[0].get("precision", "fp32")
     fit_rows = [r for r in rows if r.get("precision", "fp32") == first]
-    fits = fits_of(fit_rows)
+    # a fit in N needs models of at least three sizes (the memory model has 3 coefficients)
+    sizes = len({r["hidden"] for r in fit_rows})
+    fits = fits_of(fit_rows) if sizes >= 3 else {}
     tokens = sorted({r["tokens"] for r in rows})
     preds = {
         name: {
@@ -527,14 +529,20 @@ def write(rows: list[dict], out: Path, meta: dict) -> dict:
         "# Memory and time as the model grows (`python -m benchmarks.perf.scale`)\n",
         f"{meta['note']}\n",
         format_table(rows),
-        "\n## Fits and predictions\n",
-        f"N = parameters, T = tokens per step; relative least squares over the {first} rows; "
-        "the predictions extrapolate far beyond the measured range (same device, precision "
-        "and thread count) and are only as good as the held-out error suggests.\n",
-        format_fits(fits, tokens),
     ]
+    if fits:
+        md += [
+            "\n## Fits and predictions\n",
+            f"N = parameters, T = tokens per step; relative least squares over the {first} "
+            "rows; the predictions extrapolate far beyond the measured range (same device, "
+            "precision and thread count) and are only as good as the held-out error suggests.\n",
+            format_fits(fits, tokens),
+        ]
+    else:
+        md.append(f"\nNo fit: {sizes} model size(s) measured; a fit needs at least 3.\n")
     (out / "table.md").write_text("\n".join(md))
-    figure(fit_rows, fits, out / "scale.png")
+    if fits:
+        figure(fit_rows, fits, out / "scale.png")
     return doc
 
 
