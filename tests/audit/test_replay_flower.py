@@ -122,3 +122,14 @@ def test_change_update_kinds():
     assert np.sqrt(sum(float((a**2).sum()) for a in huge)) == pytest.approx(2000.0)
     assert all((a == 0).all() for a in change_update("empty", u, 1.0))
     assert np.isnan(change_update("nan", u, 1.0)[0]).all()
+
+
+def test_flower_is_unpatched_after_a_replay():
+    import flwr.server.strategy.dp_fixed_clipping as legacy
+    import flwr.serverapp.strategy.dp_fixed_clipping as message
+    import flwr.supercore.differential_privacy as sdp
+
+    _replay("legacy_server_fixed", neighbours="replace")
+    for mod in (sdp, message):
+        assert not hasattr(mod.add_gaussian_noise_inplace, "__wrapped__")
+    assert legacy.add_gaussian_noise_to_params is sdp.add_gaussian_noise_to_params

@@ -20,7 +20,7 @@ logging.getLogger("pfl").setLevel(logging.ERROR)
 USERS, ROUNDS, CLIP, SIGMA = 6, 3, 0.05, 1.0
 
 
-def _train(sigma=SIGMA, weight_after_clip=False, clip=CLIP):
+def _train(sigma=SIGMA, weight_after_clip=False, clip=CLIP, laplace_eps=None):
     """One pfl training (fresh objects, seeded): a callable for the replay."""
 
     def run():
@@ -32,7 +32,11 @@ def _train(sigma=SIGMA, weight_after_clip=False, clip=CLIP):
         from pfl.data.sampling import get_user_sampler
         from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
         from pfl.model.pytorch import PyTorchModel
-        from pfl.privacy import CentrallyAppliedPrivacyMechanism, GaussianMechanism
+        from pfl.privacy import (
+            CentrallyAppliedPrivacyMechanism,
+            GaussianMechanism,
+            LaplaceMechanism,
+        )
 
         from benchmarks.auditing.libraries_pfl import small_net
 
@@ -51,7 +55,12 @@ def _train(sigma=SIGMA, weight_after_clip=False, clip=CLIP):
             local_optimizer_create=torch.optim.SGD,
             central_optimizer=torch.optim.SGD(module.parameters(), lr=1.0),
         )
-        central = CentrallyAppliedPrivacyMechanism(GaussianMechanism(clip, sigma))
+        mech = (
+            GaussianMechanism(clip, sigma)
+            if laplace_eps is None
+            else LaplaceMechanism(clip, laplace_eps)
+        )
+        central = CentrallyAppliedPrivacyMechanism(mech)
         pps = [central, WeightByDatapoints()] if weight_after_clip else [central]
         backend = SimulatedBackend(training_data=fed, val_data=fed, postprocessors=pps)
         FederatedAveraging().run(
@@ -128,3 +137,25 @@ def test_no_mechanism_is_never_a_pass():
 
     res = replay_pfl(plain, claim=CLAIM)
     assert res["verdict"] == "not run" and "replay_empty" in _codes(res)
+
+
+def test_laplace_mechanism_passes_and_pfl_is_unpatched_after():
+    """LaplaceMechanism(C, ε): noise scale C/ε, the claim's multiplier 1/ε; its ℓ1 clip
+    keeps the ℓ2 distance of a replaced user within 2C."""
+    from pfl.privacy import GaussianMechanism, LaplaceMechanism
+
+    import audit.replay.pfl as rp
+
+    orig = rp._wrap_noise
+    res = rp.replay_pfl(
+        _train(laplace_eps=1.0), claim={"noise_multiplier": 1.0, "clipping_norm": CLIP}
+    )
+    assert res["verdict"] == "pass" and res["releases"] == ROUNDS, res["findings"]
+    # ε doubled (half the scale the claim says): the noise protects C only
+    low = rp.replay_pfl(
+        _train(laplace_eps=2.0), claim={"noise_multiplier": 1.0, "clipping_norm": CLIP}
+    )
+    assert low["verdict"] == "fail" and low["max_ratio"] > 1
+    assert rp._wrap_noise is orig
+    assert not hasattr(GaussianMechanism.add_noise, "__wrapped__")
+    assert not hasattr(LaplaceMechanism.add_noise, "__wrapped__")
