@@ -343,3 +343,23 @@ def test_fedlora_base_random_writes_a_folder_that_train_accepts(tmp_path, capsys
     assert math.isfinite(man["metrics"]["final"]["loss"])
     for bad in (["--heads", "3"], ["--vocab-size", "10"], ["--layers", "0"]):
         assert main(["base", "random", *bad, "--out", str(tmp_path / "bad")]) == 2
+
+
+def test_lm_membership_signals_and_client_level_mia_run_on_a_llama_run(folders, tmp_path, capsys):
+    """The attacks read a Llama run as they read any causal-LM run: the loss and the LM
+    signals (zlib, min-k, ...) per example, and the client-level loss attack."""
+    from pipeline.cli import main
+
+    run = tmp_path / "run"
+    cfg = tiny_lm_config(model=folders["llama"], clients=4, members=40, noise_multiplier=1.0,
+                         insecure_deterministic_noise=True)  # fmt: skip
+    train(cfg, run, quiet=True)
+    out = tmp_path / "att"
+    assert main(["attack", str(run), "--attacks", "loss,lm", "--workers", "1", "--out",
+                 str(out)]) == 0  # fmt: skip
+    doc = json.loads((out / "attacks.json").read_text())
+    assert doc["target"]["task"] == "causal-lm" and {"loss", "zlib", "min_k"} <= set(doc["attacks"])
+    assert all(0 <= a["auc"] <= 1 for a in doc["attacks"].values())
+    assert main(["attack", str(run), "--attacks", "loss", "--client-level", "--workers", "1",
+                 "--out", str(tmp_path / "client")]) == 0  # fmt: skip
+    capsys.readouterr()
