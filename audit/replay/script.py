@@ -107,7 +107,7 @@ def parse_script_kinds(spec: str | None) -> tuple[ScriptNeighbour, ...]:
     return tuple(out)
 
 
-def _perturb(item, kind: str):
+def perturb(item, kind: str):
     """The record ``item`` (a tensor, or a tuple whose first element holds the features)
     changed as ``kind`` says; integer features (token ids) cannot hold NaN or be scaled:
     a clear error."""
@@ -302,7 +302,7 @@ def _neighbour_view(base):
         return base
     remove = _S.remove if nb.kind == "remove" else None
     try:
-        added = None if nb.kind == "remove" else _perturb(base[_S.typical], nb.kind)
+        added = None if nb.kind == "remove" else perturb(base[_S.typical], nb.kind)
     except ValueError as exc:  # this dataset cannot hold the neighbour: skipped, said so
         _S.skipped = str(exc)
         raise
@@ -497,7 +497,7 @@ def audit_script(
             "deterministic": not (same["divergence"] or err_d2)
             and (same["max_ratio"] or 0.0) <= 1e-6,
         }
-        volatile = _volatile_lines(out_d, out_d2)
+        volatile = volatile_lines(out_d, out_d2)
         for i, nb in enumerate(nbs):
             t1 = time.time()
             say(f"audit-script: neighbour {i + 1}/{len(nbs)}: {nb.describe()}")
@@ -508,7 +508,7 @@ def audit_script(
                 results.append({"neighbour": nb.describe(), "skipped": _S.skipped})
                 continue
             cmp = rec.compare()
-            diff = _first_diff(out_d, out_dp, volatile)
+            diff = first_diff(out_d, out_dp, volatile)
             results.append(
                 {
                     "neighbour": nb.describe(),
@@ -603,7 +603,7 @@ def audit_script(
     }
 
 
-def _volatile_lines(a: str, b: str) -> set[int] | None:
+def volatile_lines(a: str, b: str) -> set[int] | None:
     """The line numbers that differ between two runs on D (timings, dates); None when
     even the number of lines differs (then what the script prints is not compared)."""
     la, lb = a.splitlines(), b.splitlines()
@@ -612,7 +612,7 @@ def _volatile_lines(a: str, b: str) -> set[int] | None:
     return {i for i, (x, y) in enumerate(zip(la, lb)) if x != y}
 
 
-def _first_diff(a: str, b: str, volatile: set[int] | None = frozenset()) -> str | None:
+def first_diff(a: str, b: str, volatile: set[int] | None = frozenset()) -> str | None:
     """The first printed line that differs between D and D′, outside ``volatile``."""
     if a == b or volatile is None:
         return None

@@ -135,9 +135,9 @@ def test_a_transformed_batch_ghost_per_layer_and_physical_batches_carry_the_cana
 
 
 def test_the_side_channel_finds_each_batch_by_tag_fingerprint_or_order():
-    from audit.libraries.opacus.autoattach import AutoCanaryDataset, _Channel
+    from audit.libraries.opacus.autoattach import AutoCanaryDataset, CanaryIdChannel
 
-    ch = _Channel()
+    ch = CanaryIdChannel()
     ds = AutoCanaryDataset(_data(6), [3, 5], 0, ch)
     loader = DataLoader(ds, batch_size=4, collate_fn=ch.collate(torch.utils.data.default_collate))
     (x1, y1), (x2, y2) = list(loader)  # both collated before either is read (a prefetch)

@@ -80,17 +80,17 @@ def test_neighbour_view_and_kinds():
 def test_timings_printed_are_not_releases_and_token_features_skip_nonfinite_kinds():
     import torch
 
-    from audit.replay.script import _first_diff, _perturb, _volatile_lines
+    from audit.replay.script import first_diff, perturb, volatile_lines
 
     res = audit_script(SCRIPT, validate_claim(CLAIM), "remove", argv=["--print-time"])
     rep = res["replay"]
     assert rep["determinism"]["deterministic"] and rep["printed_volatile_lines"] == [0]
     assert not [f for f in res["findings"] if f["code"] == "data_dependent_release"]
-    assert _volatile_lines("a\nb", "a") is None and _first_diff("x", "y", None) is None
-    assert _first_diff("t 1\nloss 2", "t 3\nloss 4", {0}) == (
+    assert volatile_lines("a\nb", "a") is None and first_diff("x", "y", None) is None
+    assert first_diff("t 1\nloss 2", "t 3\nloss 4", {0}) == (
         "line 2: D printed 'loss 2', D′ printed 'loss 4'"
     )
     with pytest.raises(ValueError, match="floating-point features"):
-        _perturb((torch.tensor([1, 2, 3]), torch.tensor(0)), "nan")
-    x, y = _perturb((torch.ones(3), torch.tensor(1)), "scaled")
+        perturb((torch.tensor([1, 2, 3]), torch.tensor(0)), "nan")
+    x, y = perturb((torch.ones(3), torch.tensor(1)), "scaled")
     assert float(x.sum()) == 3000.0 and int(y) == 0  # another label: a large gradient

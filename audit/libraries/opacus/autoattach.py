@@ -15,7 +15,7 @@ release's ``make_private_with_epsilon`` computes σ from the user's loader and c
 * **the model** — :class:`AutoCanaryModel`, the user's model with the canary block
   (:class:`audit.libraries.opacus.CanaryModel`), whose ``forward(*args, **kwargs)`` is the
   user's: the canary ids do not travel as a third column. They travel by a side channel
-  (:class:`_Channel`): the dataset notes the id of each item it hands out, the loader's
+  (:class:`CanaryIdChannel`): the dataset notes the id of each item it hands out, the loader's
   collate groups them into the batch's id vector, and the model's forward takes the id
   vector of the batch it reads — the batch whose tensors it is handed (an attribute on
   the collated tensors, else their fingerprint: shape and sum), else the oldest batch of
@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from audit.coverage import PARTS, Coverage, decide
-from audit.libraries.opacus.canaries import CanaryModel, SamplerCanaries, _fingerprint
+from audit.libraries.opacus.canaries import CanaryModel, SamplerCanaries, batch_fingerprint
 
 __all__ = [
     "AutoCanaryDataset",
@@ -95,7 +95,7 @@ def _same(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and abs(a[1] - b[1]) <= 1e-9 * (abs(a[1]) + 1.0)
 
 
-class _Channel:
+class CanaryIdChannel:
     """The side channel from the dataset to the model (module doc)."""
 
     def __init__(self) -> None:
@@ -174,7 +174,7 @@ class AutoCanaryDataset(torch.utils.data.Dataset):
     user's (a canary: record ``template``'s item) and its canary id (-1 for a real
     record) goes to the side channel, not into the item."""
 
-    def __init__(self, base, ids, template: int, channel: _Channel) -> None:
+    def __init__(self, base, ids, template: int, channel: CanaryIdChannel) -> None:
         self.base, self.ids, self.template, self.channel = (
             base,
             [int(j) for j in ids],
@@ -207,7 +207,7 @@ class AutoCanaryModel(CanaryModel):
     (the canary ids come from the side channel: module doc). Attributes the wrapper does
     not have are read from the user's model (``config``, …)."""
 
-    def __init__(self, model: nn.Module, m: int, channel: _Channel) -> None:
+    def __init__(self, model: nn.Module, m: int, channel: CanaryIdChannel) -> None:
         super().__init__(model, m)
         self.channel = channel
         self.cannot: str | None = None
@@ -248,7 +248,7 @@ class AutoCanaryModel(CanaryModel):
         block = self.canary(cid)
         if self.training and torch.is_grad_enabled():
             self._seen.append(cid[is_c].detach().cpu())
-            self._prints.append(_fingerprint(x, cid))
+            self._prints.append(batch_fingerprint(x, cid))
             self.terms_made += self.canary.route == "loss"
         logits = logits + block.view(-1, *shape).to(logits.dtype)
         if not hf:
@@ -269,7 +269,7 @@ class CanaryRun:
         self.m, self.seed, self.p_include = m, seed, p_include
         self.audits: list = []
         self.models: list[AutoCanaryModel] = []
-        self.channels: list[_Channel] = []
+        self.channels: list[CanaryIdChannel] = []
         self.reasons: list[str] = []
         self.error: str | None = None
 
@@ -297,7 +297,7 @@ class CanaryRun:
         if why is not None:
             self._not_wrapped(why)
             return orig(engine, **kw)
-        ch = _Channel()
+        ch = CanaryIdChannel()
         model = AutoCanaryModel(module, self.m, ch)
         can._model = model
         block = model.canary.linear.weight

@@ -135,7 +135,7 @@ class CanaryModel(nn.Module):
         if self.training and torch.is_grad_enabled():
             ids = cid[cid >= 0].detach().cpu()
             self._seen.append(ids)
-            self._prints.append(_fingerprint(x, cid))
+            self._prints.append(batch_fingerprint(x, cid))
             self.terms_made += self.canary.route == "loss"
         return out + block.view(-1, *([1] * (out.dim() - 1)))
 
@@ -149,7 +149,7 @@ class CanaryModel(nn.Module):
         return t
 
 
-def _fingerprint(x, cid: torch.Tensor) -> tuple:
+def batch_fingerprint(x, cid: torch.Tensor) -> tuple:
     """(rows, shape, canary ids, a checksum of the inputs): equal for a batch read twice."""
     ids = tuple(int(c) for c in cid.detach().cpu().view(-1).tolist())
     if isinstance(x, torch.Tensor):
