@@ -8,7 +8,14 @@ covers only the neighbours and positions tried.
 
 * :mod:`audit.replay.record` — :class:`Recorder`, the record/replay tap and the comparison;
 * :mod:`audit.replay.neighbours` — the neighbours tried and the bound each is held to;
-* :mod:`audit.replay.engine` — the engine's runs (``fedlora audit RUN --neighbours``).
+* :mod:`audit.replay.engine` — the engine's runs (``fedlora audit RUN --neighbours``; the
+  job's client-local replay, :func:`replay_recorded`);
+* :mod:`audit.replay.script` — a training script, unchanged (``fedlora audit-script``), with
+  :mod:`audit.replay.patches` (Opacus and torch's samplers patched at import; the marks of a
+  hand-written loop);
+* :mod:`audit.replay.flower`, :mod:`audit.replay.pfl` — Flower's and pfl's noise calls.
+
+docs/replay.md says what a replay proves and what a pass covers.
 
 A stage above :mod:`audit.bundle` and below :mod:`audit.libraries` (pyproject's layers).
 """
@@ -19,6 +26,8 @@ _EXPORTS = {
     "Recorder": "audit.replay.record",
     "Neighbour": "audit.replay.neighbours",
     "replay_neighbours": "audit.replay.engine",
+    "replay_recorded": "audit.replay.engine",
+    "audit_script": "audit.replay.script",
 }
 
 __all__ = list(_EXPORTS)

@@ -80,7 +80,8 @@ def test_neighbour_view_and_kinds():
 def test_timings_printed_are_not_releases_and_token_features_skip_nonfinite_kinds():
     import torch
 
-    from audit.replay.script import first_diff, perturb, volatile_lines
+    from audit.replay.patches import perturb
+    from audit.replay.script import first_diff, volatile_lines
 
     res = audit_script(SCRIPT, validate_claim(CLAIM), "remove", argv=["--print-time"])
     rep = res["replay"]
