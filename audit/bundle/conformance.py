@@ -26,10 +26,10 @@ from audit.bounds.conformance import (
     TESTS,
     Block,
     GroupTest,
-    clip_contribution_test,
     conformance,
     implied_noise_factor,
 )
+from audit.bounds.contribution import clip_contribution_test
 from audit.bounds.sampling import sampling_test
 from audit.claims.implied import epsilon_of_scaled_events
 from audit.findings import Code, Findings
@@ -54,7 +54,7 @@ SAMPLING_TEST = (
 )
 
 
-#: the two-sided clip test (:func:`audit.bounds.conformance.clip_contribution_test`)
+#: the two-sided clip test (:func:`audit.bounds.contribution.clip_contribution_test`)
 CONTRIBUTION_TEST = (
     "a drawn canary adds EXACTLY C, as the step's clip of each example gives it: two-sided, "
     "for any data gradient"

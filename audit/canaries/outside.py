@@ -315,7 +315,7 @@ def audit_outside(canaries, observations, claim, *, alpha: float = 0.05, key_fil
     Gradient canaries and canary clients (orthogonal directions) also get the conformance
     tests (:mod:`audit.bounds.conformance`: the noise at each canary is at least the
     claim's N(0, σ²C²), fresh at every step, a canary adds at most C, and a gradient
-    canary exactly C: :func:`audit.bounds.conformance.clip_contribution_test`) with the claim's
+    canary exactly C: :func:`audit.bounds.contribution.clip_contribution_test`) with the claim's
     σ and C, never the file's, the coins re-drawn from the set's key, and the noise-implied
     ε of the claim's mechanism (``conformance``).
 

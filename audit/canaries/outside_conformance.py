@@ -164,7 +164,7 @@ def claim_mechanism(c, checked: dict):
     return ref
 
 
-#: the two-sided clip test (:func:`audit.bounds.conformance.clip_contribution_test`), in the
+#: the two-sided clip test (:func:`audit.bounds.contribution.clip_contribution_test`), in the
 #: words the findings use beside :data:`audit.bounds.conformance.TESTS`
 CONTRIBUTION = (
     "a drawn canary adds EXACTLY C, as a clip of each example gives it: two-sided, for any "
@@ -186,14 +186,10 @@ def outside_conformance(
     claim's mechanism, and a ``mechanism_mismatch`` finding per rejected test.
     ``two_sided``: the canaries went through the training's clip of each example (gradient
     canaries' rows): the two-sided clip test ``contribution``
-    (:func:`audit.bounds.conformance.clip_contribution_test`, a drawn canary adds exactly
+    (:func:`audit.bounds.contribution.clip_contribution_test`, a drawn canary adds exactly
     C) joins the family (Holm) beside the one-sided ``clip``; it needs the coins."""
-    from audit.bounds.conformance import (
-        TESTS,
-        clip_contribution_test,
-        conformance,
-        implied_noise_factor,
-    )
+    from audit.bounds.conformance import TESTS, conformance, implied_noise_factor
+    from audit.bounds.contribution import clip_contribution_test
     from audit.claims.implied import epsilon_of_scaled_claim, noise_finding
     from audit.findings import Code
 

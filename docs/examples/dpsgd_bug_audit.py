@@ -23,7 +23,7 @@ does) is trained once per variant with gradient canaries
               alone). The canaries share that one clip: each drawn canary adds about
               C/√(canaries drawn), less than C, so the one-sided clip test ("at most C")
               passes it; the two-sided one (``contribution``: a drawn canary adds exactly
-              C, :func:`audit.bounds.conformance.clip_contribution_test`) fails it.
+              C, :func:`audit.bounds.contribution.clip_contribution_test`) fails it.
 
 The claim is the same for all: Poisson-subsampled Gaussian, σ calibrated to the
 target ε at q over the steps, C = 1. Each training's observations are audited with

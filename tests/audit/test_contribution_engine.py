@@ -1,4 +1,4 @@
-"""The two-sided clip test (audit.bounds.conformance.clip_contribution_test) on the engine's
+"""The two-sided clip test (audit.bounds.contribution.clip_contribution_test) on the engine's
 own step (fl.privacy.dpsgd.clip_and_noise with its gradient canaries,
 fl.privacy.gradient_canaries.ClientCanaries): per-example data gradients that are NOT zero at
 the canaries' coordinates (large, drifting, heavy-tailed), Poisson batches, the real noise
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from audit.bounds.conformance import Block, clip_contribution_test, conformance
+from audit.bounds.conformance import Block, conformance
+from audit.bounds.contribution import clip_contribution_test
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams, StepFault, clip_and_noise
 from fl.privacy.gradient_canaries import ClientCanaries

@@ -22,7 +22,7 @@ from opacus.optimizers.optimizer import DPOptimizer, _mark_as_processed  # noqa:
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from audit.bounds.conformance import contribution_test  # noqa: E402
+from audit.bounds.contribution import contribution_test  # noqa: E402
 from audit.libraries.opacus import SamplerCanaries  # noqa: E402
 
 warnings.filterwarnings("ignore", module="opacus")

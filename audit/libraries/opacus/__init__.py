@@ -49,7 +49,7 @@ privacy.
 per-layer, adaptive, ghost — carries the canaries all the way: sampling (the permutation
 tests of the release and of the coins, the draw count against q), clipping (one-sided: a
 canary adds at most C, the conformance clip test; two-sided: a drawn canary adds EXACTLY
-C, :func:`audit.bounds.conformance.contribution_test`, which sees a clip of the batch sum
+C, :func:`audit.bounds.contribution.contribution_test`, which sees a clip of the batch sum
 or a record counted twice), noise (scale, freshness, each step in units of its own C, so
 adaptive clipping's C_t is tested at its own C), accounting (ε recomputed for what ran),
 and the one-run lower bound. Ghost clipping carries them only through

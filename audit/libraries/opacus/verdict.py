@@ -27,9 +27,9 @@ from audit.bounds.conformance import (
     Block,
     GroupTest,
     conformance,
-    contribution_test,
     implied_noise_factor,
 )
+from audit.bounds.contribution import contribution_test
 from audit.claims.check import check_claim
 from audit.claims.implied import SIGMA_FLOOR, epsilon_of_scaled_claim
 from audit.claims.mistakes import reference
