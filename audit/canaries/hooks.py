@@ -1,4 +1,6 @@
-"""Hooks that add a canary set (:mod:`audit.canaries.outside`, ``fedlora canaries new``) to a
+"""Over 500 lines on purpose: the gradient canary hook, whose Opacus, plain-PyTorch and clipped-sum entry points share the canary rows, the coins and the observations file.
+
+Hooks that add a canary set (:mod:`audit.canaries.outside`, ``fedlora canaries new``) to a
 training the toolkit does not run, and record what the audit needs.
 
 They run on the OPERATOR's side: they read the set's secret inclusion bits

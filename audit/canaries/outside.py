@@ -1,4 +1,6 @@
-"""Canary audits of trainings the toolkit did not run (``fedlora canaries new``,
+"""Over 500 lines on purpose: one audit (audit_outside) whose reading, scoring per canary kind, conformance, coverage and verdict share the claim, the canary set and the findings; the statistics live in audit.bounds.
+
+Canary audits of trainings the toolkit did not run (``fedlora canaries new``,
 ``fedlora audit --canaries DIR --observations FILE --claim CLAIM``).
 
 The operator of an outside training (an Opacus or plain PyTorch DP-SGD loop, a Flower

@@ -1,4 +1,6 @@
-"""`fedlora audit`: check the privacy claim of a run directory, a release bundle or a
+"""Over 500 lines on purpose: one command, fedlora audit, whose parser, run, claim, outside-canary and neighbour-replay paths share one human-readable rendering and one exit-code rule.
+
+`fedlora audit`: check the privacy claim of a run directory, a release bundle or a
 claim file; `fedlora report`: write the report of run directories (:mod:`audit.report.build`).
 
     fedlora audit RUN_OR_BUNDLE [--json] [--one-run] [--alpha A] [--key FILE]

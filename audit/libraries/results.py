@@ -1,4 +1,6 @@
-"""A library audit's result on disk, and the rows a report reads from it.
+"""Over 500 lines on purpose: one file format (a library audit's result and a benchmark row), whose writer and untrusted-input reader must check the same fields the same way.
+
+A library audit's result on disk, and the rows a report reads from it.
 
 :func:`save_result` writes the dict a library audit returns (``OpacusAudit.audit``; the
 other libraries' audits return the same keys) as one JSON file, atomically, with numpy

@@ -1,4 +1,6 @@
-"""Planted-fault suite: the power of the run audit at the sampling rates DP-SGD uses (issue 42,
+"""Over 500 lines on purpose: one harness, whose settings, grids and runner share the cell records; the summaries and tables are faults_table.py.
+
+Planted-fault suite: the power of the run audit at the sampling rates DP-SGD uses (issue 42,
 item 3; the q = 1 suite of issue 35, item 4, extended).
 
 ``python -m benchmarks.auditing.faults --grid full [--out DIR] [--budget-min 68]``

@@ -1,4 +1,6 @@
-"""The planted-fault suite's summaries and tables (``benchmarks.auditing.faults``): per cell
+"""Over 500 lines on purpose: one table, whose summaries (flag rates, false alarms, power curve) and Markdown rendering read the same cell records.
+
+The planted-fault suite's summaries and tables (``benchmarks.auditing.faults``): per cell
 the flag rate with its Clopper–Pearson interval and each finding's count, the false alarms
 over every correct run, the power curve, the audits' wall times."""
 

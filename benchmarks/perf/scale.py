@@ -1,4 +1,6 @@
-"""Memory and time of a DP and a non-DP local step as a Llama-architecture model grows
+"""Over 500 lines on purpose: one benchmark, whose model sizes, timing, memory probes, fit and figure share the measured rows.
+
+Memory and time of a DP and a non-DP local step as a Llama-architecture model grows
 (issue #48): ``python -m benchmarks.perf.scale [--out DIR] [--widths 256,512,...]``.
 
 Models: one shape family (:func:`fl.models.decoders.decoder_shape`: GQA with 4 query heads

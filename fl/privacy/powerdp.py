@@ -1,4 +1,6 @@
-"""PowerDP: client-level DP refactorization of the averaged LoRA update (FedPower,
+"""Over 500 lines on purpose: one mechanism family — PowerDP's noisy power iteration and its two baselines (input and output perturbation) — sharing the client clip, the sensitivities and the release records.
+
+PowerDP: client-level DP refactorization of the averaged LoRA update (FedPower,
 arXiv 2605.08443), with its two comparison mechanisms, as pure functions.
 
 Setting (client-level DP, add/remove-one-client neighbouring). The server rebuilds
