@@ -10,7 +10,7 @@ the canaries' to test). Writes ``results.json`` and ``table.md`` (one row per ru
 replay's verdict, the largest ‖Δq‖/bound, releases compared, seconds).
 
 The replay is deterministic, so its only source of a false alarm is the float tolerance
-(10⁻⁴ of the bound plus 10⁻⁵ of the sums' size, :mod:`audit.replay.record`): a false
+(10⁻⁴ of the bound plus 10⁻⁶ of the sums' size, :mod:`audit.replay.record`): a false
 alarm here is a bug, not a rate.
 """
 
