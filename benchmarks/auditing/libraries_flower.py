@@ -151,7 +151,12 @@ def _legacy_client_fn(data, seed_each=False):
             x, y = data[self.i]
             return _sgd(parameters, x, y, seed_each), len(y), {}
 
-    return lambda ctx: C(int(ctx.node_config["partition-id"])).to_client()
+    def client_fn(ctx):
+        # flwr 1.8, 1.9 call client_fn(cid), the partition index as a string; later a Context
+        i = int(ctx) if isinstance(ctx, str) else int(ctx.node_config["partition-id"])
+        return C(i).to_client()
+
+    return client_fn
 
 
 def _message_train(data, seed_each=False):
@@ -195,10 +200,9 @@ def claim_for(sigma, rounds, m=6, clip=None, total=K, delta=1e-5, eps=None) -> d
 def build(mode: str, quick: bool = False, seed: int = 0) -> dict:
     """The strategy, the clients and the claim of one case (keyword arguments of
     :func:`audit.libraries.flower.audit_flower`)."""
-    import flwr.client.mod as lmod
-    import flwr.clientapp.mod as mmod
-    import flwr.server.strategy as ls
-    import flwr.serverapp.strategy as ms
+    from audit.libraries.flower.compat import check_version
+
+    check_version()  # a release below the audit's range: its clear error, before any import
 
     rounds = 10 if quick else ROUNDS
     m, pool = 6, K + M
@@ -216,15 +220,23 @@ def build(mode: str, quick: bool = False, seed: int = 0) -> dict:
     )
     seed_each = mode == "seeded_clients"
     frac = m / pool
+    # only the API the case uses: the legacy one exists from 1.8, the Message API from 1.21
     if legacy:
+        import flwr.client.mod as lmod
+        import flwr.server.strategy as ls
+
+        lib = ls
         inner = ls.FedAvg(
             fraction_fit=frac, min_fit_clients=m, min_available_clients=m, fraction_evaluate=0.0
         )
     else:
+        import flwr.clientapp.mod as mmod
+        import flwr.serverapp.strategy as ms
+
+        lib = ms
         inner = ms.FedAvg(
             fraction_train=frac, min_train_nodes=m, min_available_nodes=m, fraction_evaluate=0.0
         )
-    lib = ls if legacy else ms
     mods: list = []
     claim = claim_for(sigma, rounds, m, clip)
     if mode in ("legacy_server_fixed", "legacy_unequal_weights", "seeded_clients"):

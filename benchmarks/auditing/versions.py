@@ -132,6 +132,62 @@ KNOWN = {
 #: (a release in the range it states is accepted, one outside refused naming it)
 CHECK = "version_check"
 
+#: what a case in the range cannot be expected to do on some releases: (library, case) ->
+#: [(the releases, a specifier; the expectation there; why; for NOT_AVAILABLE, what the case
+#: raises there, a regex)], the first matching entry applying. NOT_AVAILABLE: the case's own
+#: code needs an API the release does not have, so it raises before any audit runs; the row
+#: is as expected only where it raises that (a case that then runs is not as expected: the
+#: entry is out of date).
+NOT_AVAILABLE = "not available in this release"
+EXPECT: dict[tuple[str, str], list[tuple[str, str, str, str | None]]] = {
+    ("flwr", "message_server_fixed"): [
+        (
+            "<1.35",
+            NOT_AVAILABLE,
+            "the case turns on Flower's accountant (flwr.supercore.privacy_accounting, "
+            "accountant=), which flwr has from 1.35; the Message API from 1.21",
+            r"No module named 'flwr\.(supercore|serverapp|clientapp)",
+        )
+    ],
+    ("flwr", "legacy_local_dp"): [
+        (
+            "<1.14",
+            "fail",
+            "a library flaw: LocalDpMod of flwr 1.8 … 1.13 drops its noise (it discards "
+            "what add_localdp_gaussian_noise_to_params returns; fixed in 1.14), which the "
+            "audit must find (noise_absent)",
+            None,
+        )
+    ],
+    ("opacus", "ghost"): [
+        (
+            "<1.5",
+            NOT_AVAILABLE,
+            "opacus has no ghost clipping before 1.5",
+            r"unexpected keyword argument 'criterion'",
+        ),
+        (
+            "<1.5.3",
+            NOT_AVAILABLE,
+            "ghost clipping from 1.5, but make_private(criterion=) only from 1.5.3 (1.5 … "
+            "1.5.2 clip through double_backward); the case uses criterion=",
+            r"unexpected keyword argument 'criterion'",
+        ),
+    ],
+}
+
+
+def expectation(lib: str, version: str, case: str) -> tuple[str, str, str | None] | None:
+    """(expected, why, the error a NOT_AVAILABLE case raises) of the first :data:`EXPECT`
+    entry for (``lib``, ``case``) whose releases hold ``version``; None: the kind's rule."""
+    from packaging.specifiers import SpecifierSet
+
+    for spec, expected, why, raises in EXPECT.get((lib, case), []):
+        if SpecifierSet(spec).contains(version, prereleases=True):
+            return expected, why, raises
+    return None
+
+
 #: the marker of the child's result lines on stdout
 MARK = "@@versions@@ "
 
@@ -586,6 +642,7 @@ def row(
     """One table row: (library, version, case) and what happened. ``stated_spec``: the
     range the audit module states (a release outside it should be refused)."""
     kind = c.get("kind") or ("check" if c["case"] == CHECK else kinds(lib).get(c["case"]))
+    special = expectation(lib, version, c["case"]) if ranged else None
     isolated = bool(head.get("module_file")) and str(overlay) in str(head.get("module_file"))
     seen = head.get("module_version") or head.get("dist_version")
     r = {
@@ -596,9 +653,11 @@ def row(
         "case": c["case"],
         "kind": kind or "—",
         "verdict": c.get("verdict"),
-        "expected": (c.get("expected") or expected_verdict(kind) or "—")
+        "expected": ((special and special[0]) or c.get("expected") or expected_verdict(kind) or "—")
         if ranged
         else "clear error (names the installed version)",
+        "why": special and special[1],
+        "raises": special and special[2],
         "findings": c.get("findings", []),
         "seconds": c.get("seconds"),
         "error": c.get("error"),
@@ -619,6 +678,10 @@ def status(r: dict) -> str:
     names = bool(err) and r["version"] in err
     if not r["in_range"]:
         return "as expected" if names else "not as expected"
+    if r["expected"] == NOT_AVAILABLE:  # the case cannot be built: it must raise that
+        if not err:
+            return "not as expected"
+        return "as expected" if re.search(r.get("raises") or "$^", err) else "error"
     if err:
         return "refused" if names and r.get("in_stated_range") is False else "error"
     return "as expected" if r["verdict"] == r["expected"] else "not as expected"
@@ -678,7 +741,7 @@ def table(head: dict, rows: list[dict], envs: list[dict]) -> str:
                     r["case"],
                     r["kind"],
                     _f(r["verdict"]),
-                    r["expected"],
+                    r["expected"] + (f" ({_f(r['why'])})" if r.get("why") else ""),
                     ", ".join(r["findings"]) or "—",
                     r["status"] if r["status"] == "as expected" else f"**{r['status']}**",
                     _f(r["seconds"]),
@@ -720,7 +783,10 @@ def table(head: dict, rows: list[dict], envs: list[dict]) -> str:
         "`not as expected`, `refused` (the case raised an error naming the release, which "
         "is outside the range the audit states), `error` (the case raised: its last line in "
         "the error column, with the last frame in the project's code) or "
-        "`not isolated` (the child did not import the release under test); for a release "
+        "`not isolated` (the child did not import the release under test); "
+        f"expected `{NOT_AVAILABLE}` (with why): the case's own code needs an API the "
+        "release lacks, so it raises before the audit runs, and is as expected only where "
+        "it raises that error; for a release "
         "below the range, `as expected` means the case raised an error naming the installed "
         "version. s: the case's seconds (training and audit), the first case of a release "
         "also importing the audit.",

@@ -142,3 +142,50 @@ def test_child_sees_the_overlay(tmp_path):
     missing = V.probe("fakelib", [tmp_path / "none"], env=env)
     assert missing["version"] is None and "ModuleNotFoundError" in missing["error"]
     assert V.child_env([v1], env)["OMP_NUM_THREADS"] == "1"
+
+
+def test_not_available_in_this_release():
+    head = {"module_version": "1.5.2", "module_file": "/w/o/opacus/__init__.py"}
+    err = "TypeError: DPOptimizer.__init__() got an unexpected keyword argument 'criterion'"
+    c = {"case": "ghost", "kind": "correct", "error": err, "where": "b/libraries.py:178"}
+    r = V.row("opacus", "1.5.2", True, head, c, Path("/w/o"))
+    assert r["expected"] == V.NOT_AVAILABLE and "1.5.3" in r["why"]
+    assert r["status"] == "as expected"  # it raises what the release lacks
+    other = V.row("opacus", "1.5.2", True, head, {**c, "error": "ValueError: x"}, Path("/w/o"))
+    assert other["status"] == "error"  # another error is still one
+    ran = {"case": "ghost", "kind": "correct", "verdict": "pass"}
+    assert V.row("opacus", "1.5.2", True, head, ran, Path("/w/o"))["status"] == "not as expected"
+    head6 = {"module_version": "1.6.0", "module_file": "/w/o/opacus/__init__.py"}
+    ok = V.row("opacus", "1.6.0", True, head6, ran, Path("/w/o"))
+    assert ok["expected"] == "pass" and ok["why"] is None and ok["status"] == "as expected"
+    assert V.expectation("opacus", "1.4.0", "ghost")[1].startswith("opacus has no ghost")
+    fh = {"module_version": "1.24.0", "module_file": "/w/f/flwr/__init__.py"}
+    e = "ModuleNotFoundError: No module named 'flwr.supercore.privacy_accounting'"
+    msg = V.row(
+        "flwr", "1.24.0", True, fh, {"case": "message_server_fixed", "error": e}, Path("/w/f")
+    )
+    assert msg["status"] == "as expected"
+    assert V.expectation("flwr", "1.35.0", "message_server_fixed") is None
+    # below the range the expectation is the clear error, whatever EXPECT says
+    below = V.row("flwr", "1.7.0", False, fh, {"case": "message_server_fixed"}, Path("/w/f"))
+    assert below["expected"].startswith("clear error") and below["why"] is None
+    # a library flaw on old releases: the correct case is expected to fail
+    lh = {"module_version": "1.8.0", "module_file": "/w/f/flwr/__init__.py"}
+    flaw = {"case": "legacy_local_dp", "kind": "correct", "verdict": "fail"}
+    assert V.row("flwr", "1.8.0", True, lh, flaw, Path("/w/f"))["status"] == "as expected"
+    md = V.table(
+        {
+            "command": "c",
+            "machine": "m",
+            "date": "d",
+            "commit": "x",
+            "dirty": False,
+            "wall_s": 1.0,
+            "base": "b",
+            "ranges": {},
+        },
+        [r],
+        [],
+    )
+    assert f"| {V.NOT_AVAILABLE} (ghost clipping from 1.5" in md
+    assert "1 of 1 rows as expected." in md
