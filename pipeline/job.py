@@ -62,8 +62,10 @@ class Preset:
     #: two two-thread runs in turn)
     train_workers: int = 1
     #: the neighbours every DP run is replayed on after its training (#47; only the
-    #: neighbour's client retrained: audit.replay.engine.replay_recorded); () for none
-    replay: tuple = ("remove", "max-length")
+    #: neighbour's client retrained: audit.replay.engine.replay_recorded); () for none.
+    #: One (the record drawn most often removed) keeps the job's cost to two client-local
+    #: passes per DP run; `fedlora audit RUN --neighbours all` tries every kind.
+    replay: tuple = ("remove",)
 
 
 PRESETS: dict[str, Preset] = {

@@ -378,7 +378,8 @@ def summary_line(res: dict) -> str:
     worst = [r["comparison"]["max_ratio"] for r in res.get("neighbours", [])]
     worst = [w for w in worst if w is not None and math.isfinite(w)]
     ratio = f", largest ‖Δq‖/bound {max(worst):.3f}" if worst else ""
-    return f"{res['verdict']} ({n} neighbours × {res['releases']} releases{ratio})"
+    word = "neighbour" if n == 1 else "neighbours"
+    return f"{res['verdict']} ({n} {word} × {res['releases']} releases{ratio})"
 
 
 def read_replay(run_dir: Path) -> dict | None:

@@ -215,7 +215,7 @@ def test_the_reports_replay_column_reads_the_file_as_untrusted(tmp_path):
     good["neighbours"] = [{"comparison": {"max_ratio": 1.5}}]
     (tmp_path / REPLAY_FILE).write_text(json.dumps(good))
     cell = replay_cell(read_replay(tmp_path), True)
-    assert cell.startswith("fail (1 neighbours × 3 releases, largest ‖Δq‖/bound 1.500)")
+    assert cell.startswith("fail (1 neighbour × 3 releases, largest ‖Δq‖/bound 1.500)")
     assert cell.endswith(": sensitivity_exceeded") and replay_cell(None, False) == "–"
 
 

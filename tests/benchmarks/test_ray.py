@@ -174,6 +174,6 @@ def test_main_job_trains_its_runs_at_once_on_ray(ray_local, tmp_path, monkeypatc
             "epsilon": m["privacy"]["epsilon"]["pld"],
         }
         assert (replay is None) == (name == "fedavg-nodp")
-        assert replay is None or replay.startswith("pass (2 neighbours × ")
+        assert replay is None or replay.startswith("pass (1 neighbour × ")
     assert st["runs"]["fedavg-eps8"]["epsilon"] <= 8.0
     assert st["runs"]["fedavg-nodp"]["epsilon"] is None

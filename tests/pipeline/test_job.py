@@ -52,9 +52,9 @@ def test_quick_preset_end_to_end(tmp_path):
             # the conformance tests pass on a correct run, and the noise-implied ε is the
             # ledger's (σ as claimed): columns 5 and 6
             assert vcells[5].startswith("pass ("), vcells[5]
-            # the job replays every DP run on two neighbours (column 6: within the bound)
+            # the job replays every DP run on a neighbour (column 6: within the bound)
             assert re.fullmatch(
-                r"pass \(2 neighbours × \d+ releases, largest ‖Δq‖/bound (0\.\d+|1\.000)\)",
+                r"pass \(1 neighbour × \d+ releases, largest ‖Δq‖/bound (0\.\d+|1\.000)\)",
                 vcells[6],
             ), vcells[6]
             assert float(vcells[7]) == pytest.approx(eps, rel=1e-3)
