@@ -1,4 +1,6 @@
-"""Neighbour replay of a Flower training at client level, Flower patched at import (#47).
+"""Over 500 lines on purpose: one replay (Flower's noise calls), whose patches, caller-frame reading (scope and bound), client wrappers and driver share one recording state; pfl's replay reuses its driver.
+
+Neighbour replay of a Flower training at client level, Flower patched at import (#47).
 
 :func:`replay_flower` runs a Flower training (a callable that trains once, in this process)
 on its clients' data D with every release recorded, then once per neighbour D′ in which one
@@ -111,7 +113,7 @@ def claim_value(claim, name: str):
     return None if v is None else float(v)
 
 
-class _Clients:
+class ClientReplayState:
     """What the patches and the client wrappers share during one replay."""
 
     def __init__(self):
@@ -137,7 +139,7 @@ class _Clients:
         return self.kind if cid == self.target else None
 
 
-_C = _Clients()
+_C = ClientReplayState()
 
 
 def change_update(kind: str, update: list[np.ndarray], clip: float) -> list[np.ndarray]:
@@ -403,7 +405,7 @@ def replay_clients(
     train: Callable[[], object],
     *,
     library: str,
-    state: _Clients,
+    state: ClientReplayState,
     patches,
     kinds: dict,
     neighbours: Iterable[str],
@@ -542,7 +544,7 @@ def replay_flower(
     "neighbours": [...], "max_ratio", "findings", "seconds", "held_fixed"}``."""
     kinds = parse_client_kinds(neighbours, FLOWER_KINDS, DEFAULT_FLOWER)
     global _C
-    _C = _Clients()
+    _C = ClientReplayState()
     _C.sigma = claim_value(claim, "noise_multiplier")
     _C.clip = claim_value(claim, "clipping_norm") or (clip if clip else 1.0)
     return replay_clients(

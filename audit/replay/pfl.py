@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from audit.replay.flower import _Clients, claim_value, parse_client_kinds, replay_clients
+from audit.replay.flower import ClientReplayState, claim_value, parse_client_kinds, replay_clients
 
 __all__ = ["PFL_KINDS", "DEFAULT_PFL", "replay_pfl"]
 
@@ -55,7 +55,7 @@ PFL_KINDS = {
 DEFAULT_PFL = ("replace", "huge")
 HUGE = 1e3
 
-_P = _Clients()
+_P = ClientReplayState()
 _DEPTH = [0]
 
 
@@ -220,7 +220,7 @@ def replay_pfl(
     :func:`audit.replay.flower.replay_clients`'s dict."""
     kinds = parse_client_kinds(neighbours, PFL_KINDS, DEFAULT_PFL)
     global _P
-    _P = _Clients()
+    _P = ClientReplayState()
     _P.sigma = claim_value(claim, "noise_multiplier")
     _P.clip = claim_value(claim, "clipping_norm") or (clip if clip else 1.0)
     return replay_clients(

@@ -1,4 +1,6 @@
-"""What each DP library's modes really give (#43 item 2): train small, audit every run end to end.
+"""Over 500 lines on purpose: one table, whose Opacus and HF cases, replay column, rows and Markdown share the row format that results.py validates; Flower's and pfl's cases are their own modules.
+
+What each DP library's modes really give (#43 item 2): train small, audit every run end to end.
 
     python -m benchmarks.auditing.libraries [--quick] [--library NAME ...] [--out DIR]
 
@@ -459,7 +461,7 @@ def row(
     }
 
 
-def _replay_cell(rep: dict | None) -> str:
+def replay_cell(rep: dict | None) -> str:
     """The replay column: verdict, neighbours × releases, the largest ‖Δq‖/bound."""
     if rep is None:
         return "—"
@@ -551,7 +553,7 @@ def table(header: dict, rows: list[dict], power: list[dict], undetectable: list[
                     _fmt(r["sampling_p_sampler"]),
                     _fmt(r["sampling_p_rate"]),
                     ", ".join(dict.fromkeys(r["findings"])) or "—",
-                    _replay_cell(r.get("replay")),
+                    replay_cell(r.get("replay")),
                     r["verdict"],
                     r["expected"] + ("²" if r.get("expected_reason") else ""),
                     f"{r['wall_s']:.1f}",
@@ -668,7 +670,7 @@ def _print(r: dict) -> None:
         f"{r['library']:10s} {r['mode']:26s} verdict {r['verdict']:4s} (expected "
         f"{r['expected']}) ε claimed {_fmt(r['claimed_epsilon'])} recomputed "
         f"{_fmt(r['recomputed_epsilon'])} implied {_fmt(r['implied_epsilon'])} "
-        f"{sorted(set(r['findings']))} replay {_replay_cell(r.get('replay'))} {r['wall_s']:.1f}s",
+        f"{sorted(set(r['findings']))} replay {replay_cell(r.get('replay'))} {r['wall_s']:.1f}s",
         flush=True,
     )
 

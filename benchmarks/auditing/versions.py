@@ -1,4 +1,6 @@
-"""The library releases people run (#47 item 4): the library table's cases on old releases.
+"""Over 500 lines on purpose: one benchmark, whose release choice, overlay environments, child-process runner, release-bound expectations and table share the row records.
+
+The library releases people run (#47 item 4): the library table's cases on old releases.
 
     python -m benchmarks.auditing.versions [--library NAME ...] [--all-cases] [--out DIR]
         [--work DIR] [--keep] [--no-below]

@@ -12,7 +12,7 @@ import pytest
 
 from audit.coverage import Coverage
 from audit.libraries.results import load_library_audits
-from benchmarks.auditing.libraries import _replay_cell, row
+from benchmarks.auditing.libraries import replay_cell, row
 
 
 def _res(verdict="pass", untested=(), findings=()):
@@ -81,9 +81,9 @@ def test_not_run_replay_changes_nothing_and_the_cell_says_why(tmp_path):
     r = row(_res("incomplete", untested=("clipping",)), "correct", "x", "1.6", nr, "opacus")
     assert r["verdict"] == "incomplete"
     assert _load(tmp_path, r)["replay"]["verdict"] == "not run"
-    assert _replay_cell(nr) == "not run: x"
-    assert _replay_cell(FAIL) == "fail (2 nb × 10 rel, max ‖Δq‖/bound 7.3): sensitivity_exceeded"
-    assert _replay_cell(None) == "—"
+    assert replay_cell(nr) == "not run: x"
+    assert replay_cell(FAIL) == "fail (2 nb × 10 rel, max ‖Δq‖/bound 7.3): sensitivity_exceeded"
+    assert replay_cell(None) == "—"
 
 
 @pytest.mark.parametrize("verdict", ["pass", "fail"])
