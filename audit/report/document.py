@@ -304,7 +304,9 @@ def _breakable(text: str) -> str:
     and ``:`` inside a word: a finding's code (``noise_multiplier_mismatch``) or a test's
     name (``sampling:release:exchangeable``) may wrap at its parts, so that a wide table
     fits a laptop's page instead of scrolling sideways."""
-    return re.sub(r"([_/:])(?=\w)", r"\1<wbr>", html.escape(text))
+    out = re.sub(r"([_/:])(?=\w)", r"\1<wbr>", html.escape(text))
+    # and inside a CamelCase name (DifferentialPrivacyServerSideFixedClipping)
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", "<wbr>", out)
 
 
 def _html_table(t: Table) -> str:

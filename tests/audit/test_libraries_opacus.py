@@ -82,9 +82,9 @@ def test_peft_lora_model_carries_the_canaries():
 
 
 def test_ghost_clipping_without_the_canary_criterion_is_incomplete_not_pass(tmp_path):
-    # the benchmark's ghost case passes Opacus the plain criterion: the canaries' loss term
-    # never reaches the loss, so they carry noise only and the verdict names what is untested
-    res = train_and_audit("ghost", steps=40, permutations=199)
+    # the plain criterion handed to Opacus: the canaries' loss term never reaches the loss,
+    # so they carry noise only and the verdict names what is untested
+    res = train_and_audit("ghost_plain", steps=40, permutations=199)
     assert res["mode"] == "ghost"
     assert res["verdict"] == "incomplete" and res["exit_code"] == 4, res["findings"]
     assert res["coverage"]["untested"] == ["sampling", "clipping"]
