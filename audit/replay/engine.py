@@ -341,35 +341,17 @@ def _neighbour_passes(cfg, key, rec, eng, kinds, root, say, seconds, local, view
 
 
 def _findings(nb: Neighbour, cmp: dict, diffs: list[str], error: str | None) -> list[dict]:
-    out = []
-    for v in cmp["violations"]:
-        bound = v["bound"]
-        measured = "not finite" if v["nonfinite"] else f"{v['distance']:.6g}"
-        out.append(
-            {
-                "code": str(Code.SENSITIVITY_EXCEEDED),
-                "severity": "error",
-                "message": f"{v['where']}: ‖q(D) − q(D′)‖ = {measured} > {bound:.6g} "
-                f"({nb.relation}, {nb.factor:g}·C) for the neighbour '{nb.describe()}'",
-            }
-        )
-    if cmp["n_violations"] > len(cmp["violations"]):
-        out[-1]["message"] += f" (and {cmp['n_violations'] - len(cmp['violations'])} more)"
-    if cmp["divergence"]:
-        out.append(_ddr(nb, cmp["divergence"]))
-    if error:
-        out.append(_ddr(nb, f"the training on D′ raised {error} (on D it did not)"))
-    if diffs:
-        out.append(_ddr(nb, f"released without noise and different on D′: {', '.join(diffs)}"))
-    return out
+    from audit.replay.record import comparison_findings
 
-
-def _ddr(nb: Neighbour, what: str) -> dict:
-    return {
-        "code": str(Code.DATA_DEPENDENT_RELEASE),
-        "severity": "error",
-        "message": f"neighbour '{nb.describe()}': {what}",
-    }
+    return comparison_findings(
+        cmp,
+        f"'{nb.describe()}'",
+        f"{nb.relation}, {nb.factor:g}·C",
+        [
+            None if error is None else f"the training on D′ raised {error} (on D it did not)",
+            f"released without noise and different on D′: {', '.join(diffs)}" if diffs else None,
+        ],
+    )
 
 
 def summary_line(res: dict) -> str:

@@ -488,32 +488,10 @@ def replay_clients(
 
 
 def _findings(what, client, cmp, err, relation) -> list[dict]:
-    out = []
-    for v in cmp["violations"]:
-        measured = "not finite" if v["nonfinite"] else f"{v['distance']:.6g}"
-        out.append(
-            {
-                "code": str(Code.SENSITIVITY_EXCEEDED),
-                "severity": "error",
-                "message": f"{v['where']}: ‖q(D) − q(D′)‖ = {measured} > {v['bound']:.6g} "
-                f"({relation}) for the neighbour '{what}' (client {client!r})",
-            }
-        )
-    if cmp["n_violations"] > len(cmp["violations"]) and out:
-        out[-1]["message"] += f" (and {cmp['n_violations'] - len(cmp['violations'])} more releases)"
-    for text in (
-        cmp["divergence"],
-        None if err is None else f"the training raised {err} on D′ (not on D)",
-    ):
-        if text:
-            out.append(
-                {
-                    "code": str(Code.DATA_DEPENDENT_RELEASE),
-                    "severity": "error",
-                    "message": f"neighbour '{what}' (client {client!r}): {text}",
-                }
-            )
-    return out
+    from audit.replay.record import comparison_findings
+
+    err_text = None if err is None else f"the training raised {err} on D′ (not on D)"
+    return comparison_findings(cmp, f"'{what}' (client {client!r})", relation, [err_text])
 
 
 def summary(result: dict) -> dict:

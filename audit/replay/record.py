@@ -249,3 +249,35 @@ class Recorder(Tap):
             "empty": not self._expected,
             "passed": bool(self._expected) and not violations and divergence is None,
         }
+
+
+def comparison_findings(cmp: dict, who: str, relation: str, releases: list) -> list[dict]:
+    """The findings of one neighbour's comparison (:meth:`Recorder.compare`), shared by every
+    replay: a ``sensitivity_exceeded`` per violation (the first few, the rest counted), then a
+    ``data_dependent_release`` for the divergence and for each text in ``releases`` (None
+    skipped: an exception on D′, a printed line that moved). ``who`` names the neighbour."""
+    from audit.findings import Code
+
+    out = []
+    for v in cmp["violations"]:
+        measured = "not finite" if v["nonfinite"] else f"{v['distance']:.6g}"
+        out.append(
+            {
+                "code": str(Code.SENSITIVITY_EXCEEDED),
+                "severity": "error",
+                "message": f"{v['where']}: ‖q(D) − q(D′)‖ = {measured} > {v['bound']:.6g} "
+                f"({relation}) for the neighbour {who}",
+            }
+        )
+    if cmp["n_violations"] > len(cmp["violations"]) and out:
+        out[-1]["message"] += f" (and {cmp['n_violations'] - len(cmp['violations'])} more releases)"
+    for text in (cmp["divergence"], *releases):
+        if text:
+            out.append(
+                {
+                    "code": str(Code.DATA_DEPENDENT_RELEASE),
+                    "severity": "error",
+                    "message": f"neighbour {who}: {text}",
+                }
+            )
+    return out

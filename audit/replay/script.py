@@ -330,30 +330,14 @@ def first_diff(a: str, b: str, volatile: set[int] | None = frozenset()) -> str |
 
 
 def _script_findings(nb, cmp: dict, err: str | None, diff: str | None) -> list[dict]:
-    out = []
-    for v in cmp["violations"]:
-        measured = "not finite" if v["nonfinite"] else f"{v['distance']:.6g}"
-        out.append(
-            {
-                "code": str(Code.SENSITIVITY_EXCEEDED),
-                "severity": "error",
-                "message": f"{v['where']}: ‖q(D) − q(D′)‖ = {measured} > {v['bound']:.6g} "
-                f"(add/remove, C) for the neighbour '{nb.describe()}'",
-            }
-        )
-    if cmp["n_violations"] > len(cmp["violations"]) and out:
-        out[-1]["message"] += f" (and {cmp['n_violations'] - len(cmp['violations'])} more releases)"
-    for what in (
-        cmp["divergence"],
-        None if err is None else f"the script raised {err} on D′ (not on D)",
-        None if diff is None else f"what the script printed depends on the data ({diff})",
-    ):
-        if what:
-            out.append(
-                {
-                    "code": str(Code.DATA_DEPENDENT_RELEASE),
-                    "severity": "error",
-                    "message": f"neighbour '{nb.describe()}': {what}",
-                }
-            )
-    return out
+    from audit.replay.record import comparison_findings
+
+    return comparison_findings(
+        cmp,
+        f"'{nb.describe()}'",
+        "add/remove, C",
+        [
+            None if err is None else f"the script raised {err} on D′ (not on D)",
+            None if diff is None else f"what the script printed depends on the data ({diff})",
+        ],
+    )
