@@ -66,6 +66,7 @@ __all__ = [
     "sampled",
     "dataset",
     "parse_script_kinds",
+    "run_script",
 ]
 
 
@@ -83,10 +84,10 @@ def _restore(snap) -> None:
     torch.set_rng_state(snap[2])
 
 
-def _run(script, argv: list[str], snap) -> tuple[str, str | None]:
-    """Run the script as ``__main__`` (or call it, when it is a callable); (what it
-    printed, the exception or None)."""
-    _restore(snap)
+def run_script(script, argv: list[str]) -> tuple[str, str | None]:
+    """Run ``script`` as ``__main__`` (or call it, when it is a callable) with ``argv``;
+    (what it printed, its exception as one line, or None). A script's failure is named,
+    never re-raised (on D′ it is itself a release)."""
     buf = io.StringIO()
     old_argv = sys.argv
     sys.argv = [str(script), *argv]
@@ -105,6 +106,12 @@ def _run(script, argv: list[str], snap) -> tuple[str, str | None]:
     finally:
         sys.argv = old_argv
     return buf.getvalue(), err
+
+
+def _run(script, argv: list[str], snap) -> tuple[str, str | None]:
+    """:func:`run_script` from the generators' snapshot ``snap``."""
+    _restore(snap)
+    return run_script(script, argv)
 
 
 def _noise_tests(rec, sigma: float | None, clip: float) -> dict:

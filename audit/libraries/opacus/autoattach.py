@@ -43,10 +43,7 @@ is ``incomplete`` with the reason, never an exception. So is a script that never
 from __future__ import annotations
 
 import contextlib
-import io
 import math
-import runpy
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -500,27 +497,14 @@ def run_with_canaries(
     """Run ``script`` (as ``__main__``, or call it) once with the canaries attached at
     import and audit what it trained against ``claim`` (:meth:`CanaryRun.audit`); what it
     printed is kept in ``printed``. A script that raises is named, not re-raised."""
+    from audit.replay.script import run_script
+
     t0 = time.time()
-    buf = io.StringIO()
-    old_argv = sys.argv
-    sys.argv = [str(script), *(argv or [])]
     with canaries_at_import(m=m, seed=seed) as run:
-        try:
-            with contextlib.redirect_stdout(buf):
-                if callable(script):
-                    script()
-                else:
-                    runpy.run_path(str(script), run_name="__main__")
-        except SystemExit as exc:
-            if exc.code not in (0, None):
-                run.error = f"SystemExit({exc.code})"
-        except Exception as exc:  # the script's failure with the canaries: named
-            run.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            sys.argv = old_argv
+        printed, run.error = run_script(script, list(argv or []))
     trained = time.time() - t0
     res = run.audit(claim, permutations=permutations)
-    res["printed"] = buf.getvalue()
+    res["printed"] = printed
     total = time.time() - t0
     res["seconds"] = {"run": round(trained, 2), "audit": round(total - trained, 2),
                       "total": round(total, 2)}  # fmt: skip
