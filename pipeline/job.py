@@ -63,8 +63,9 @@ class Preset:
     train_workers: int = 1
     #: the neighbours every DP run is replayed on after its training (#47; only the
     #: neighbour's client retrained: audit.replay.engine.replay_recorded); () for none.
-    #: One (the record drawn most often removed) keeps the job's cost to two client-local
-    #: passes per DP run; `fedlora audit RUN --neighbours all` tries every kind.
+    #: One (the record drawn most often removed) keeps the job's cost to one client-local
+    #: pass per DP run (its trainings run without dropout: no reference pass on D);
+    #: `fedlora audit RUN --neighbours all` tries every kind.
     replay: tuple = ("remove",)
 
 
@@ -73,7 +74,7 @@ PRESETS: dict[str, Preset] = {
     "quick": Preset(
         base=dict(model="tiny-bert", dataset="synthetic", members=300, nonmembers=120, test=100)
         | dict(max_length=24, clients=3, rounds=2, local_steps=20, batch_size=32, lr=0.03)
-        | dict(rank=4, alpha=8.0, head_init="random", head_lr=0.0, lora_layers=0),
+        | dict(rank=4, alpha=8.0, head_init="random", head_lr=0.0, lora_layers=0, dropout="off"),
         canaries=500,
     ),
     # all-MiniLM-L6-v2 on the tweets corpus, within 15 minutes on 2 quiet CPU cores
@@ -83,12 +84,14 @@ PRESETS: dict[str, Preset] = {
     # 3e-2, 3 rounds x 6 Poisson batches of 128 of 400 examples per client. 20 batches
     # before issue 35 (the job took 1 443 s): FedAvg-LoRA at ε = 8, seed 0, 0.848 / 0.765
     # balanced; 10 batches 0.842 / 0.752; 6 batches 0.838 / 0.741 in a third of the time
-    # (batches of 64 x 10: 0.836 / 0.742, and weaker canaries at q = 0.16).
+    # (batches of 64 x 10: 0.836 / 0.742, and weaker canaries at q = 0.16). Dropout off
+    # (#47): a training free of dropout's draws is its own reference for the neighbour
+    # replay, one client-local pass per neighbour instead of two (docs/replay.md).
     "default": Preset(
         base=dict(model="minilm", dataset="tweets", members=2000, nonmembers=500, test=500)
         | dict(max_length=48, clients=5, rounds=3, eval_every=3, local_steps=6, batch_size=128)
         | dict(lr=1e-3, head_lr=3e-2, lora_layers=1, pooling="auto", head_init="zero")
-        | dict(rank=8, alpha=16.0),
+        | dict(rank=8, alpha=16.0, dropout="off"),
         canaries=5000,
         train_workers=2,
     ),

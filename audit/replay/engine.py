@@ -50,26 +50,18 @@ REPLAY_FILE = Path("audit") / "neighbour_replay.json"
 REPLAY_VOLATILE = {"created", "versions", "tool_version", "device", "wall_seconds", "log"}
 
 
-def _no_dropout(model) -> int:
-    import torch
-
-    n = 0
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.Dropout) and mod.p:
-            mod.p = 0.0
-            n += 1
-    return n
-
-
 def _release_view(out: Path) -> dict:
     """What a run releases without noise, for comparison: the public manifest (volatile
     fields and the MAC removed), the public metrics rows, the adapter's sha256."""
+    from fl.run.config import RUNTIME_FIELDS
     from fl.run.release import PUBLIC_METRICS, public_manifest
     from fl.run.rundir import read_metrics
 
     m = public_manifest(read_json(out / "manifest.json"))
     for k in REPLAY_VOLATILE:
         m.pop(k, None)
+    for k in RUNTIME_FIELDS:  # where and how it ran (device, progress, ...), not its result
+        (m.get("config") or {}).pop(k, None)
     (m.get("integrity") or {}).pop("mac", None)
     (m.get("integrity") or {}).pop("files", None)
     rows = [
@@ -192,6 +184,7 @@ def _config_and_key(run: Path, key_path):
 def _train_pass(cfg, out: Path, key, rec, hook=None) -> tuple[object, str | None]:
     """One training of the replay under ``rec``, dropout off: (the engine, the exception
     it raised or None)."""
+    from fl.models.base import dropout_off
     from fl.privacy.tap import tapped
     from fl.run.engine import Engine
 
@@ -199,7 +192,7 @@ def _train_pass(cfg, out: Path, key, rec, hook=None) -> tuple[object, str | None
     eng.neighbour = hook
     try:
         eng.setup()
-        eng.dropout_layers_off = _no_dropout(eng.trainer.model)
+        eng.dropout_layers_off = dropout_off(eng.trainer.model)
         with tapped(rec):
             eng.run()
     except Exception as exc:  # an exception on D′ is itself a release
@@ -246,12 +239,23 @@ def replay_neighbours(
         )
 
 
-def replay_recorded(cfg, run: Path, rec, kinds=None, log=None, work: Path | None = None) -> dict:
+def replay_recorded(
+    cfg, run: Path, rec, kinds=None, log=None, work: Path | None = None, reference: str = "auto"
+) -> dict:
     """The job's replay, right after a training recorded by ``rec`` (made with
     ``keep_deliveries``): per neighbour only its client is retrained (the others'
-    recorded replies are handed back), first on D, dropout off (the reference q(D)),
-    then on D′. A bug that carries one client's data into another client's training is
-    seen only by :func:`replay_neighbours`, which retrains every client."""
+    recorded replies are handed back). A training that drew dropout is replayed first on D,
+    dropout off (the reference q(D): a mask drawn per batch position moves with the
+    neighbour), then on D′; one free of dropout (``dropout = "off"``, or a model without
+    any) is its own reference: its recorded q(D) and its release (``run``) are compared
+    with D′ directly, one pass per neighbour. ``reference``: ``"auto"`` (so), ``"always"``
+    (the pass on D in every case). A bug that carries one client's data into another
+    client's training is seen only by :func:`replay_neighbours`, which retrains every
+    client."""
+    from fl.models.base import active_dropout
+
+    if reference not in ("auto", "always"):
+        raise ValueError(f"reference must be 'auto' or 'always', got {reference!r}")
     say = log or (lambda s: None)
     kinds = parse_kinds(kinds) if not isinstance(kinds, tuple) else kinds
     cfg = type(cfg).from_dict(cfg.to_dict())
@@ -262,7 +266,21 @@ def replay_recorded(cfg, run: Path, rec, kinds=None, log=None, work: Path | None
 
         probe = Engine(cfg, Path(tmp) / "probe", quiet=True, noise_key=key)
         probe.setup()
-        return _neighbour_passes(cfg, key, rec, probe, kinds, Path(tmp), say, {}, local=True)
+        # its own reference only where a pass on D would redo its arithmetic: no dropout,
+        # and trained on the CPU as the replay is (another device rounds differently)
+        own = (
+            reference == "auto"
+            and not active_dropout(probe.trainer.model)
+            and read_json(Path(run) / "manifest.json").get("device") == "cpu"
+        )
+        res = _neighbour_passes(
+            cfg, key, rec, probe, kinds, Path(tmp), say, {}, local=True,
+            view_d=_release_view(Path(run)) if own else None,
+        )  # fmt: skip
+        res["reference"] = (
+            "the recorded training (no dropout)" if own else "a pass on D, dropout off"
+        )
+        return res
 
 
 def _neighbour_passes(cfg, key, rec, eng, kinds, root, say, seconds, local, view_d=None) -> dict:
@@ -274,7 +292,7 @@ def _neighbour_passes(cfg, key, rec, eng, kinds, root, say, seconds, local, view
     refs: dict[str, dict] = {}
     for i, nb in enumerate(nbs):
         t0 = time.time()
-        if local and nb.client not in refs:
+        if local and view_d is None and nb.client not in refs:
             # the reference q(D) of this client's releases: D itself, dropout off, on the
             # recorded trajectory
             rec.start_replay(None, local=nb.client)
@@ -284,7 +302,7 @@ def _neighbour_passes(cfg, key, rec, eng, kinds, root, say, seconds, local, view
                 raise UsageError(f"the replay on D itself diverged: {err or cmp['divergence']}")
             rec.adopt_reference()
             refs[nb.client] = _release_view(root / f"ref{nb.client}")
-        base_view = refs[nb.client] if local else view_d
+        base_view = refs[nb.client] if local and view_d is None else view_d
         state = {"row": _typical_row(rec, nb.client, eng.public_sizes[nb.client])}
         say(f"replay: neighbour {i + 1}/{len(nbs)}: {nb.describe()}")
         rec.start_replay(_mask_map(nb, state), local=nb.client if local else None)

@@ -307,6 +307,41 @@ def wrap_lora(net: torch.nn.Module, spec: LoraSpec, seed: int = 0):
     return model
 
 
+#: float attributes through which Hugging Face modules pass a dropout probability to a
+#: functional dropout (Llama's and Qwen2's attention: ``dropout=self.attention_dropout``)
+_DROPOUT_ATTRS = ("attention_dropout", "dropout_prob", "attn_dropout_p")
+
+
+def active_dropout(model: torch.nn.Module) -> list[str]:
+    """The modules of ``model`` that drop out in training mode: an ``nn.Dropout`` with p > 0
+    or a float dropout attribute > 0 (``_DROPOUT_ATTRS``); [] when training is free of
+    dropout's randomness."""
+    found = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.modules.dropout._DropoutNd) and mod.p > 0:
+            found.append(name)
+        elif any(
+            isinstance(getattr(mod, a, None), float) and getattr(mod, a) > 0 for a in _DROPOUT_ATTRS
+        ):
+            found.append(name)
+    return found
+
+
+def dropout_off(model: torch.nn.Module) -> int:
+    """Turn every dropout of ``model`` off (``nn.Dropout`` p and the float attributes of
+    ``_DROPOUT_ATTRS`` set to 0); returns how many were on."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.modules.dropout._DropoutNd) and mod.p > 0:
+            mod.p = 0.0
+            n += 1
+        for a in _DROPOUT_ATTRS:
+            if isinstance(getattr(mod, a, None), float) and getattr(mod, a) > 0:
+                setattr(mod, a, 0.0)
+                n += 1
+    return n
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

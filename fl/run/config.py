@@ -212,6 +212,14 @@ class TrainConfig:
     rank: int = _f(8, "LoRA rank R")
     alpha: float = _f(16.0, "LoRA alpha (scaling s = alpha / R)")
     lora_dropout: float = _f(0.0, "LoRA dropout")
+    dropout: str = _f(
+        "model",
+        "the base model's dropout (hidden, attention, classifier) while training: model = "
+        "its config's probabilities; off = none, so a training is a function of its data, "
+        "coins and noise only (a neighbour replay then needs no reference pass on D: "
+        "docs/replay.md)",
+        choices=("model", "off"),
+    )
     target_modules: str = _f("", "comma-separated LoRA target modules (empty = per-model default)")
     lora_layers: int = _f(
         2,
@@ -436,6 +444,10 @@ class TrainConfig:
         need(1 <= self.rank <= MAX_RANK, f"rank must be in [1, {MAX_RANK}], got {self.rank}")
         need(self.alpha > 0 and math.isfinite(self.alpha), f"alpha must be > 0, got {self.alpha}")
         need(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0,1), got {self.lora_dropout}")
+        need(
+            self.dropout == "model" or self.lora_dropout == 0,
+            f"dropout='off' turns every dropout off: lora_dropout must be 0, got {self.lora_dropout}",
+        )
         need(
             self.dirichlet_alpha > 0 and math.isfinite(self.dirichlet_alpha),
             f"dirichlet_alpha must be a finite number > 0, got {self.dirichlet_alpha}",

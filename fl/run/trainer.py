@@ -25,7 +25,7 @@ import torch
 from fl.data.tokenized import TokenizedData, length_chunks
 from fl.models import causal_lm
 from fl.models import factors as F
-from fl.models.base import LoraSpec, load_base_model, wrap_lora
+from fl.models.base import LoraSpec, dropout_off, load_base_model, wrap_lora
 from fl.privacy import rng as R
 from fl.privacy.dpsgd import DpSgdParams, DpStats
 from fl.privacy.tap import batches as batches_tap
@@ -88,6 +88,8 @@ class LocalTrainer(TrainerProbes):
         targets = tuple(t for t in cfg.target_modules.split(",") if t) or None
         spec = LoraSpec(cfg.rank, cfg.alpha, cfg.lora_dropout, targets, cfg.lora_layers)
         self.model = wrap_lora(net, spec, seed=cfg.seed)
+        if cfg.dropout == "off":
+            dropout_off(self.model)
         self.model.to(device)
         from fl.models.heads import FrozenPrefix
 

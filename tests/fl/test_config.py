@@ -33,6 +33,7 @@ def test_choice_fields_are_the_expected_ones():
         "transport",
         "pooling",
         "head_init",
+        "dropout",
         "task",
         "lm_format",
         "precision",
