@@ -11,4 +11,9 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 MPLBACKEND=Agg
 # a Flower simulation, a Ray instance) are built once, not once per worker. (loadgroup's
 # xdist_group marks are silently ignored with pytest 9 and xdist 3.8: xdist renames
 # item._nodeid, which pytest 9 no longer reads; measured 2026-12-03.)
-.venv/bin/python -m pytest -n 2 --dist loadfile --timeout 600 "$@"
+# --no-loadscope-reorder: the files go longest first, as tests/conftest.py sorted them from
+# tests/durations.json (xdist's own order is most tests first), so the workers end together.
+# FEDLORA_SUITE_BUDGET=1: the session fails when one file exceeds the budget of
+# pyproject.toml [tool.fedlora.test-budget] (tests/suite_budget.py).
+FEDLORA_SUITE_BUDGET=1 .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder \
+  --timeout 600 "$@"
