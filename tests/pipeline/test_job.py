@@ -118,6 +118,8 @@ def test_presets_configurations():
     assert (d.clients, d.rounds, d.eval_every, d.local_steps, d.batch_size) == (5, 3, 3, 6, 128)
     assert (d.lr, d.head_lr, d.lora_layers, d.rank, d.alpha) == (1e-3, 3e-2, 1, 8, 16.0)
     assert (d.pooling, d.head_init) == ("auto", "zero")
+    # no dropout: each DP run is its own reference in the neighbour replay (one pass)
+    assert d.dropout == TrainConfig(**PRESETS["quick"].base).dropout == "off"
     q = TrainConfig(**PRESETS["quick"].base)
     assert (q.model, q.dataset, q.members, q.rounds, q.local_steps, q.lr) == (
         "tiny-bert", "synthetic", 300, 2, 20, 0.03
