@@ -84,6 +84,7 @@ def train_shadows(
     workers: int = 1,
     ray_address: str | None = "none",
     share_prefix: bool = True,
+    only: list[int] | None = None,
 ) -> ShadowSet:
     """Train (or reuse) k shadow models on random halves of the pool.
 
@@ -102,6 +103,9 @@ def train_shadows(
         share_prefix: the shadows take their frozen-prefix cache rows from the whole
             pool's, encoded once per process (:func:`fl.models.heads.shared_rows`) instead of
             each encoding its own halves.
+        only: train (or reuse) these shadows only, leaving the others' files untouched
+            (their ``seconds`` NaN): one shadow as a task of its own, trained ahead for a
+            later call with the same arguments to reuse (``fedlora run``).
     """
     from fl.data.datasets import split_dataset
     from fl.distributed import run_tasks
@@ -121,7 +125,11 @@ def train_shadows(
     reused = [False] * k
     first_cfg = None
     tasks = []
+    if only is not None and not set(only) <= set(range(k)):
+        raise UsageError(f"only: shadows {sorted(set(only) - set(range(k)))} are not in 0..{k - 1}")
     for j in range(k):
+        if only is not None and j not in only:
+            continue
         in_idx = np.flatnonzero(masks[j])
         out_idx = np.flatnonzero(~masks[j])
         a = len(in_idx)

@@ -38,26 +38,49 @@ ATTACKS = FAMILIES  # the name this module has always exported
 _D = AttackConfig()  # the defaults of the keyword-argument forms below
 
 
+def _train_shadows(target: Target, cfg: AttackConfig, shadow_dir: Path, only=None):
+    """:func:`attacks.reference.train_shadows` for ``target`` under ``cfg`` (one call for
+    the attack and for shadows trained ahead: the same arguments, so the same specs)."""
+    from attacks.reference import train_shadows
+
+    return train_shadows(
+        target.shadow_config,
+        list(target.ids),
+        list(target.texts),
+        target.labels,
+        cfg.shadows,
+        shadow_dir,
+        seed=cfg.seed,
+        device=cfg.device,
+        progress=cfg.progress and only is None,
+        num_labels=target.num_labels,
+        workers=cfg.workers if only is None else 1,
+        ray_address=cfg.ray_address if only is None else "none",
+        only=only,
+    )
+
+
+def train_shadow_ahead(
+    run_dir, j: int, shadows: int = _D.shadows, seed: int = _D.seed, out=None
+) -> float:
+    """Train shadow ``j`` of the ``shadows`` that :func:`run_attacks` (same ``run_dir``,
+    ``shadows``, ``seed`` and ``out``) trains for its reference-model attacks, here and
+    now, so that the attack reuses it: ``fedlora run`` trains its shadows as tasks beside
+    its other trainings. Returns the training's seconds."""
+    target = Target.from_run(run_dir)
+    cfg = _config(("loss",), shadows, _D.device, seed, None, _D.rmia_a, _D.rmia_gamma, False, 0)
+    out = Path(out) if out is not None else target.default_out
+    sset = _train_shadows(target, cfg, out / "shadows", only=[j])
+    return float(sset.seconds[j])
+
+
 def _shadow_stage(target: Target, cfg: AttackConfig, out: Path, shadow_dir):
     """Train (or reuse) the shadows and compute their signals on the pool:
     (ShadowSignals, attacks.json's ``shadows`` block)."""
-    from attacks.reference import train_shadows
-
     scfg = target.shadow_config
     texts = list(target.texts)
-    sset = train_shadows(
-        scfg,
-        list(target.ids),
-        texts,
-        target.labels,
-        cfg.shadows,
-        Path(shadow_dir) if shadow_dir is not None else out / "shadows",
-        seed=cfg.seed,
-        device=cfg.device,
-        progress=cfg.progress,
-        num_labels=target.num_labels,
-        workers=cfg.workers,
-        ray_address=cfg.ray_address,
+    sset = _train_shadows(
+        target, cfg, Path(shadow_dir) if shadow_dir is not None else out / "shadows"
     )
     t0 = time.perf_counter()
     sigs = [

@@ -28,6 +28,7 @@ out of the terminal, not out of the log.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import time
 import traceback
@@ -154,6 +155,28 @@ def train_run(task: tuple) -> dict:
     }
 
 
+def job_task(task) -> dict:
+    """One task of the job's pool: a training (:func:`train_run`'s tuple) or, as a dict,
+    one shadow model of an attacked run trained ahead (:func:`shadow_run`)."""
+    return shadow_run(task) if isinstance(task, dict) else train_run(task)
+
+
+def shadow_run(task: dict) -> dict:
+    """Shadow ``task["j"]`` of the run at ``task["run"]``, trained as a task beside the
+    job's trainings once that run has ended (:func:`attacks.run.train_shadow_ahead`; the
+    attack stage then reuses it: same arguments, same spec). A run not (yet) finished
+    leaves the shadow to the attack stage."""
+    from attacks.run import train_shadow_ahead
+
+    run = Path(task["run"])
+    if not (run / "manifest.json").is_file():
+        return {"skipped": f"{run.name} has not finished: the attack stage trains it"}
+    sec = train_shadow_ahead(
+        run, task["j"], shadows=task["shadows"], seed=task["seed"], out=run / "attacks"
+    )
+    return {"seconds": sec}
+
+
 def run_job(
     preset: str = "default", out: str = "reports/latest", seed: int = 0, progress: bool = True
 ) -> dict:
@@ -203,6 +226,21 @@ def run_job(
         # quiet: the job reports each run's rounds itself (pipeline.progress)
         kinds = spec.replay if cfg.dp_level != "none" else None
         tasks.append((cfg.to_dict(), str(outp / "runs" / name), True, kinds))
+    # The attacked runs' shadow models go in the same pool after the trainings (they start
+    # once their run has ended), so the pool stays full instead of waiting for the attack
+    # stage; the attack reuses them (attacks.reference.train_shadows: same spec).
+    shadow_tasks = []
+    if importlib.util.find_spec("attacks") is not None:
+        from attacks.registry import select
+
+        if any(a.needs_shadows for a in select(spec.attacks, "classification")):
+            for name, _, _ in todo:
+                if name in spec.attack_runs:
+                    t = tasks[[n for n, _, _ in todo].index(name)]
+                    shadow_tasks += [
+                        {"run": t[1], "j": j, "shadows": spec.shadows, "seed": seed, "name": name}
+                        for j in range(spec.shadows)
+                    ]
     outcomes = {}
     progress_log = Progress(
         [(name, t[1], t[0]["rounds"]) for (name, _, _), t in zip(todo, tasks)],
@@ -213,13 +251,22 @@ def run_job(
     with progress_log.watch(interval=1.0):
         # run_tasks starts the runs in order as slots free up, as Progress expects
         for oc in run_tasks(
-            train_run,
-            tasks,
+            job_task,
+            tasks + shadow_tasks,
             workers=slots,
             threads=1 if parallel else None,
             retries=0,  # a half-written run directory is not retried into
             report=_log,
         ):
+            if oc.index >= len(todo):  # a shadow model trained ahead
+                t = shadow_tasks[oc.index - len(todo)]
+                what = f"[shadows] {t['name']} shadow {t['j'] + 1}/{t['shadows']}"
+                if oc.ok and "seconds" in oc.value:
+                    _log(f"{what} trained in {oc.value['seconds']:.0f} s", echo=progress)
+                else:  # not an error: the attack stage trains what is missing
+                    why = oc.error or oc.skipped or (oc.value or {}).get("skipped")
+                    _log(f"{what} left to the attack stage ({why})", echo=progress)
+                continue
             outcomes[oc.index] = oc
             progress_log.finished(
                 todo[oc.index][0], oc.ok, value=oc.value, error=oc.error or oc.skipped

@@ -85,6 +85,9 @@ def test_quick_preset_end_to_end(tmp_path):
     auc = att["attacks"]["loss"]["auc"]
     assert re.search(rf"\| loss \| {re.escape(f'{auc:.4g}')} \|", md)
     assert all(0.0 <= v <= 1.0 for v in st["attacks"]["fedavg-nodp"].values())
+    # its two shadow models were trained in the trainings' pool and reused by the attack
+    assert att["shadows"]["k"] == 2 and att["shadows"]["trained_now"] == 0
+    assert all(s > 0 for s in att["shadows"]["train_seconds_each"])
     # the claims check and analyses are present
     claims = json.loads((out / "analysis" / "claims" / "claims.json").read_text())
     assert len(claims["claims"]) >= 6
@@ -104,6 +107,11 @@ def test_quick_preset_end_to_end(tmp_path):
         done = next(i for i, x in enumerate(log) if x.startswith(f"[{r.name}] done in "))
         assert rounds[-1] < done
     assert log.index("writing the report") > done
+    ahead = [x for x in log if x.startswith("[shadows] fedavg-nodp shadow ")]
+    assert [x.split(" trained in ")[0] for x in ahead] == [
+        f"[shadows] fedavg-nodp shadow {j}/2" for j in (1, 2)
+    ], ahead
+    assert log.index(ahead[-1]) < log.index("attacking fedavg-nodp: loss, calibration, rmia")
 
 
 def test_presets_configurations():
