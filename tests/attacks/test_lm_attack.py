@@ -19,7 +19,25 @@ def lm_run(train_target):
     return train_target("lm", seed=3, **LM)
 
 
-def test_lm_signals_end_to_end(lm_run, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def run_attack(lm_run, tmp_path_factory):
+    """``fedlora attack RUN --attacks loss,lm --client-level --json --min-k 0.5``, once:
+    (its output folder, the JSON it printed)."""
+    import contextlib
+    import io
+
+    run_dir, _ = lm_run
+    out = tmp_path_factory.mktemp("lm-attack") / "out"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["attack", str(run_dir), "--attacks", "loss,lm", "--client-level", "--json",
+                   "--out", str(out), "--device", "cpu", "--bootstrap", "10",
+                   "--min-k", "0.5"])  # fmt: skip
+    assert rc == 0
+    return out, json.loads(printed.getvalue())
+
+
+def test_lm_signals_end_to_end(lm_run, run_attack):
     import torch
 
     from attacks import lm_signals as lm
@@ -30,12 +48,7 @@ def test_lm_signals_end_to_end(lm_run, tmp_path, capsys):
     from fl.run.lm_run import load_run_lm
 
     run_dir, man = lm_run
-    out = tmp_path / "out"
-    rc = main(["attack", str(run_dir), "--attacks", "loss,lm", "--client-level", "--json",
-               "--out", str(out), "--device", "cpu", "--bootstrap", "10",
-               "--min-k", "0.5"])  # fmt: skip
-    assert rc == 0
-    doc = json.loads(capsys.readouterr().out)
+    out, doc = run_attack
     assert list(doc["attacks"]) == SIGNALS
     assert doc["target"]["task"] == "causal-lm" and doc["lm"]["min_k"] == 0.5
     # the adapter's test perplexity is the run's own evaluation of it
@@ -60,7 +73,9 @@ def test_lm_signals_end_to_end(lm_run, tmp_path, capsys):
     mink = [np.sort(x)[: int(np.ceil(0.5 * len(x) - 1e-9))].mean() for x in on]
     np.testing.assert_allclose(z["min_k"], mink, rtol=1e-5)
     # min-k%++ from the model's full distributions, recomputed here one sequence at a time
-    sig = lm_adapter_signals(run_dir / "adapter", "tiny-gpt2", texts, None, 16, "cpu", 3, 0.5)
+    # (min-k%++ reads the adapter's pass only: the base's and the lowercased are not made)
+    sig = lm_adapter_signals(run_dir / "adapter", "tiny-gpt2", texts, None, 16, "cpu", 3, 0.5,
+                             extras=False)  # fmt: skip
     with torch.no_grad():
         b = data.batch([0], "cpu")
         labels = b.pop("labels")
@@ -95,7 +110,10 @@ def test_lm_shadow_attacks_read_sequence_losses(lm_run, tmp_path):
         assert 0.0 <= r["auc"] <= 1.0
 
 
-def test_foreign_causal_adapter_matches_run_mode(lm_run, tmp_path):
+def test_foreign_causal_adapter_matches_run_mode(lm_run, run_attack, tmp_path):
+    """The run's adapter attacked as a foreign one (its texts in two files, the base made
+    from --base-seed) scores every LM signal as the run mode does (run_attack: the same
+    --attacks and --min-k)."""
     from attacks.rundata import load_run
 
     run_dir, _ = lm_run
@@ -105,17 +123,14 @@ def test_foreign_causal_adapter_matches_run_mode(lm_run, tmp_path):
         files[role] = tmp_path / f"{role}s.jsonl"
         rows = [json.dumps({"text": str(t)}) for t in np.asarray(run.texts)[run.role == role]]
         files[role].write_text("\n".join(rows) + "\n")
-    for args, out in (
-        (["--adapter", str(run_dir / "adapter"), "--model", "tiny-gpt2", "--members",
-          str(files["member"]), "--nonmembers", str(files["nonmember"]), "--max-length", "16",
-          "--base-seed", "3"], tmp_path / "foreign"),
-        ([str(run_dir)], tmp_path / "run"),
-    ):  # fmt: skip
-        rc = main(["attack", *args, "--attacks", "loss,lm", "--out", str(out), "--device", "cpu",
-                   "--bootstrap", "0"])  # fmt: skip
-        assert rc == 0
-    a, b = (np.load(tmp_path / d / "scores.npz") for d in ("foreign", "run"))
+    out = tmp_path / "foreign"
+    rc = main(["attack", "--adapter", str(run_dir / "adapter"), "--model", "tiny-gpt2",
+               "--members", str(files["member"]), "--nonmembers", str(files["nonmember"]),
+               "--max-length", "16", "--base-seed", "3", "--attacks", "loss,lm", "--min-k", "0.5",
+               "--out", str(out), "--device", "cpu", "--bootstrap", "0"])  # fmt: skip
+    assert rc == 0
+    a, b = (np.load(d / "scores.npz") for d in (out, run_attack[0]))
     for name in SIGNALS:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-9)
-    doc = json.loads((tmp_path / "foreign" / "attacks.json").read_text())
+    doc = json.loads((out / "attacks.json").read_text())
     assert doc["target"]["task"] == "causal-lm"

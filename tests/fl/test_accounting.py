@@ -94,7 +94,7 @@ def test_ledger_round_trip_and_validation():
 
 def test_would_exceed_is_non_mutating():
     led = Ledger("sample", 1e-5, budget=1.0)
-    big = [Event("poisson_gaussian", 0.5, 0.5, 100, unit="c")]
+    big = [Event("poisson_gaussian", 1.0, 0.5, 10, unit="c")]  # ε ≈ 10.5, ten times the budget
     assert led.would_exceed(big)
     assert led.events == []
     assert not led.would_exceed([Event("poisson_gaussian", 10.0, 0.01, 1, unit="c")])

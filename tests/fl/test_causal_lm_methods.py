@@ -1,6 +1,6 @@
-"""--task causal-lm under every registered method and DP level it allows (tiny-gpt2,
-one or two rounds), Llama/Qwen layouts (tiny random configs) and ``fedlora base
-pretrain`` on a slice of the corpus."""
+"""--task causal-lm under every registered method and DP level it allows (tiny-gpt2's
+GPT-2 with a small vocabulary, one or two rounds), Llama/Qwen layouts (tiny random
+configs) and ``fedlora base pretrain`` on a slice of the corpus."""
 
 from __future__ import annotations
 
@@ -28,6 +28,32 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory) -> str:
+    """tiny-gpt2's model (its config, ``fl.models.causal_lm._tiny_gpt2_lm``: GPT-2 of width
+    64, 2 layers, LoRA on the Conv1D ``c_attn``) saved as a folder with a 300-token
+    byte-level BPE tokenizer, as ``fedlora base pretrain`` writes one, rather than with
+    MiniLM's 30,522 tokens: the vocabulary's projection took most of each run (a case
+    trains in a quarter of the time), and nothing a case checks (the method's rounds at its
+    DP level, a finite loss and factors, the audit's ε) depends on the vocabulary. The
+    built-in tiny-gpt2 (seeded random init, MiniLM tokenizer) is trained by
+    tests/fl/test_causal_lm.py and tests/attacks/test_lm_attack.py."""
+    from transformers import GPT2LMHeadModel
+
+    from fl.models.causal_lm import _tiny_gpt2_lm
+    from fl.models.decoders import default_texts
+    from fl.models.pretrain import EOT, train_tokenizer
+
+    tok = train_tokenizer(default_texts(), 300)
+    config = _tiny_gpt2_lm(len(tok))
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = tok.convert_tokens_to_ids(EOT)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("gpt2") / "gpt2"
+    GPT2LMHeadModel(config).save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return str(path)
+
+
 def test_every_method_is_covered_and_the_head_only_probe_is_refused(tmp_path):
     assert {n for n, _ in CASES} | {"probe"} == set(registry.names())
     with pytest.raises(UsageError, match="classification head"):
@@ -35,8 +61,8 @@ def test_every_method_is_covered_and_the_head_only_probe_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("method,level", CASES, ids=lambda v: str(v))
-def test_every_method_trains_a_causal_lm(tmp_path, method, level):
-    kw = dict(EXTRA.get(method, {}))
+def test_every_method_trains_a_causal_lm(gpt2, tmp_path, method, level):
+    kw = dict(EXTRA.get(method, {}), model=gpt2)
     if level != "none":
         kw.update(dp_level=level, noise_multiplier=1.0, insecure_deterministic_noise=True)
     if level == "client":
