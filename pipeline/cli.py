@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from fl.allocator import tune_malloc
+
+    tune_malloc()  # tensors' memory reused, not mapped anew each step (fl/allocator.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

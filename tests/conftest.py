@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from fl.allocator import tune_malloc
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -12,6 +14,9 @@ os.environ.setdefault("FEDLORA_RAY_ADDRESS", "none")
 # Tests run two workers on two cores: one torch thread each (more threads on busy
 # cores made tiny-model training 10-25x slower).
 torch.set_num_threads(1)
+# glibc keeps freed tensor memory for the next step instead of mapping it anew (as
+# `fedlora` does: fl/allocator.py); subprocesses and Ray workers inherit the environment.
+tune_malloc()
 
 
 @pytest.fixture
