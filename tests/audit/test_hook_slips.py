@@ -68,13 +68,16 @@ def _claim(**kw) -> dict:
 # --------------------------------------------------------------------------- a. the claim
 
 
-def _honest_obs(tmp_path, **change):
-    """Observations with the claim's noise (σ = 1, C = 1) and the canaries' C where their
-    coins and bits say (what a correct run gives), then ``change``d."""
+def _honest_obs(tmp_path, steps=40, **change):
+    """Observations of ``steps`` steps with the claim's noise (σ = 1, C = 1) and the
+    canaries' C where their coins and bits say (what a correct run gives), then
+    ``change``d. (Where the run's steps and the claim's differ, the run's are changed, not
+    the claim's 40: every claim here is one mechanism, whose ε the accountant's cache then
+    computes once.)"""
     model = _model()
     out = _make_set(tmp_path, model, 40, 1.0)
     cs = CS.load_canary_set(out)
-    steps, q = 40, 0.5
+    q = 0.5
     coins = O.gradient_coins(cs.key, steps, cs.count, q)
     x = np.random.default_rng(0).normal(size=(steps, cs.count)) + (coins & cs.included)
     f = dict(kind="gradient", set_sha256=cs.sha256, obs=x, sigma=1.0, clip=1.0, q=q)
@@ -105,7 +108,7 @@ def test_an_honest_run_passes(tmp_path, capsys):
     [
         (dict(q=0.25), {}, "sample_rate_differs", ["q = 0.25", "0.5"]),
         (dict(clip=2.0), {}, "clip_differs", ["C = 2", "clipping_norm = 1"]),
-        ({}, dict(steps_per_round=30), "steps_differs", ["40 DP-SGD steps", "accounts 30"]),
+        (dict(steps=50), {}, "steps_differs", ["50 DP-SGD steps", "accounts 40"]),
         (dict(sampling="shuffle"), {}, "sampling_differs", ["'shuffle'", "'poisson'", "Opacus"]),
         ({}, dict(sampling="shuffle"), "sample_rate_differs", ["q = 0.5", "'shuffle'"]),
     ],
@@ -127,10 +130,10 @@ def test_a_run_that_differs_from_its_claim_is_a_finding(change, claim, code, wor
 
 
 def test_fewer_steps_than_claimed_is_a_note_not_a_finding(tmp_path, capsys):
-    out, obs = _honest_obs(tmp_path)
-    rc, doc = _audit_json(out, obs, _claim(steps_per_round=50), tmp_path, capsys)
+    out, obs = _honest_obs(tmp_path, steps=30)
+    rc, doc = _audit_json(out, obs, _claim(), tmp_path, capsys)
     assert rc == 4 and doc["run_differs"] == []  # incomplete: sampling untested, as above
-    assert any("40 of the claim's 50 steps" in n for n in doc["notes"])
+    assert any("30 of the claim's 40 steps" in n for n in doc["notes"])
 
 
 def test_shuffled_run_under_a_shuffle_claim_is_a_note(tmp_path, capsys):

@@ -323,11 +323,16 @@ def test_a_fixed_cycle_is_accounted_by_its_shift_per_pass():
     from audit.bounds.hypothesis import gdp_epsilon
     from benchmarks.auditing.libraries_pfl import simulate
 
-    audit, claim = simulate("cohort_fixed_claim", rounds=12)
+    # σ given (SIGMA, as the other cases): pfl's accountant takes it instead of calibrating σ
+    # to ε = 8 by a binary search of PLD compositions (10-20 s at q < 1). The closed form
+    # reads σ from the run and the fixed-cohort claim's ε is computed at the same σ: the
+    # recomputed ε is 2.09 × the claimed here (2.0-2.8 over σ = 1, 2, 3 and seeds 0-3; 2.3
+    # at the calibrated σ ≈ 0.8), against the 1.5 asked below
+    audit, claim = simulate("cohort_fixed_claim", rounds=ROUNDS, sigma=SIGMA)
     res = audit.audit(claim, permutations=199, seed=0)
     run = res["run"]
     assert run["cyclic"] and run["cycle_length"] == run["population"]
-    P, B, T = run["cycle_length"], 10, 12
+    P, B, T = run["cycle_length"], 10, ROUNDS
     s = [min(2 * (t * B // P + 1), 2 * B) for t in range(T)]
     sigma = float(run["noise_multiplier"])
     mu = math.sqrt(sum((x / sigma) ** 2 for x in s))

@@ -24,13 +24,19 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("replay")
     out = {}
+    # Trained without dropout, as the job's presets train: the job's client-local replay then
+    # takes the recorded training as its reference (one pass per neighbour; the pass on D that
+    # a training with dropout needs is tested in test_replay_reference.py). The correct run
+    # keeps two rounds (the replay carries the frozen trajectory from round to round); the
+    # others hold one round: what they check (a release past its bound, the client-level
+    # bounds, which releases FedPower makes) is in every round's releases.
     for name, kw in {
         "correct": {},
-        "no_clip": {"inject_fault": "no_clip"},
-        "client": {"dp_level": "client", "clients": 4},
-        "fedpower": {"dp_level": "client", "method": "fedpower", "clients": 4},
+        "no_clip": {"inject_fault": "no_clip", "rounds": 1},
+        "client": {"dp_level": "client", "clients": 4, "rounds": 1},
+        "fedpower": {"dp_level": "client", "method": "fedpower", "clients": 4, "rounds": 1},
     }.items():
-        cfg = tiny_config(**{"dp_level": "sample", "noise_multiplier": 1.0, **kw})
+        cfg = tiny_config(**{"dp_level": "sample", "noise_multiplier": 1.0, "dropout": "off", **kw})
         rec = Recorder()
         rec.keep_deliveries = True  # the job's way: recorded while it trains
         with tap.tapped(rec):
@@ -60,6 +66,7 @@ def test_the_jobs_client_local_replay_after_a_recorded_training(runs):
     cfg, rec = runs["correct:recorded"]
     res = replay_recorded(cfg, runs["correct"], rec, kinds="remove,duplicate,replace")
     assert res["verdict"] == "pass" and res["mode"] == "client-local", res["findings"]
+    assert res["reference"] == "the recorded training (no dropout)"  # the job's way
     for r in res["neighbours"]:
         cmp = r["comparison"]
         # only the neighbour's client retrained: its releases, not the others'

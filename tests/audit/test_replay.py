@@ -1,8 +1,9 @@
 """`fedlora audit --key`: replaying a run from its noise key verifies what an audit without
 the key can only take on trust; seeded noise is reported as reproducible.
 
-Each test trains its own tiny run (tiny-bert / synthetic, DP sample level, 1–2 rounds, a
-few seconds on one core) and replays it on the CPU.
+Tiny runs (tiny-bert / synthetic, DP sample level, 1–2 rounds, a second on one core),
+replayed on the CPU: the tests that train alike share one training (a module fixture) and
+each reads, edits and replays its own copy of it.
 """
 
 import json
@@ -28,11 +29,29 @@ TRUSTED_WITHOUT_KEY = {
 }
 
 
-def _train(tmp_path, tiny_cfg, name="run", **kw):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One training per configuration for the whole module (tests that train alike share
+    it); each test gets its own copy to read, edit or replay."""
     from fl.run.engine import train
+    from fl.testing import tiny_config
 
+    root, done = tmp_path_factory.mktemp("trained"), {}
+
+    def get(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in done:
+            done[key] = root / f"run{len(done)}"
+            train(tiny_config(**{"dp_level": "sample", **kw}), done[key], quiet=True)
+        return done[key]
+
+    return get
+
+
+def _train(tmp_path, trained, name="run", **kw):
+    """A copy under ``tmp_path`` of the module's training with ``kw``."""
     out = tmp_path / name
-    train(tiny_cfg(**{"dp_level": "sample", **kw}), out, quiet=True)
+    shutil.copytree(trained(**kw), out)
     return out
 
 
@@ -85,8 +104,8 @@ def _edit_sigma(d, sigma, bundle):
     return m
 
 
-def test_honest_run_is_verified_by_replay(tmp_path, tiny_cfg, capsys):
-    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0)
+def test_honest_run_is_verified_by_replay(tmp_path, trained, capsys):
+    run = _train(tmp_path, trained, noise_multiplier=3.0)
     plain = audit_run(run)
     assert plain["kind"] == "run" and plain["skipped"] == [] and plain["replay"] is None
     assert TRUSTED_WITHOUT_KEY <= set(plain["trusted"]) and plain["trusted_note"]
@@ -106,8 +125,8 @@ def test_honest_run_is_verified_by_replay(tmp_path, tiny_cfg, capsys):
     assert "replay: verified bit for bit" in capsys.readouterr().out
 
 
-def test_consistently_edited_run_needs_the_key(tmp_path, tiny_cfg):
-    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0)
+def test_consistently_edited_run_needs_the_key(tmp_path, trained):
+    run = _train(tmp_path, trained, noise_multiplier=3.0)
     before = _read(run / "manifest.json")["privacy"]["epsilon"]["pld"]
     m = _edit_sigma(run, 30.0, bundle=False)
     assert m["privacy"]["epsilon"]["pld"] < before / 5  # the edit claims far more privacy
@@ -126,8 +145,8 @@ def test_consistently_edited_run_needs_the_key(tmp_path, tiny_cfg):
     assert res["replay"]["worst_tensor"] in msg
 
 
-def test_consistently_edited_bundle_needs_the_key(tmp_path, tiny_cfg, capsys):
-    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0)
+def test_consistently_edited_bundle_needs_the_key(tmp_path, trained, capsys):
+    run = _train(tmp_path, trained, noise_multiplier=3.0)
     bundle = tmp_path / "published"
     shutil.copytree(run / "release", bundle)
     _edit_sigma(bundle, 30.0, bundle=True)
@@ -150,8 +169,8 @@ def test_consistently_edited_bundle_needs_the_key(tmp_path, tiny_cfg, capsys):
     )
 
 
-def test_honest_bundle_is_verified_and_privacy_fields_are_compared(tmp_path, tiny_cfg):
-    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0, rounds=1)
+def test_honest_bundle_is_verified_and_privacy_fields_are_compared(tmp_path, trained):
+    run = _train(tmp_path, trained, noise_multiplier=3.0, rounds=1)
     key = run / "private" / "noise.key"
     res = audit_run(run / "release", key=key)
     assert res["replay"]["verified"] and res["findings"] == [] and res["trusted"] == []
@@ -174,20 +193,20 @@ def test_honest_bundle_is_verified_and_privacy_fields_are_compared(tmp_path, tin
     assert "privacy.delta (audited 0.001, replay 1e-05)" in msg
 
 
-def test_honest_client_level_bundle_is_verified(tmp_path, tiny_cfg):
+def test_honest_client_level_bundle_is_verified(tmp_path, trained):
     """A client-level bundle publishes no per-client steps: the replay is compared with the
     public manifest it would have released, not the operator's."""
-    run = _train(tmp_path, tiny_cfg, dp_level="client", noise_multiplier=1.0, rounds=1)
+    run = _train(tmp_path, trained, dp_level="client", noise_multiplier=1.0, rounds=1)
     assert _read(run / "release" / "manifest.json")["privacy"]["steps_per_round"] == {}
     res = audit_run(run / "release", key=run / "private" / "noise.key")
     assert res["replay"]["verified"] and res["findings"] == []
     assert res["replay"]["privacy_fields_differing"] == []
 
 
-def test_wrong_key_is_key_mismatch(tmp_path, tiny_cfg, capsys):
+def test_wrong_key_is_key_mismatch(tmp_path, trained, capsys):
     from fl.privacy.rng import NoiseKey
 
-    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0, rounds=1)
+    run = _train(tmp_path, trained, noise_multiplier=3.0, rounds=1)
     (tmp_path / "other").mkdir()
     other = NoiseKey.generate().write(tmp_path / "other")
     res = audit_run(run, key=other)
@@ -204,8 +223,8 @@ def test_wrong_key_is_key_mismatch(tmp_path, tiny_cfg, capsys):
     assert err.startswith("fedlora: error:") and err.count("\n") == 1
 
 
-def test_seeded_noise_is_reproducible(tmp_path, tiny_cfg, capsys):
-    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0, rounds=1,
+def test_seeded_noise_is_reproducible(tmp_path, trained, capsys):
+    run = _train(tmp_path, trained, noise_multiplier=3.0, rounds=1,
                  insecure_deterministic_noise=True)  # fmt: skip
     for d in (run, run / "release"):
         res = audit_run(d)
@@ -219,8 +238,8 @@ def test_seeded_noise_is_reproducible(tmp_path, tiny_cfg, capsys):
     assert "not drawn from a key" in capsys.readouterr().err
 
 
-def test_runs_before_keyed_noise_are_reproducible(tmp_path, tiny_cfg):
-    run = _train(tmp_path, tiny_cfg, noise_multiplier=3.0, rounds=1)
+def test_runs_before_keyed_noise_are_reproducible(tmp_path, trained):
+    run = _train(tmp_path, trained, noise_multiplier=3.0, rounds=1)
     assert "noise_reproducible" not in codes(audit_run(run))
     for d in (run, run / "release"):  # a run made before keyed noise has no noise block
         m = _read(d / "manifest.json")
