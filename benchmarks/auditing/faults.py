@@ -357,11 +357,16 @@ def grid_full() -> list[dict]:
 
 
 def grid_quick() -> list[dict]:
-    """The harness test: one short run per new setting with a blatant fault, one correct."""
+    """The harness test: one short run per new setting with a blatant fault, one correct.
+    At ε = 0.25, not the grids' 3: σ is larger (2.3 and 1.08 instead of 0.75 and 0.56),
+    and the PLDs that calibrate, check and imply ε, most of the test's time, cost less (a
+    PLD's grid grows as σ falls: 11 s of CPU for the three runs instead of 20); what the
+    test checks (the fault flagged, the noise ratios near 1/4, the correct run passing) does
+    not depend on σ."""
     return [
-        cell("noise_scale=0.25", "q005", 3.0, seeds=1, stage="quick"),
-        cell("noise_scale=0.25", "q001", 3.0, seeds=1, stage="quick"),
-        cell("none", "q001", 3.0, "fedask", "dirichlet", 1, "quick"),
+        cell("noise_scale=0.25", "q005", 0.25, seeds=1, stage="quick"),
+        cell("noise_scale=0.25", "q001", 0.25, seeds=1, stage="quick"),
+        cell("none", "q001", 0.25, "fedask", "dirichlet", 1, "quick"),
     ]
 
 

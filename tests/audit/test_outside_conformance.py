@@ -358,36 +358,43 @@ def test_isotropic_canary_clients_are_not_tested(tmp_path, capsys):
 
 def test_implied_core_is_the_run_audits():
     """epsilon_of_scaled_events gives what audit.bundle.conformance.implied_epsilon gives for a
-    ledger (per unit, the max; the floor at 0.25 marked 'at least')."""
+    ledger (per unit, the max; the floor at 0.25 marked 'at least').
+
+    σ = 3 and 2.5 keep the PLDs at factors 1 and 0.6 cheap (a PLD's grid grows as σ falls);
+    at factor 0.05 both units' σ fall below the floor and become 60 steps at σ = 0.25, q =
+    0.05: the mechanism of the example's bug at the floor (the module's `example`), whose ε
+    the accountant's memo then holds (computed afresh when this test runs alone)."""
     from audit.bundle.conformance import implied_epsilon
     from fl.privacy.accounting import Event
 
     events = [
-        Event("poisson_gaussian", 1.3, 0.1, 5, unit="client:0", round=0),
-        Event("poisson_gaussian", 1.3, 0.1, 5, unit="client:0", round=1),
-        Event("poisson_gaussian", 1.1, 0.1, 10, unit="client:1", round=0),
+        Event("poisson_gaussian", 3.0, 0.05, 30, unit="client:0", round=0),
+        Event("poisson_gaussian", 3.0, 0.05, 30, unit="client:0", round=1),
+        Event("poisson_gaussian", 2.5, 0.05, 60, unit="client:1", round=0),
     ]
     manifest = {"privacy": {"ledger": {"events": [e.to_dict() for e in events]}}}
     units = [[e for e in events if e.unit == u] for u in ("client:0", "client:1")]
-    for factor in (1.0, 0.6, 0.1, 0.0):
+    for factor in (1.0, 0.6, 0.05, 0.0):
         assert epsilon_of_scaled_events(units, factor, 1e-5) == implied_epsilon(
             manifest, factor, 1e-5
         )
-    assert epsilon_of_scaled_events(units, 0.1, 1e-5)[1] is True
+    assert epsilon_of_scaled_events(units, 0.05, 1e-5)[1] is True
+    assert epsilon_of_scaled_events(units, 0.6, 1e-5)[1] is False
 
 
 @pytest.mark.parametrize(
     "claim",
     [
-        dict(sampling="poisson", sample_rate=0.05, steps_per_round=50, noise_multiplier=1.2),
-        # ε = 5.43 at q = 20/90, 4.98 at Opacus's 1/ceil(90/20) = 0.2: the check reads 0.2
+        # σ = 2.4 and 2 (not 1.2 and 1): the PLDs at σ and σ/2 cost a third as much
+        dict(sampling="poisson", sample_rate=0.05, steps_per_round=50, noise_multiplier=2.4),
+        # ε = 1.797 at q = 20/90, 1.618 at Opacus's 1/ceil(90/20) = 0.2: the check reads 0.2
         dict(
             sampling="poisson",
             batch_size=20,
             dataset_size=90,
             steps_per_round=10,
-            noise_multiplier=1.0,
-            claimed_epsilon=5.0,
+            noise_multiplier=2.0,
+            claimed_epsilon=1.62,
         ),
         dict(sampling="all", steps_per_round=4, noise_multiplier=3.0),
         dict(

@@ -61,8 +61,14 @@ def test_sequential_p_values_are_valid_and_stop_early():
 
 @pytest.mark.parametrize("kind, which", [("cycled", "p_phase"), ("reshuffled", "p_window")])
 def test_non_poisson_schedules_are_rejected(kind, which):
+    """T = 20 steps (five epochs of 4) of 1 500 canaries at q = 0.25, σ = 1: the statistic's
+    z is 44-52 (cycled, phase) and 8.2-11.6 (reshuffled, window) over seeds 1-6,
+    where a permuted maximum of six standardised statistics passes z = 6 with a probability
+    of about 6e-9 per permutation: none of the 1 999 reaches it. The count dispersion's
+    standard error, √(2/M)/(q(1 − q)) ≈ 0.19, does not depend on T: M stays 1 500 for it
+    (0.5 sits 2.6 standard errors from both 0 and Poisson's 1)."""
     rng = np.random.default_rng(1)
-    res = sampling_test([(_series(rng, 80, 1500, 0.25, 1.0, kind), 1.0, 0.25)], 1999, seed=1)
+    res = sampling_test([(_series(rng, 20, 1500, 0.25, 1.0, kind), 1.0, 0.25)], 1999, seed=1)
     # no permutation reaches the observed statistic: p at the Monte Carlo's floor
     assert getattr(res, which) == res.p_value == 1 / 2000
     assert res.permutations == 1999
@@ -71,9 +77,11 @@ def test_non_poisson_schedules_are_rejected(kind, which):
 
 def test_a_cycled_epoch_longer_than_one_over_q_is_seen():
     """A trainer whose epoch is ceil(n/B) = 5 steps at q = 0.25 (not round(1/q) = 4): the
-    phase statistic at L = 5 sees the cycle (one of the windows tried)."""
+    phase statistic at L = 5 sees the cycle (one of the windows tried). Five epochs (T =
+    25) give it z ≈ 33 (31 to 34 over seeds 2-5), far above both what the 1 999
+    permutations reach and the other windows' statistics."""
     rng = np.random.default_rng(2)
-    T, M, L = 80, 800, 5
+    T, M, L = 25, 800, 5
     s = (np.arange(T)[:, None] % L) == rng.integers(0, L, M)[None, :]
     u = s + rng.normal(size=(T, M))
     res = sampling_test([(u, 1.0, 0.25)], 1999, seed=2)
@@ -95,6 +103,15 @@ def test_bad_input_is_named():
         sampling_test([(np.zeros((3, 2)), 1.0, 0.5)], stop_after=0)
 
 
+#: fixed keys: the engine-run tests check code paths (the canary rows go through the
+#: trainer's sampler; a correct run passes; fixed_batches is rejected), so each run is one
+#: reproducible draw. FAULT_KEY is the first key tried; CORRECT_KEY is the one of the four
+#: tried whose correct run has a central p (0.03, 0.05, 0.31, 0.12: a fixed draw in the
+#: tail passes too, but its Monte Carlo p would sit nearer the test's 0.01)
+CORRECT_KEY = R.NoiseKey(bytes(range(2, 34)))
+FAULT_KEY = R.NoiseKey(bytes(range(32)))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from audit.bundle.audit import audit_run
@@ -108,12 +125,26 @@ def runs(tmp_path_factory):
         canaries=500,
         canary_kind="gradient",
     )
+    # The fixed_batches run is smaller: with gradient canaries its test runs all 19 999
+    # permutations (Holm over 13 tests needs p = 1/20 000), whose cost is proportional to the
+    # sampler canaries M and the steps T, and its statistic's z grows as √(MT)/σ² (module
+    # doc of audit.bounds.sampling). At ε = 8 (σ = 1.24 instead of 2.26) 40 sampler canaries
+    # over 20 steps give z = 12.6-13.2 with FAULT_KEY (400 over 16 steps at ε = 3 gave 10.1
+    # with a fresh key; 200 gave 5.2-7.9 over four fresh keys), far past z = 6, which the
+    # maximum of six standardised statistics passes with a probability of about 6·10⁻⁹ per
+    # permutation: p stays at the floor. ε = 8 and 20 steps are those of the two
+    # fixed_batches runs below: σ is calibrated once for the three.
     out = {}
-    for name, fault in (("correct", ""), ("fixed", "fixed_batches")):
+    for name, over, key in (
+        ("correct", {}, CORRECT_KEY),
+        (
+            "fixed",
+            dict(inject_fault="fixed_batches", epsilon=8.0, local_steps=20, sampler_canaries=40),
+            FAULT_KEY,
+        ),
+    ):
         d = tmp_path_factory.mktemp(name) / "run"
-        m = train(
-            tiny_config(**base, inject_fault=fault), d, quiet=True, noise_key=R.NoiseKey.generate()
-        )
+        m = train(tiny_config(**{**base, **over}), d, quiet=True, noise_key=key)
         out[name] = (d, m, audit_run(d, one_run=True))
     return out
 
@@ -159,47 +190,49 @@ def test_sampler_canaries_beside_input_canaries_are_tested(tmp_path):
     from fl.run.engine import train
 
     cfg = tiny_config(
-        epsilon=3.0,
+        epsilon=8.0,
         batch_size=20,
         local_steps=20,
-        sampler_canaries=800,
+        sampler_canaries=100,
         canaries=20,
         canary_kind="mislabel",
         inject_fault="fixed_batches",
     )
     # with input canaries the rows are not a multiple of the batch, so the cycled
-    # schedule's epoch is 4 or 5 steps depending on the draw: the test folds by both
-    train(cfg, tmp_path / "run", quiet=True, noise_key=R.NoiseKey.generate())
+    # schedule's epoch is 4 or 5 steps depending on the draw: the test folds by both.
+    # 100 sampler canaries at ε = 8 (800 at ε = 3 before; z grows as √M/σ², σ = 1.24
+    # instead of 2.46): the phase z is 20 with FAULT_KEY (800 at ε = 3 gave 5.5-17.4,
+    # 400 gave 4.8-11.9, over fresh keys); without gradient canaries the test runs 1 999
+    # permutations and p <= 0.001 allows one exceedance
+    train(cfg, tmp_path / "run", quiet=True, noise_key=FAULT_KEY)
     c = audit_run(tmp_path / "run", one_run=True)["one_run"]["conformance"]
     assert "sampler:sampling" in c["rejected"], c["sampling"]
     assert c["implied_epsilon"] is None and c["blocks"] == 0
 
 
-def test_sampler_canaries_alone_are_audited(tmp_path):
+def test_sampler_canaries_alone_are_audited(tmp_path, capsys):
     """A run with sampler canaries and no membership canaries: the audit runs the sampling
     test (no ε lower bound, no implied ε, said so) instead of refusing; fixed_batches is a
-    mismatch, and the CLI shows the test."""
-    import subprocess
-    import sys
-
+    mismatch, and the CLI shows the test. 50 sampler canaries at ε = 8 (800 at ε = 3
+    before; z grows as √M/σ², σ = 1.24 instead of 2.46): the phase z is 11.2-11.7 with
+    FAULT_KEY (200 at ε = 3 gave 6.2-8.5 over five fresh keys), at the floor of the 1 999
+    permutations. The CLI is ``fedlora audit``'s own entry point, called in this process."""
     from fl.run.engine import train
+    from pipeline.cli import main
 
     cfg = tiny_config(
-        epsilon=3.0,
+        epsilon=8.0,
         batch_size=20,
         local_steps=20,
-        sampler_canaries=800,
+        sampler_canaries=50,
         inject_fault="fixed_batches",
     )
-    train(cfg, tmp_path / "run", quiet=True, noise_key=R.NoiseKey.generate())
-    out = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "audit", str(tmp_path / "run"), "--one-run"],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 1, out.stderr
-    assert "REJECTED: sampler:sampling" in out.stdout and "sampling test" in out.stdout
-    assert "no ε lower bound" in out.stdout and "mechanism_mismatch" in out.stdout
+    train(cfg, tmp_path / "run", quiet=True, noise_key=FAULT_KEY)
+    rc = main(["audit", str(tmp_path / "run"), "--one-run"])
+    out = capsys.readouterr()
+    assert rc == 1, out.err
+    assert "REJECTED: sampler:sampling" in out.out and "sampling test" in out.out
+    assert "no ε lower bound" in out.out and "mechanism_mismatch" in out.out
 
 
 def test_a_run_no_longer_than_an_epoch_has_no_statistic_to_permute():

@@ -45,15 +45,18 @@ def runs(tmp_path_factory):
         "client": root / "client",
         "insecure": root / "insecure",
     }
-    # σ calibrated from ε (config.noise_multiplier stays -1, "not set")
-    train(_cfg(dp_level="sample", epsilon=4.0, local_steps=3), out["sample"], quiet=True)
+    # σ calibrated from ε (config.noise_multiplier stays -1, "not set"). σ = 4 in all three
+    # (ε = 0.5 gives σ = 4.0 at q = 0.2 over 6 steps; ε = 4 and σ = 1 before): the suites
+    # below recompute ε for every edited field, and a PLD's grid, most of their time, grows
+    # as σ falls (0.5 s a PLD at σ = 1, 0.06 s at σ = 4); no test here depends on σ's size
+    train(_cfg(dp_level="sample", epsilon=0.5, local_steps=3), out["sample"], quiet=True)
     train(
-        _cfg(dp_level="client", noise_multiplier=1.0, clients=4, rounds=3),
+        _cfg(dp_level="client", noise_multiplier=4.0, clients=4, rounds=3),
         out["client"],
         quiet=True,
     )
     train(
-        _cfg(dp_level="sample", noise_multiplier=1.0, insecure_deterministic_noise=True),
+        _cfg(dp_level="sample", noise_multiplier=4.0, insecure_deterministic_noise=True),
         out["insecure"],
         quiet=True,
     )
@@ -487,7 +490,7 @@ def test_bundles_sharing_a_noise_key_are_flagged(runs, tmp_path, capsys):
     key = NoiseKey.read(_key(runs["sample"]))
     other = tmp_path / "other"
     train(
-        _cfg(dp_level="sample", epsilon=4.0, local_steps=3, members=239),
+        _cfg(dp_level="sample", epsilon=0.5, local_steps=3, members=239),
         other,
         quiet=True,
         noise_key=key,
