@@ -35,18 +35,30 @@ OUT = RESULTS / "malloc"
 WORKLOADS = ("minilm", "tiny")
 
 
+#: the jobs' training set-ups (pipeline/job.py's presets, which this layer may not import:
+#: benchmarks sit below pipeline); tests/fl/test_allocator.py checks they still agree
+MINILM = dict(
+    model="minilm", dataset="tweets", members=2000, nonmembers=500, test=500, max_length=48,
+    clients=5, rounds=3, eval_every=3, local_steps=6, batch_size=128, lr=1e-3, head_lr=3e-2,
+    lora_layers=1, pooling="auto", head_init="zero", rank=8, alpha=16.0, dropout="off",
+)  # fmt: skip
+TINY = dict(
+    model="tiny-bert", dataset="synthetic", members=300, nonmembers=120, test=100,
+    max_length=24, clients=3, rounds=2, local_steps=20, batch_size=32, lr=0.03, rank=4,
+    alpha=8.0, head_init="random", head_lr=0.0, lora_layers=0, dropout="off",
+)  # fmt: skip
+
+
 def workload_config(name: str) -> dict:
     """The TrainConfig fields of a workload (module doc)."""
-    from pipeline.job import PRESETS
-
     if name not in WORKLOADS:
         raise SystemExit(f"unknown workload {name!r}; choose one of {WORKLOADS}")
     if name == "tiny":
-        return dict(PRESETS["quick"].base) | dict(
+        return TINY | dict(
             method="fedavg", dp_level="sample", epsilon=8.0, canaries=500,
             canary_kind="gradient", sampler_canaries=400, progress=False,
         )  # fmt: skip
-    return dict(PRESETS["default"].base) | dict(
+    return MINILM | dict(
         method="fedavg", dp_level="sample", epsilon=8.0, rounds=1, eval_every=1,
         local_steps=3, members=1000, test=200, canaries=5000, canary_kind="gradient",
         sampler_canaries=400, progress=False,

@@ -40,3 +40,6 @@ def test_the_benchmark_reports_ratios_of_each_pair():
         TrainConfig(**bench.workload_config(w)).validate()
     with pytest.raises(SystemExit, match="unknown workload"):
         bench.workload_config("huge")
+    from pipeline.job import PRESETS
+
+    assert bench.MINILM == PRESETS["default"].base and bench.TINY == PRESETS["quick"].base
