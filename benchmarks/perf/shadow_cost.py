@@ -48,7 +48,7 @@ K_UNCACHED = 1
 TARGET = dict(model="minilm", dataset="tweets", members=2000, nonmembers=500, test=500)
 TARGET |= dict(max_length=48, clients=5, rounds=3, eval_every=3, local_steps=6)
 TARGET |= dict(batch_size=128, lr=1e-3, head_lr=3e-2, lora_layers=1, pooling="auto")
-TARGET |= dict(head_init="zero", rank=8, alpha=16.0, method="fedavg", seed=0)
+TARGET |= dict(head_init="zero", rank=8, alpha=16.0, dropout="off", method="fedavg", seed=0)
 TARGET |= dict(dp_level="sample", epsilon=8.0)
 #: the shadows' training in full mode: 1 round x 4 steps per client (20 DP steps)
 STEPS = dict(rounds=1, eval_every=1, local_steps=4)

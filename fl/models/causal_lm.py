@@ -36,7 +36,7 @@ from fl.errors import UsageError
 from fl.models.base import MODELS, load_tokenizer, model_folder
 
 
-def _tiny_gpt2_lm(vocab_size: int):
+def tiny_gpt2_lm(vocab_size: int):
     from transformers import GPT2Config
 
     return GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=2, n_positions=256)
@@ -57,7 +57,7 @@ def load_causal_lm(model: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     path = model_folder(model)
     if path is None:
-        net = GPT2LMHeadModel(_tiny_gpt2_lm(load_tokenizer("minilm").vocab_size))
+        net = GPT2LMHeadModel(tiny_gpt2_lm(load_tokenizer("minilm").vocab_size))
     else:
         try:
             config = AutoConfig.from_pretrained(path)

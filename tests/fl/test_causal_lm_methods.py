@@ -30,7 +30,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory) -> str:
-    """tiny-gpt2's model (its config, ``fl.models.causal_lm._tiny_gpt2_lm``: GPT-2 of width
+    """tiny-gpt2's model (its config, ``fl.models.causal_lm.tiny_gpt2_lm``: GPT-2 of width
     64, 2 layers, LoRA on the Conv1D ``c_attn``) saved as a folder with a 300-token
     byte-level BPE tokenizer, as ``fedlora base pretrain`` writes one, rather than with
     MiniLM's 30,522 tokens: the vocabulary's projection took most of each run (a case
@@ -40,12 +40,12 @@ def gpt2(tmp_path_factory) -> str:
     tests/fl/test_causal_lm.py and tests/attacks/test_lm_attack.py."""
     from transformers import GPT2LMHeadModel
 
-    from fl.models.causal_lm import _tiny_gpt2_lm
+    from fl.models.causal_lm import tiny_gpt2_lm
     from fl.models.decoders import default_texts
     from fl.models.pretrain import EOT, train_tokenizer
 
     tok = train_tokenizer(default_texts(), 300)
-    config = _tiny_gpt2_lm(len(tok))
+    config = tiny_gpt2_lm(len(tok))
     config.bos_token_id = config.eos_token_id = config.pad_token_id = tok.convert_tokens_to_ids(EOT)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("gpt2") / "gpt2"
