@@ -51,6 +51,36 @@ def default_timeout() -> float:
     return float(os.environ.get("FEDLORA_FLOWER_TIMEOUT", "600"))
 
 
+#: seconds between two pulls of a stage's replies: Flower's simulation grid's own
+#: interval (``InMemoryGrid.pull_interval``); its deployment grid (``HttpGrid``) waits 3 s
+REPLY_POLL = 0.1
+
+
+def send_and_receive(grid, messages: list, timeout: float) -> list:
+    """``grid.send_and_receive(messages, timeout=timeout)``, pulling the replies every
+    :data:`REPLY_POLL` s. Flower's deployment grid sleeps 3 s after each pull that
+    misses a reply, so a stage that takes a fraction of a second cost up to 3 s there
+    (up to 15 s of a two-round FedASK run's five stages). What is sent, what comes back
+    and the timeout are Flower's (``Grid.push_messages``, ``Grid.pull_messages``); a grid
+    that is not one of Flower's (``flwr.serverapp.Grid``) does its own
+    ``send_and_receive``."""
+    from flwr.serverapp import Grid
+
+    if not isinstance(grid, Grid):
+        return list(grid.send_and_receive(messages, timeout=timeout))
+    pending = set(grid.push_messages(messages))
+    end = time.time() + timeout
+    got: list = []
+    while True:
+        replies = list(grid.pull_messages(pending))
+        got += replies
+        pending -= {r.metadata.reply_to_message_id for r in replies}
+        left = end - time.time()
+        if not pending or left <= 0:
+            return got
+        time.sleep(min(REPLY_POLL, left))
+
+
 @contextmanager
 def bind_grid(grid, timeout: float | None = None):
     """Make ``grid`` the one FlowerTransport uses in this thread (ServerApp main)."""
@@ -101,7 +131,7 @@ class FlowerTransport:
                     )
                     for n in new
                 ]
-                for rep in grid.send_and_receive(msgs, timeout=max(1.0, deadline - time.time())):
+                for rep in send_and_receive(grid, msgs, max(1.0, deadline - time.time())):
                     node = rep.metadata.src_node_id
                     if rep.has_error():
                         continue  # asked again if it reconnects as a new node
@@ -178,7 +208,7 @@ class FlowerTransport:
             )
             by_node[nodes[cid]] = cid
         got: dict[str, Message] = {}
-        for rep in grid.send_and_receive(msgs, timeout=self.timeout):
+        for rep in send_and_receive(grid, msgs, self.timeout):
             cid = by_node.get(rep.metadata.src_node_id)
             if cid is not None:
                 got[cid] = rep
@@ -315,6 +345,7 @@ else:  # pragma: no cover - every supported Python has it
 __all__ = [
     "FlowerTransport",
     "bind_grid",
+    "send_and_receive",
     "simulation_grid",
     "shutdown_simulation",
     "SimulationSession",

@@ -1,22 +1,26 @@
-"""A warm ``flwr-clientapp`` for SuperNodes: fork a pre-imported process per message.
+"""A warm ``flwr-clientapp`` for SuperNodes (and ``flwr-serverapp`` for a SuperLink):
+fork a pre-imported process per message.
 
 A Flower 1.42 SuperNode runs every message in a new ``flwr-clientapp`` process
 (started by ``flower-superexec`` from ``PATH``). For fedlora that process spends
 ~7 s of CPU importing torch, transformers, peft and opacus before it does
-~0.3 s of work (the client engine setup), for every stage of every round.
+~0.3 s of work (the client engine setup), for every stage of every round. A SuperLink
+starts each run's ``flwr-serverapp`` the same way (~4 s of imports once per run).
 
 This module removes the import cost without changing what Flower runs:
 
 - ``python -m fl.flower.warm serve SOCKET`` imports everything once and listens on a
   Unix socket; per request it forks, and the child runs Flower's own
-  ``flwr-clientapp`` entry point (``flwr.supernode.cli.flwr_clientapp``) with the
-  request's arguments and standard streams. The parent stays single-threaded and
+  ``flwr-clientapp`` entry point (``flwr.supernode.cli.flwr_clientapp``; or
+  ``flwr-serverapp``'s) with the request's arguments and standard streams. The parent stays single-threaded and
   never runs torch ops, so forking it is safe.
-- ``python -m fl.flower.warm shim DIR SOCKET`` writes an executable
-  ``DIR/flwr-clientapp`` that forwards its arguments, environment, working directory
-  and stdin/stdout/stderr (passed as file descriptors) to the server, relays SIGTERM/SIGINT to the forked child and exits
-  with its exit code. Put ``DIR`` first on the SuperNode's ``PATH``. If the server is
-  not reachable the shim runs the real ``flwr-clientapp`` (the next one on ``PATH``).
+- ``python -m fl.flower.warm shim DIR SOCKET [--name flwr-serverapp]`` writes an
+  executable ``DIR/flwr-clientapp`` (or ``DIR/flwr-serverapp``) that forwards its
+  arguments, environment, working directory and stdin/stdout/stderr (passed as file
+  descriptors) to the server, which runs that entry point, relays SIGTERM/SIGINT to the
+  forked child and exits with its exit code. Put ``DIR`` first on the SuperNode's (the
+  SuperLink's) ``PATH``. If the server is not reachable the shim runs the real command
+  (the next one on ``PATH``).
 
 The socket is created mode 0600 (only the SuperNode's user may use it). Optional:
 without it a SuperNode works as Flower ships it, only slower.
@@ -36,7 +40,9 @@ from pathlib import Path
 PRELOAD = (
     "flwr.supernode.cli.flwr_clientapp",
     "flwr.supernode.runtime.run_clientapp",
+    "flwr.superlink.cli.flwr_serverapp",
     "fl.flower.clientapp",
+    "fl.flower.serverapp",
     "fl.run.engine",
     "fl.methods",
     "transformers",
@@ -63,10 +69,18 @@ def preload() -> None:
     stage_names()
 
 
+#: the commands a shim may stand for: Flower's entry points (module, function)
+ENTRY_POINTS = {
+    "flwr-clientapp": ("flwr.supernode.cli.flwr_clientapp", "flwr_clientapp"),
+    "flwr-serverapp": ("flwr.superlink.cli.flwr_serverapp", "flwr_serverapp"),
+}
+
+
 def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
     """In the forked child: take the caller's stdio, environment (``FLWR_HOME`` is the
-    SuperNode's) and working directory, run flwr-clientapp, exit."""
+    SuperNode's) and working directory, run the shim's command (``ENTRY_POINTS``), exit."""
     argv = list(req["argv"])
+    name = req.get("name", "flwr-clientapp")
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
@@ -75,10 +89,11 @@ def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
         os.close(fd)
     code = 1
     try:
-        from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
+        import importlib
 
-        sys.argv = ["flwr-clientapp", *argv]
-        flwr_clientapp()
+        module, function = ENTRY_POINTS[name]
+        sys.argv = [name, *argv]
+        getattr(importlib.import_module(module), function)()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -164,21 +179,22 @@ def serve(sock_path: str) -> None:
 
 
 SHIM = """#!{python}
-# fedlora warm flwr-clientapp shim (written by `python -m fl.flower.warm shim`).
+# fedlora warm {name} shim (written by `python -m fl.flower.warm shim`).
 import json, os, shutil, signal, socket, sys
 SOCK = {sock!r}
+NAME = {name!r}
 def real():
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                            if p and os.path.abspath(p) != here)
-    exe = shutil.which("flwr-clientapp", path=path)
+    exe = shutil.which(NAME, path=path)
     if exe is None:
-        sys.exit("flwr-clientapp not found on PATH")
+        sys.exit(NAME + " not found on PATH")
     os.execv(exe, [exe, *sys.argv[1:]])
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 try:
     s.connect(SOCK)
-    req = dict(argv=sys.argv[1:], env=dict(os.environ), cwd=os.getcwd())
+    req = dict(argv=sys.argv[1:], env=dict(os.environ), cwd=os.getcwd(), name=NAME)
     socket.send_fds(s, [json.dumps(req).encode()], [0, 1, 2])
 except OSError:
     s.close()
@@ -205,12 +221,15 @@ sys.exit(code if code >= 0 else 128 - code)
 """
 
 
-def write_shim(directory: str, sock_path: str) -> Path:
-    """Write the ``flwr-clientapp`` shim into ``directory``; returns its path."""
+def write_shim(directory: str, sock_path: str, name: str = "flwr-clientapp") -> Path:
+    """Write the ``name`` shim (a key of :data:`ENTRY_POINTS`) into ``directory``;
+    returns its path."""
+    if name not in ENTRY_POINTS:
+        raise ValueError(f"no warm entry point {name!r}; expected one of {sorted(ENTRY_POINTS)}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    p = d / "flwr-clientapp"
-    p.write_text(SHIM.format(python=sys.executable, sock=str(sock_path)))
+    p = d / name
+    p.write_text(SHIM.format(python=sys.executable, sock=str(sock_path), name=name))
     p.chmod(p.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return p
 
@@ -227,11 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("shim", help="write DIR/flwr-clientapp forwarding to SOCKET")
     w.add_argument("dir")
     w.add_argument("socket")
+    w.add_argument(
+        "--name", default="flwr-clientapp", choices=sorted(ENTRY_POINTS), help="the command"
+    )
     a = ap.parse_args(argv)
     if a.cmd == "serve":
         serve(a.socket)
     else:
-        print(write_shim(a.dir, a.socket))
+        print(write_shim(a.dir, a.socket, a.name))
     return 0
 
 

@@ -3,13 +3,21 @@ is replayed bit for bit or re-run with fresh noise and charged; RUN/STOP stops a
 boundary; a corrupt checkpoint is a clear error. The rest of the engine: test_engine.py."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from fl.run.engine import Engine, train
+from fl.testing import tiny_config, tiny_flags
 from pipeline.cli import main as cli_main
+
+#: the run the tests below stop, kill and resume (the first test has its own: a cohort).
+#: σ = 3 rather than about 1: what is replayed, charged or re-drawn does not depend on σ,
+#: and each round's PLD ε costs 0.12 s instead of 0.4 s (σ = 1.2, q = 0.2)
+SIGMA = 3.0
+CFG = dict(rounds=3, dp_level="sample", noise_multiplier=SIGMA)
 
 
 def _adapter(run):
@@ -22,7 +30,7 @@ def _max_diff(a, b):
 
 
 def test_resume_equals_uninterrupted_and_keeps_budget(tmp_path, tiny_cfg):
-    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2, clients_per_round=2)
+    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=SIGMA, clients_per_round=2)
     full = train(cfg, tmp_path / "full")
 
     # The key holder replays: a second run given the first run's key.
@@ -62,36 +70,58 @@ def _kill_in_round_three(eng_cls_train, monkeypatch):
     monkeypatch.setattr(ClientContext, "train", train_or_die)
 
 
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The uninterrupted run of CFG, trained once for the module: (run dir, manifest).
+    Every test only reads it (its noise key is the killed runs' key)."""
+    out = tmp_path_factory.mktemp("full") / "full"
+    return out, train(tiny_config(**CFG), out)
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory, full):
+    """CFG run with the full run's key, killed in round 3 (its journal in flight), made
+    once: each test resumes its own copy (:func:`_killed_copy`)."""
+    from fl.run.contexts import ClientContext
+
+    run = tmp_path_factory.mktemp("killed") / "killed"
+    with pytest.MonkeyPatch.context() as mp:
+        _kill_in_round_three(ClientContext.train, mp)
+        with pytest.raises(KeyboardInterrupt):
+            Engine(
+                tiny_config(**CFG), run, quiet=True, noise_key=full[0] / "private/noise.key"
+            ).run()
+    return run
+
+
+def _killed_copy(killed_run, tmp_path):
+    run = tmp_path / "killed"
+    shutil.copytree(killed_run, run)
+    return run
+
+
 @pytest.mark.parametrize("same_environment", [True, False])
 def test_round_killed_midway_is_replayed_or_rerun_with_fresh_noise(
-    tmp_path, tiny_cfg, monkeypatch, same_environment
+    tmp_path, full, killed_run, same_environment
 ):
     """A round killed after it started may have released. Resumed in the environment that
     journaled it (CPU, in process), it is replayed bit for bit and charged once; in another
     environment (here: another thread count) its planned events are charged again and it
     is re-run with fresh noise streams, never the first attempt's noise over a computation
     that may differ."""
-    from fl.run.contexts import ClientContext
-
-    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
-    full = train(cfg, tmp_path / "full")
-    real = ClientContext.train
-    _kill_in_round_three(real, monkeypatch)
-    run = tmp_path / "killed"
-    eng = Engine(cfg, run, quiet=True, noise_key=tmp_path / "full/private/noise.key")
-    with pytest.raises(KeyboardInterrupt):
-        eng.run()
+    full_dir, full = full
+    cfg = tiny_config(**CFG)
+    run = _killed_copy(killed_run, tmp_path)
     journal = json.loads((run / "checkpoint" / "inflight.json").read_text())
     assert journal["round"] == 2 and journal["attempt"] == 0
     assert journal["environment"]["threads"] == torch.get_num_threads()
     if not same_environment:
         journal["environment"]["threads"] += 1
         (run / "checkpoint" / "inflight.json").write_text(json.dumps(journal))
-    monkeypatch.setattr(ClientContext, "train", real)
     resumed = train(cfg, run, resume=True)
     events = resumed["privacy"]["ledger"]["events"]
     charged = [e for e in events if e["stage"] == "interrupted"]
-    diff = _max_diff(_adapter(tmp_path / "full"), _adapter(run))
+    diff = _max_diff(_adapter(full_dir), _adapter(run))
     log = (run / "run.log").read_text()
     if same_environment:
         assert not charged and diff < 1e-6
@@ -107,35 +137,32 @@ def test_round_killed_midway_is_replayed_or_rerun_with_fresh_noise(
         assert resumed["privacy"]["epsilon"]["pld"] > full["privacy"]["epsilon"]["pld"]
 
 
-def _killed_elsewhere(cfg, tmp_path, monkeypatch):
-    """A full run, then the same run (its key) killed in round 3 whose journal says another
-    CPU environment (no bit-exact replay here). Returns (full manifest, key, run, journal
-    path, journal, the real ClientContext.train); the kill stays patched in."""
-    from fl.run.contexts import ClientContext
-
-    full = train(cfg, tmp_path / "full")
-    key = tmp_path / "full/private/noise.key"
-    real = ClientContext.train
-    _kill_in_round_three(real, monkeypatch)
-    run = tmp_path / "killed"
+def _killed_elsewhere(killed_run, tmp_path):
+    """A copy of the killed run whose journal says another CPU environment (no bit-exact
+    replay here). Returns (run, journal path, journal)."""
+    run = _killed_copy(killed_run, tmp_path)
     journal_path = run / "checkpoint" / "inflight.json"
-    with pytest.raises(KeyboardInterrupt):
-        Engine(cfg, run, quiet=True, noise_key=key).run()
     journal = json.loads(journal_path.read_text())
     journal["environment"]["threads"] += 1
     journal_path.write_text(json.dumps(journal))
-    return full, key, run, journal_path, journal, real
+    return run, journal_path, journal
 
 
-def test_round_killed_twice_keeps_the_first_attempts_charge(tmp_path, tiny_cfg, monkeypatch):
+def test_round_killed_twice_keeps_the_first_attempts_charge(
+    tmp_path, full, killed_run, monkeypatch
+):
     """Killed in round 3, resumed where it cannot replay (charged, attempt 1), killed again
     in the same round and resumed where attempt 1 replays bit for bit: the first attempt's
     charge lived only in memory, so the second journal carries it and the final ledger
     holds it once; the third pass charges nothing new."""
     from fl.run.contexts import ClientContext
 
-    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
-    full, key, run, journal_path, journal, real = _killed_elsewhere(cfg, tmp_path, monkeypatch)
+    full_dir, full = full
+    cfg = tiny_config(**CFG)
+    key = full_dir / "private/noise.key"
+    run, journal_path, journal = _killed_elsewhere(killed_run, tmp_path)
+    real = ClientContext.train
+    _kill_in_round_three(real, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         Engine(cfg, run, resume=True, quiet=True, noise_key=key).run()
     second = json.loads(journal_path.read_text())
@@ -152,20 +179,22 @@ def test_round_killed_twice_keeps_the_first_attempts_charge(tmp_path, tiny_cfg, 
     assert resumed["privacy"]["epsilon"]["pld"] > full["privacy"]["epsilon"]["pld"]
 
 
-def test_a_stop_before_the_rerun_is_journaled_keeps_the_charge(tmp_path, tiny_cfg, monkeypatch):
+def test_a_stop_before_the_rerun_is_journaled_keeps_the_charge(
+    tmp_path, full, killed_run, monkeypatch
+):
     """Resume charges an interrupted round that cannot be replayed, then stops before the
     re-run has journaled it: the journal was kept, so the next resume charges that attempt
     (once: the charge of the stopped resume was never checkpointed)."""
-
-    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
-    full, key, run, journal_path, journal, real = _killed_elsewhere(cfg, tmp_path, monkeypatch)
+    full_dir, full = full
+    cfg = tiny_config(**CFG)
+    run, journal_path, journal = _killed_elsewhere(killed_run, tmp_path)
 
     def stop(self, r, planned):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Engine, "_write_inflight", stop)
     with pytest.raises(KeyboardInterrupt):
-        Engine(cfg, run, resume=True, quiet=True, noise_key=key).run()
+        Engine(cfg, run, resume=True, quiet=True, noise_key=full_dir / "private/noise.key").run()
     assert json.loads(journal_path.read_text()) == journal  # kept as it was
     monkeypatch.undo()
     resumed = train(cfg, run, resume=True)
@@ -177,15 +206,15 @@ def test_a_stop_before_the_rerun_is_journaled_keeps_the_charge(tmp_path, tiny_cf
 
 
 def test_stop_file_stops_at_a_round_boundary_and_resume_charges_nothing_twice(
-    tmp_path, tiny_cfg, monkeypatch, capsys
+    tmp_path, full, monkeypatch, capsys
 ):
     """RUN/STOP stops a run after its current round's checkpoint (exit 3, one line), with
     no round in flight; --resume then finishes it as if it had never stopped."""
     from fl.run.contexts import ClientContext
     from fl.run.engine import STOP_FILE
 
-    cfg = tiny_cfg(rounds=3, dp_level="sample", noise_multiplier=1.2)
-    full = train(cfg, tmp_path / "full")
+    full_dir, full = full
+    cfg = tiny_config(**CFG)
     run = tmp_path / "stopped"
     real = ClientContext.train
 
@@ -197,21 +226,20 @@ def test_stop_file_stops_at_a_round_boundary_and_resume_charges_nothing_twice(
     monkeypatch.setattr(ClientContext, "train", touch_in_round_two)
     from fl.errors import StoppedAtRound
 
-    eng = Engine(cfg, run, quiet=True, noise_key=tmp_path / "full/private/noise.key")
+    eng = Engine(cfg, run, quiet=True, noise_key=full_dir / "private/noise.key")
     with pytest.raises(StoppedAtRound, match="stopped after round 2 of 3"):
         eng.run()
     assert not (run / STOP_FILE).exists() and not (run / "manifest.json").exists()
     assert not (run / "checkpoint" / "inflight.json").exists()
     monkeypatch.setattr(ClientContext, "train", real)
     resumed = train(cfg, run, resume=True)
-    assert _max_diff(_adapter(tmp_path / "full"), _adapter(run)) < 1e-6
+    assert _max_diff(_adapter(full_dir), _adapter(run)) < 1e-6
     assert resumed["privacy"]["ledger"]["events"] == full["privacy"]["ledger"]["events"]
-    # the CLI's form: exit code 3 and one line
+    # the CLI's form: exit code 3 and one line (the tiny run's flags: its size does not
+    # change how a stop ends the command)
     monkeypatch.setattr(ClientContext, "train", touch_in_round_two)
     run2 = tmp_path / "cli"
-    rc = cli_main(["train", "--model", "tiny-bert", "--dataset", "synthetic", "--members",
-                   "240", "--nonmembers", "10", "--test", "50", "--clients", "3", "--rounds",
-                   "3", "--no-progress", "--out", str(run2)])  # fmt: skip
+    rc = cli_main(["train", *tiny_flags(rounds=3, local_steps=1), "--out", str(run2)])
     err = capsys.readouterr().err.strip()
     assert rc == 3 and len(err.splitlines()) == 1 and "--resume" in err, err
 
