@@ -25,3 +25,9 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
     echo "setup: chromium missing and not installable here (needs root and apt-get)"
   fi
 fi
+# Bytecode for the toolkit's own modules and the tests' helpers (an editable install
+# compiles none of them): each process that imports the toolkit -- the two test workers,
+# Flower's and Ray's processes, the job's trainings -- then reads ~300 compiled modules
+# instead of compiling them, and where PYTHONDONTWRITEBYTECODE is set (this machine's
+# environment does) nothing would ever be cached. Stale files are recompiled as usual.
+.venv/bin/python -m compileall -q -j 0 fl audit attacks analysis pipeline benchmarks flower_app tests

@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports  # layer contracts of pyproject.toml (no cycles, fl below the rest)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 MPLBACKEND=Agg
+# pytest caches its assertion-rewritten test modules only where Python may write bytecode:
+# a re-run (and each pytester session) then reads them instead of rewriting 128 files.
+unset PYTHONDONTWRITEBYTECODE
 # --dist loadfile: each test file runs on one worker, so a module's fixtures (trained runs,
 # a Flower simulation, a Ray instance) are built once, not once per worker. (loadgroup's
 # xdist_group marks are silently ignored with pytest 9 and xdist 3.8: xdist renames
