@@ -5,22 +5,26 @@ A Flower 1.42 SuperNode runs every message in a new ``flwr-clientapp`` process
 (started by ``flower-superexec`` from ``PATH``). For fedlora that process spends
 ~7 s of CPU importing torch, transformers, peft and opacus before it does
 ~0.3 s of work (the client engine setup), for every stage of every round. A SuperLink
-starts each run's ``flwr-serverapp`` the same way (~4 s of imports once per run).
+starts each run's ``flwr-serverapp`` the same way (~4 s of imports once per run), and
+each SuperNode and SuperLink starts a ``flower-superexec`` (the process that launches
+those apps; 1.5-3.5 s of CPU, mostly imports, each) as it starts.
 
 This module removes the import cost without changing what Flower runs:
 
 - ``python -m fl.flower.warm serve SOCKET`` imports everything once and listens on a
   Unix socket; per request it forks, and the child runs Flower's own
   ``flwr-clientapp`` entry point (``flwr.supernode.cli.flwr_clientapp``; or
-  ``flwr-serverapp``'s) with the request's arguments and standard streams. The parent stays single-threaded and
-  never runs torch ops, so forking it is safe.
-- ``python -m fl.flower.warm shim DIR SOCKET [--name flwr-serverapp]`` writes an
-  executable ``DIR/flwr-clientapp`` (or ``DIR/flwr-serverapp``) that forwards its
-  arguments, environment, working directory and stdin/stdout/stderr (passed as file
-  descriptors) to the server, which runs that entry point, relays SIGTERM/SIGINT to the
-  forked child and exits with its exit code. Put ``DIR`` first on the SuperNode's (the
+  ``flwr-serverapp``'s, ``flower-superexec``'s) with the request's arguments and
+  standard streams. The parent stays single-threaded and never runs torch ops, so
+  forking it is safe.
+- ``python -m fl.flower.warm shim DIR SOCKET [--name NAME]`` writes an executable
+  ``DIR/flwr-clientapp`` (or ``DIR/NAME``: ``flwr-serverapp``, ``flower-superexec``)
+  that forwards its arguments, environment, working directory and stdin/stdout/stderr
+  (passed as file descriptors) to the server, which runs that entry point, relays
+  SIGTERM/SIGINT to the forked child and exits with its exit code. Put ``DIR`` first on the SuperNode's (the
   SuperLink's) ``PATH``. If the server is not reachable the shim runs the real command
-  (the next one on ``PATH``).
+  (the next one on ``PATH``): start the server before the SuperLink and SuperNodes for
+  their ``flower-superexec`` to be forked too.
 
 The socket is created mode 0600 (only the SuperNode's user may use it). Optional:
 without it a SuperNode works as Flower ships it, only slower.
@@ -41,6 +45,8 @@ PRELOAD = (
     "flwr.supernode.cli.flwr_clientapp",
     "flwr.supernode.runtime.run_clientapp",
     "flwr.superlink.cli.flwr_serverapp",
+    "flwr.supercore.cli.flower_superexec",
+    "flwr.supercore.superexec.run_superexec",
     "fl.flower.clientapp",
     "fl.flower.serverapp",
     "fl.run.engine",
@@ -73,6 +79,9 @@ def preload() -> None:
 ENTRY_POINTS = {
     "flwr-clientapp": ("flwr.supernode.cli.flwr_clientapp", "flwr_clientapp"),
     "flwr-serverapp": ("flwr.superlink.cli.flwr_serverapp", "flwr_serverapp"),
+    # the SuperNode's and SuperLink's launcher of the two above (long-lived: it polls
+    # for tasks and runs each with the app command it finds on PATH, i.e. the shims)
+    "flower-superexec": ("flwr.supercore.cli.flower_superexec", "flower_superexec"),
 }
 
 
@@ -148,6 +157,7 @@ def serve(sock_path: str) -> None:
                     _child(conn, req, fds)
                 for fd in fds:
                     os.close(fd)
+                print(f"forked {req.get('name', 'flwr-clientapp')} (pid {pid})", flush=True)
                 try:
                     conn.sendall(f"pid {pid}\n".encode())
                 except OSError:

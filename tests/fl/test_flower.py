@@ -377,8 +377,9 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
     a separate process group; a round of FedASK submitted with `flwr run`. The
     adapter and ledger equal the in-process run's; every process started here is
     killed (process group) in a finally. SuperNodes launch ClientApps, and the SuperLink
-    its ServerApp, through the warm ``flwr-clientapp`` and ``flwr-serverapp``
-    (fl.flower.warm): Flower's own entry points in a forked, pre-imported process.
+    its ServerApp, through the warm ``flwr-clientapp`` and ``flwr-serverapp``, and each
+    starts its ``flower-superexec`` the same way (fl.flower.warm): Flower's own entry
+    points in a forked, pre-imported process.
 
     One round: its two stages (sketch, then project) run in two ClientApp processes per
     node, the second on the state the first left in the node's ``context.state``, which
@@ -435,7 +436,21 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
 
         write_shim(str(shim_dir), str(sock))
         write_shim(str(shim_dir), str(sock), "flwr-serverapp")
+        write_shim(str(shim_dir), str(sock), "flower-superexec")
         start([sys.executable, "-m", "fl.flower.warm", "serve", str(sock)], "warm")
+        # The in-process reference meanwhile (the warm server is importing).
+        man_a, _ = _run(_small(tiny_cfg, **kw), tmp_path / "inprocess")
+
+        def wait(up, what):
+            while not up():
+                for p in procs:
+                    assert p.poll() is None, f"{p.args[:3]} exited\n{tails()}"
+                assert time.time() - t_start < DEPLOY_TIMEOUT / 2, f"{what} not up\n{tails()}"
+                time.sleep(0.2)
+
+        # The SuperLink and SuperNodes start their flower-superexec at once: the warm
+        # server must be up by then, or their shims fall back to the real command.
+        wait(sock.exists, "warm server")
         start(
             [
                 str(VENV_BIN / "flower-superlink"),
@@ -463,8 +478,6 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
                 FLWR_HOME=str(homes[f"node{k}"]),
                 PATH=f"{shim_dir}{os.pathsep}{base_env['PATH']}",
             )  # fmt: skip
-        # The in-process reference meanwhile (the processes above are starting up).
-        man_a, _ = _run(_small(tiny_cfg, **kw), tmp_path / "inprocess")
         rc = (
             f"out-dir='{out}' method='fedask' clients={CLIENTS} rounds=1 members=120 "
             "nonmembers=30 test=40 local-steps=1 dp-level='sample' noise-multiplier=1.0 "
@@ -472,14 +485,7 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
         )
         # `flwr run` fails at once if the SuperLink is not listening yet; the ServerApp
         # itself waits (up to stage-timeout) for a SuperNode per client.
-        # The warm server too, so the ServerApp and every ClientApp message are forks (not
-        # a fallback).
-        while not (_listening(link) and sock.exists()):
-            assert procs[1].poll() is None, f"SuperLink exited\n{tails()}"
-            assert time.time() - t_start < DEPLOY_TIMEOUT / 2, (
-                f"SuperLink or warm server not up\n{tails()}"
-            )
-            time.sleep(0.2)
+        wait(lambda: _listening(link), "SuperLink")
         budget = DEPLOY_TIMEOUT - (time.time() - t_start)
         run = subprocess.run(
             [str(VENV_BIN / "flwr"), "run", str(ROOT / "flower_app"), "loopback", "--stream",
@@ -503,6 +509,11 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
         # Every ClientApp message went through the warm server (one fork each).
         node_logs = [(tmp_path / f"supernode{k}.log").read_text() for k in range(CLIENTS)]
         assert all("flwr-clientapp" in t for t in node_logs)
+        # So did the SuperLink's and each SuperNode's flower-superexec, and the ServerApp.
+        forked = (tmp_path / "warm.log").read_text()
+        assert forked.count("forked flower-superexec") == 1 + CLIENTS, forked
+        assert forked.count("forked flwr-serverapp") == 1, forked
+        assert forked.count("forked flwr-clientapp") >= 2 * CLIENTS, forked  # two stages
         # The ClientApps ran with each SuperNode's FLWR_HOME (where it installed the app).
         for k in range(CLIENTS):
             assert any((homes[f"node{k}"] / "apps").iterdir())
