@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from fl.errors import UsageError
-from fl.models.base import MODELS, load_tokenizer, model_folder
+from fl.models.base import MODELS, model_folder, tokenizer_size
 
 
 def tiny_gpt2_lm(vocab_size: int):
@@ -57,7 +57,7 @@ def load_causal_lm(model: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     path = model_folder(model)
     if path is None:
-        net = GPT2LMHeadModel(tiny_gpt2_lm(load_tokenizer("minilm").vocab_size))
+        net = GPT2LMHeadModel(tiny_gpt2_lm(tokenizer_size("minilm", added=False)))
     else:
         try:
             config = AutoConfig.from_pretrained(path)
@@ -100,7 +100,7 @@ def check_setup(cfg, method_cls) -> list[str]:
         except (OSError, ValueError, KeyError) as exc:
             raise UsageError(f"cannot load a model config from {path}: {exc}") from None
         rows = getattr(mc, "vocab_size", None)
-        n_tok = len(load_tokenizer(cfg.model))
+        n_tok = tokenizer_size(cfg.model)
         if rows is not None and n_tok > int(rows):
             raise UsageError(
                 f"the tokenizer of {path} has {n_tok} tokens but the model's vocabulary {rows}"

@@ -20,3 +20,33 @@ def test_each_call_gets_its_own_tokenizer_and_changed_folders_are_reloaded(tmp_p
     grown.save_pretrained(folder)  # the folder's files change: parsed again
     again = load_tokenizer(str(folder))
     assert len(again) == len(a) + 1 and len(load_tokenizer(str(folder))) == len(a) + 1
+
+
+def test_the_size_is_read_without_a_copy(tmp_path, monkeypatch):
+    import copy
+
+    from transformers import PreTrainedTokenizerBase
+
+    from fl.models.base import tokenizer_size
+
+    tok = load_tokenizer("tiny-bert")
+    copies = []  # tokenizers copied (parsing a folder deep-copies its own small dicts)
+    real = copy.deepcopy
+
+    def deepcopy(x, *a):
+        if isinstance(x, PreTrainedTokenizerBase):
+            copies.append(x)
+        return real(x, *a)
+
+    monkeypatch.setattr(copy, "deepcopy", deepcopy)
+    assert tokenizer_size("tiny-bert") == len(tok)
+    assert tokenizer_size("tiny-bert", added=False) == tok.vocab_size
+    assert copies == []
+    # a folder whose tokenizer has an added token: len counts it, vocab_size does not
+    tok.add_tokens(["fedloraword"])
+    tok.save_pretrained(tmp_path / "tok")
+    assert tokenizer_size(str(tmp_path / "tok")) == tok.vocab_size + 1
+    assert tokenizer_size(str(tmp_path / "tok"), added=False) == tok.vocab_size
+    assert copies == []
+    load_tokenizer("tiny-bert")  # the instrument sees a copy where one is made
+    assert len(copies) == 1
