@@ -67,7 +67,6 @@ import torch
 
 from fl import linalg
 from fl.privacy import clipping, tap
-from fl.privacy.accounting import calibrate_noise, epsilon
 from fl.privacy.rng import draw_normal
 
 Tensor = torch.Tensor
@@ -489,6 +488,10 @@ def powerdp_epsilon(
 ) -> float:
     """ε(δ) of ``rounds`` PowerDP rounds: each round is one Poisson-subsampled (rate
     ``client_rate``) Gaussian with multiplier σ/√(2·iters+1) (see module docstring)."""
+    # imported here: dp_accounting (with scipy) is ~2 s of imports that a process which
+    # only aggregates (the aggregation benchmark's memory probes) does not need
+    from fl.privacy.accounting import epsilon
+
     return epsilon(
         round_noise_multiplier(noise_multiplier, iters), client_rate, rounds, delta, accountant
     )
@@ -510,6 +513,8 @@ def calibrate_powerdp_sigma(
     same as calibrating rounds×releases plain Gaussian releases when client_rate = 1,
     and correct (not optimistic) when client_rate < 1.
     """
+    from fl.privacy.accounting import calibrate_noise
+
     s_round = calibrate_noise(target_epsilon, client_rate, rounds, delta, accountant)
     sigma = s_round * math.sqrt(releases_per_round(iters))
     # guard against the last-ulp loss of σ·√n/√n: the returned σ must meet the target
