@@ -102,21 +102,42 @@ class FlowerTransport:
         self._grid = grid if grid is not None else getattr(_BOUND, "grid", None)
         self.timeout = timeout or getattr(_BOUND, "timeout", None) or default_timeout()
         self.nodes: dict[str, int] | None = None  # client id -> node id
+        self._session: SimulationSession | None = None  # the simulation grid's session
 
     # ---- grid and node mapping -------------------------------------------------------
     def grid(self):
         if self._grid is None:
             self._grid = simulation_grid(self.engine.cfg.clients, self.engine.log)
+            self._session = _SESSION
         return self._grid
 
     def node_map(self) -> dict[str, int]:
         """client id → node id, by asking every node its partition id; waits (up to
-        the timeout) until every client of the run has a node."""
+        the timeout) until every client of the run has a node. On this process's
+        simulation session the answer of its first run is reused: its virtual SuperNodes
+        and their partition ids are fixed for the session's life (a round trip through
+        the ClientApp actor per node and run, before)."""
         if self.nodes is not None:
             return self.nodes
+        grid, want = self.grid(), set(self.engine.client_ids())
+        session = self._session
+        if session is not None and want <= set(session.partitions):
+            found = dict(session.partitions)
+        else:
+            found = self._ask_partitions(grid, want)
+            if session is not None:
+                session.partitions = dict(found)
+        extra = sorted(set(found) - want)
+        if extra:
+            self.engine.log(f"flower: nodes for unknown partitions {extra} are not used")
+        self.nodes = {c: found[c] for c in want}
+        self.engine.log(f"flower: client → node {self.nodes}")
+        return self.nodes
+
+    def _ask_partitions(self, grid, want: set[str]) -> dict[str, int]:
+        """partition (client id) → node id, asked of every node until ``want`` is covered."""
         from fl.errors import UsageError
 
-        grid, want = self.grid(), set(self.engine.client_ids())
         found: dict[str, int] = {}
         asked: set[int] = set()
         deadline = time.time() + self.timeout
@@ -155,12 +176,7 @@ class FlowerTransport:
                     f"--node-config 'partition-id=K num-partitions={len(want)}')"
                 )
             time.sleep(0.5)
-        extra = sorted(set(found) - want)
-        if extra:
-            self.engine.log(f"flower: nodes for unknown partitions {extra} are not used")
-        self.nodes = {c: found[c] for c in want}
-        self.engine.log(f"flower: client → node {self.nodes}")
-        return self.nodes
+        return found
 
     # ---- the transport interface --------------------------------------------------------
     def deliver(self, method, rnd, stage, payloads, faults):
@@ -255,6 +271,8 @@ class SimulationSession:
         from fl.flower.clientapp import app as client_app
 
         self.num_supernodes = num_supernodes
+        #: partition id (client id) → node id, as the first run's nodes answered
+        self.partitions: dict[str, int] = {}
         self._grid_q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self.error: BaseException | None = None

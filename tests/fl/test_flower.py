@@ -169,6 +169,10 @@ def test_flower_simulation_matches_inprocess(tmp_path, tiny_cfg, flower_sim, inp
         assert len(_events(man_b)) == 2 * CLIENTS  # per round and client, on the server
     log = (tmp_path / "flower" / "run.log").read_text()
     assert "flower: client → node" in log
+    # the session's nodes answered their partition ids once; later runs reuse the map
+    from fl.flower import transport
+
+    assert sorted(transport._SESSION.partitions) == [str(c) for c in range(CLIENTS)]
     ref = [round(r["seconds"], 2) for r in _rows(out_a)]
     sim = [round(r["seconds"], 2) for r in _rows(tmp_path / "flower")]
     print(f"\n{method} seconds/round: in-process {ref}, Flower simulation {sim}")
