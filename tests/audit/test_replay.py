@@ -32,7 +32,9 @@ TRUSTED_WITHOUT_KEY = {
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One training per configuration for the whole module (tests that train alike share
-    it); each test gets its own copy to read, edit or replay."""
+    it); each test gets its own copy to read, edit or replay. Two local steps, not TINY's
+    four: what a replay verifies (bit for bit, or an edit found) does not depend on the
+    number of steps, and each replay retrains the whole run."""
     from fl.run.engine import train
     from fl.testing import tiny_config
 
@@ -42,7 +44,9 @@ def trained(tmp_path_factory):
         key = tuple(sorted(kw.items()))
         if key not in done:
             done[key] = root / f"run{len(done)}"
-            train(tiny_config(**{"dp_level": "sample", **kw}), done[key], quiet=True)
+            train(
+                tiny_config(**{"dp_level": "sample", "local_steps": 2, **kw}), done[key], quiet=True
+            )
         return done[key]
 
     return get
@@ -104,8 +108,11 @@ def _edit_sigma(d, sigma, bundle):
     return m
 
 
+# The key's tests share one one-round training (a replay retrains the whole run, twice in
+# the first test: JSON and text); a two-round run's replay, the trajectory carried from round
+# to round, is verified in test_a_run_with_a_round_rerun_after_a_stop_is_verified.
 def test_honest_run_is_verified_by_replay(tmp_path, trained, capsys):
-    run = _train(tmp_path, trained, noise_multiplier=3.0)
+    run = _train(tmp_path, trained, noise_multiplier=3.0, rounds=1)
     plain = audit_run(run)
     assert plain["kind"] == "run" and plain["skipped"] == [] and plain["replay"] is None
     assert TRUSTED_WITHOUT_KEY <= set(plain["trusted"]) and plain["trusted_note"]
@@ -126,7 +133,7 @@ def test_honest_run_is_verified_by_replay(tmp_path, trained, capsys):
 
 
 def test_consistently_edited_run_needs_the_key(tmp_path, trained):
-    run = _train(tmp_path, trained, noise_multiplier=3.0)
+    run = _train(tmp_path, trained, noise_multiplier=3.0, rounds=1)
     before = _read(run / "manifest.json")["privacy"]["epsilon"]["pld"]
     m = _edit_sigma(run, 30.0, bundle=False)
     assert m["privacy"]["epsilon"]["pld"] < before / 5  # the edit claims far more privacy
@@ -146,7 +153,7 @@ def test_consistently_edited_run_needs_the_key(tmp_path, trained):
 
 
 def test_consistently_edited_bundle_needs_the_key(tmp_path, trained, capsys):
-    run = _train(tmp_path, trained, noise_multiplier=3.0)
+    run = _train(tmp_path, trained, noise_multiplier=3.0, rounds=1)
     bundle = tmp_path / "published"
     shutil.copytree(run / "release", bundle)
     _edit_sigma(bundle, 30.0, bundle=True)
@@ -291,7 +298,8 @@ def test_a_run_with_a_round_rerun_after_a_stop_is_verified(tmp_path, tiny_cfg, m
     from fl.run.contexts import ClientContext
     from fl.run.engine import Engine, train
 
-    cfg = tiny_cfg(dp_level="sample", noise_multiplier=2.0, rounds=2)
+    # two local steps (TINY's four add nothing to the stop, the journal or the replay)
+    cfg = tiny_cfg(dp_level="sample", noise_multiplier=2.0, rounds=2, local_steps=2)
     real = ClientContext.train
 
     def die_in_round_two(self, *a, **kw):

@@ -20,7 +20,11 @@ from fl.testing import tiny_config
 def _recorded(root, name, **kw):
     from fl.run.engine import train
 
-    cfg = tiny_config(**{"dp_level": "sample", "noise_multiplier": 1.0, "dropout": "off", **kw})
+    # two local steps, not TINY's four: a round still chains steps, and every replay
+    # pass retrains the client
+    cfg = tiny_config(
+        **{"dp_level": "sample", "noise_multiplier": 1.0, "dropout": "off", "local_steps": 2} | kw
+    )
     rec = Recorder()
     rec.keep_deliveries = True
     with tap.tapped(rec):
@@ -49,7 +53,9 @@ def test_a_dropout_free_training_is_its_own_reference(tmp_path, level):
 def test_one_pass_still_sees_unclipped_records_and_data_dependent_releases(tmp_path, monkeypatch):
     from fl.run.engine import Engine
 
-    cfg, rec, run = _recorded(tmp_path, "no_clip", inject_fault="no_clip")
+    # one round each: an unclipped record and the leaked metric are in every round's
+    # releases (the two-round trajectory is the first test's)
+    cfg, rec, run = _recorded(tmp_path, "no_clip", inject_fault="no_clip", rounds=1)
     res = replay_recorded(cfg, run, rec, kinds=("remove",))
     assert res["reference"] == "the recorded training (no dropout)"
     assert res["verdict"] == "fail"
@@ -62,7 +68,7 @@ def test_one_pass_still_sees_unclipped_records_and_data_dependent_releases(tmp_p
         append(self, dict(row, loss=float(sum(map(len, self.client_positions.values())))))
 
     monkeypatch.setattr(Engine, "_append_metrics", leaky)
-    cfg, rec, run = _recorded(tmp_path, "leaky")
+    cfg, rec, run = _recorded(tmp_path, "leaky", rounds=1)
     res = replay_recorded(cfg, run, rec, kinds=("remove",))
     assert res["reference"] == "the recorded training (no dropout)"
     assert res["verdict"] == "fail"
@@ -73,7 +79,8 @@ def test_one_pass_still_sees_unclipped_records_and_data_dependent_releases(tmp_p
 
 
 def test_a_training_with_dropout_gets_its_reference_pass(tmp_path):
-    cfg, rec, run = _recorded(tmp_path, "model", dropout="model")
+    # one round: which reference the replay takes depends on the configuration only
+    cfg, rec, run = _recorded(tmp_path, "model", dropout="model", rounds=1)
     res = replay_recorded(cfg, run, rec, kinds=("remove",))
     assert res["reference"] == "a pass on D, dropout off"
     assert res["verdict"] == "pass", res["findings"]
