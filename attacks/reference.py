@@ -230,10 +230,10 @@ def _shared_pool(pool):
     if pool is None:
         return nullcontext()
     from fl.data.tokenized import TokenizedData
-    from fl.models.base import load_tokenizer
+    from fl.models.base import encoding_tokenizer
     from fl.models.heads import shared_rows
 
     texts, labels, model, max_length = pool
     return shared_rows(
-        TokenizedData(list(texts), np.asarray(labels), load_tokenizer(model), max_length)
+        TokenizedData(list(texts), np.asarray(labels), encoding_tokenizer(model), max_length)
     )

@@ -358,7 +358,7 @@ def adapter_signals(
         num_labels: classes of the head (default: from the adapter's head, else labels).
         cache_dir: where to keep ``signals-<key>.npz`` (None = no cache).
     """
-    from fl.models.base import load_tokenizer, resolve_device
+    from fl.models.base import encoding_tokenizer, resolve_device
 
     labels = np.asarray(labels, dtype=np.int64)
     if len(texts) != len(labels):
@@ -377,7 +377,7 @@ def adapter_signals(
         raise UsageError(f"labels go up to {labels.max()} but the model has {num_labels} classes")
     dev = resolve_device(device) if isinstance(device, str) else device
     model = load_adapter_model(adapter_dir, base_model, num_labels, seed=seed, device=dev)
-    tok = load_tokenizer(base_model)
+    tok = encoding_tokenizer(base_model)
     logits = model_logits(model, tok, texts, max_length, dev, batch_size, progress)
     sig = signals_from_logits(logits, labels)
     if cache_path is not None:

@@ -38,7 +38,7 @@ from fl.errors import StoppedAtRound, UsageError
 from fl.io import RunLock, atomic_write_json, read_json
 from fl.methods import registry
 from fl.methods.base import RoundInfo, parse_options
-from fl.models.base import load_tokenizer, resolve_device
+from fl.models.base import encoding_tokenizer, resolve_device
 from fl.models.causal_lm import check_setup as check_task
 from fl.privacy import rng as R
 from fl.privacy import tap
@@ -161,7 +161,7 @@ class Engine(RunFiles, PrivacyPlan):
         self.client_ranks = draw_client_ranks(cfg)
         self._setup_randomness()
         check_max_length(cfg)
-        tok = load_tokenizer(cfg.model)
+        tok = encoding_tokenizer(cfg.model)  # only encodes: this thread's copy
         texts, prompts, self.position_ids = subset(ds, split.members)
         labels = list(ds.labels[split.members])
         self.public_sizes = {c: len(p) for c, p in self.client_positions.items()}
@@ -349,7 +349,7 @@ class Engine(RunFiles, PrivacyPlan):
         """The non-member pool, tokenized on first use (``--eval-nonmembers``)."""
         if getattr(self, "_val_data", None) is None:
             self._val_data = self._tokenize_rows(
-                self.split.nonmembers, load_tokenizer(self.cfg.model)
+                self.split.nonmembers, encoding_tokenizer(self.cfg.model)
             )
         return self._val_data
 

@@ -50,3 +50,30 @@ def test_the_size_is_read_without_a_copy(tmp_path, monkeypatch):
     assert copies == []
     load_tokenizer("tiny-bert")  # the instrument sees a copy where one is made
     assert len(copies) == 1
+
+
+def test_an_encoding_tokenizer_is_one_copy_per_thread_and_encodes_as_a_fresh_one():
+    import threading
+
+    from fl.models.base import encoding_tokenizer
+
+    texts = ["a private sentence about the weather", "short", "x " * 40]
+    mine = encoding_tokenizer("tiny-bert")
+    assert encoding_tokenizer("tiny-bert") is mine  # no copy on the second call
+    assert mine is not load_tokenizer("tiny-bert")
+    # calls with other truncation/padding arguments between two equal calls change nothing:
+    # each call sets the backend's truncation and padding from its own arguments
+    for kw in (
+        dict(padding="max_length", truncation=True, max_length=24),
+        dict(padding="longest", truncation=True, max_length=8),
+        dict(add_special_tokens=False),
+        dict(padding="max_length", truncation=True, max_length=24),
+    ):
+        assert (
+            mine(texts, **kw)["input_ids"] == load_tokenizer("tiny-bert")(texts, **kw)["input_ids"]
+        )
+    other = []
+    t = threading.Thread(target=lambda: other.append(encoding_tokenizer("tiny-bert")))
+    t.start()
+    t.join()
+    assert other[0] is not mine  # another thread encodes with its own copy
