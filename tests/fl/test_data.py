@@ -98,3 +98,28 @@ def test_csv_rows_longer_than_the_header(tmp_path):
     q.write_text("text,label\nhello,1,extra\nbye,0\n")
     ds = load_local(str(q))
     assert ds.texts == ["hello", "bye"]
+
+
+def test_synthetic_text_is_the_documented_draw():
+    """make_synthetic against a slow obvious reference of its recipe (one class draw, 6-13
+    filler words, one of the class's markers inserted at a drawn position), over seeds and
+    class counts: the arrays it builds once draw the same words as lists would."""
+    from fl.data.datasets import make_synthetic
+
+    def reference(n, k, seed):
+        rng = np.random.default_rng(seed)
+        filler = [f"w{i}" for i in range(200)]
+        markers = [[f"c{c}m{j}" for j in range(5)] for c in range(k)]
+        texts, labels = [], []
+        for _ in range(n):
+            y = int(rng.integers(k))
+            words = list(rng.choice(filler, size=int(rng.integers(6, 14))))
+            words.insert(int(rng.integers(len(words) + 1)), str(rng.choice(markers[y])))
+            texts.append(" ".join(words))
+            labels.append(y)
+        return texts, labels
+
+    for n, k, seed in ((1200, 2, 1234), (300, 3, 0), (50, 4, 7)):
+        ds = make_synthetic(n, k, seed)
+        texts, labels = reference(n, k, seed)
+        assert ds.texts == texts and ds.labels.tolist() == labels
