@@ -34,20 +34,24 @@ def test_epsilon_matches_dp_accounting(acc):
 
 
 def test_ledger_composes_rounds_and_takes_max_over_units():
+    # σ = 2, not 1: each PLD (four here) is a third of the size; the composition and the
+    # maximum over units are what is tested, at any σ
     led = Ledger("sample", 1e-5)
     for r in range(3):
-        led.record(Event("poisson_gaussian", 1.0, 0.05, 20, unit="client:0", round=r))
-    led.record(Event("poisson_gaussian", 1.0, 0.05, 20, unit="client:1", round=0))
+        led.record(Event("poisson_gaussian", 2.0, 0.05, 20, unit="client:0", round=r))
+    led.record(Event("poisson_gaussian", 2.0, 0.05, 20, unit="client:1", round=0))
     # client 0 took part 3 times: 60 steps; client 1 once: 20 steps.
-    assert led.epsilon("pld") == pytest.approx(direct(1.0, 0.05, 60, 1e-5, "pld"), rel=1e-9)
+    assert led.epsilon("pld") == pytest.approx(direct(2.0, 0.05, 60, 1e-5, "pld"), rel=1e-9)
     by = led.epsilon_by_unit("pld")
-    assert by["client:1"] == pytest.approx(direct(1.0, 0.05, 20, 1e-5, "pld"), rel=1e-9)
+    assert by["client:1"] == pytest.approx(direct(2.0, 0.05, 20, 1e-5, "pld"), rel=1e-9)
     assert by["client:0"] > by["client:1"]
 
 
 def test_ledger_mixed_mechanisms_equal_direct_composition():
+    # the first at σ = 1.5, not 1 (its PLD, the largest of the three, is half the size);
+    # three distinct mechanisms still compose
     evs = [
-        Event("poisson_gaussian", 1.0, 0.05, 20, unit="u"),
+        Event("poisson_gaussian", 1.5, 0.05, 20, unit="u"),
         Event("poisson_gaussian", 2.0, 0.1, 5, unit="u"),
         Event("gaussian", 3.0, 1.0, 2, unit="u"),
     ]
@@ -56,7 +60,7 @@ def test_ledger_mixed_mechanisms_equal_direct_composition():
         dp_accounting.ComposedDpEvent(
             [
                 dp_accounting.SelfComposedDpEvent(
-                    dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(1.0)),
+                    dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(1.5)),
                     20,
                 ),
                 dp_accounting.SelfComposedDpEvent(

@@ -268,10 +268,13 @@ def test_poisson_clients_input_perturbation_accounting(tiny_cfg, tmp_path):
     event with the calibrated σ_round (not 2t+1 separately subsampled releases)."""
     from fl.run.engine import train
 
+    # ε = 2, not 8: a larger σ_round (a smaller PLD to calibrate, check and recompose
+    # here); what is tested is the events' shape and their composition, at any target
+    target = 2.0
     cfg = tiny_cfg(
         method="fedpower",
         dp_level="client",
-        epsilon=8.0,
+        epsilon=target,
         clients=4,
         clients_per_round=0.5,
         client_sampling="poisson",
@@ -295,7 +298,7 @@ def test_poisson_clients_input_perturbation_accounting(tiny_cfg, tmp_path):
         dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(sigma)), len(ev)
     )
     assert man["privacy"]["epsilon"]["pld"] == pytest.approx(acc.get_epsilon(delta), rel=1e-9)
-    assert man["privacy"]["epsilon"]["pld"] <= 8.0
+    assert man["privacy"]["epsilon"]["pld"] <= target
 
 
 @pytest.mark.parametrize(
