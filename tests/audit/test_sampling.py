@@ -62,13 +62,15 @@ def test_sequential_p_values_are_valid_and_stop_early():
 @pytest.mark.parametrize("kind, which", [("cycled", "p_phase"), ("reshuffled", "p_window")])
 def test_non_poisson_schedules_are_rejected(kind, which):
     """T = 20 steps (five epochs of 4) of 1 500 canaries at q = 0.25, σ = 1: the statistic's
-    z is 44-52 (cycled, phase) and 8.2-11.6 (reshuffled, window) over seeds 1-6,
+    z is 44-52 (cycled, phase; 24.5-27.2 at the T = 12 used for it, three epochs, 0.6 of
+    the permutations' cost) and 8.2-11.6 (reshuffled, window) over seeds 1-6,
     where a permuted maximum of six standardised statistics passes z = 6 with a probability
     of about 6e-9 per permutation: none of the 1 999 reaches it. The count dispersion's
     standard error, √(2/M)/(q(1 − q)) ≈ 0.19, does not depend on T: M stays 1 500 for it
     (0.5 sits 2.6 standard errors from both 0 and Poisson's 1)."""
+    T = 12 if kind == "cycled" else 20
     rng = np.random.default_rng(1)
-    res = sampling_test([(_series(rng, 20, 1500, 0.25, 1.0, kind), 1.0, 0.25)], 1999, seed=1)
+    res = sampling_test([(_series(rng, T, 1500, 0.25, 1.0, kind), 1.0, 0.25)], 1999, seed=1)
     # no permutation reaches the observed statistic: p at the Monte Carlo's floor
     assert getattr(res, which) == res.p_value == 1 / 2000
     assert res.permutations == 1999
@@ -78,10 +80,11 @@ def test_non_poisson_schedules_are_rejected(kind, which):
 def test_a_cycled_epoch_longer_than_one_over_q_is_seen():
     """A trainer whose epoch is ceil(n/B) = 5 steps at q = 0.25 (not round(1/q) = 4): the
     phase statistic at L = 5 sees the cycle (one of the windows tried). Five epochs (T =
-    25) give it z ≈ 33 (31 to 34 over seeds 2-5), far above both what the 1 999
-    permutations reach and the other windows' statistics."""
+    25) of 300 canaries (800 before: a third of the permutations' cost) give it z = 18-24
+    over seeds 2-5, far above both what the 1 999 permutations reach and the other windows'
+    statistics (z of at most 4.7: window 5 wins by 13 or more)."""
     rng = np.random.default_rng(2)
-    T, M, L = 25, 800, 5
+    T, M, L = 25, 300, 5
     s = (np.arange(T)[:, None] % L) == rng.integers(0, L, M)[None, :]
     u = s + rng.normal(size=(T, M))
     res = sampling_test([(u, 1.0, 0.25)], 1999, seed=2)
@@ -103,6 +106,11 @@ def test_bad_input_is_named():
         sampling_test([(np.zeros((3, 2)), 1.0, 0.5)], stop_after=0)
 
 
+#: the fixed_batches runs' setting (see the `runs` fixture)
+FIXED = dict(
+    inject_fault="fixed_batches", noise_multiplier=1.25, batch_size=20, local_steps=20, rounds=1
+)
+
 #: fixed keys: the engine-run tests check code paths (the canary rows go through the
 #: trainer's sampler; a correct run passes; fixed_batches is rejected), so each run is one
 #: reproducible draw. FAULT_KEY is the first key tried; CORRECT_KEY is the one of the four
@@ -117,8 +125,10 @@ def runs(tmp_path_factory):
     from audit.bundle.audit import audit_run
     from fl.run.engine import train
 
+    # σ = 2.2578125 is what ε = 3 calibrates to at q = 0.25 over 32 steps: the same run as
+    # with epsilon=3.0, without the calibration's two dozen PLDs (its ledger is ε = 2.998)
     base = dict(
-        epsilon=3.0,
+        noise_multiplier=2.2578125,
         batch_size=20,
         local_steps=16,
         sampler_canaries=400,
@@ -128,18 +138,20 @@ def runs(tmp_path_factory):
     # The fixed_batches run is smaller: with gradient canaries its test runs all 19 999
     # permutations (Holm over 13 tests needs p = 1/20 000), whose cost is proportional to the
     # sampler canaries M and the steps T, and its statistic's z grows as √(MT)/σ² (module
-    # doc of audit.bounds.sampling). At ε = 8 (σ = 1.24 instead of 2.26) 40 sampler canaries
-    # over 20 steps give z = 12.6-13.2 with FAULT_KEY (400 over 16 steps at ε = 3 gave 10.1
-    # with a fresh key; 200 gave 5.2-7.9 over four fresh keys), far past z = 6, which the
-    # maximum of six standardised statistics passes with a probability of about 6·10⁻⁹ per
-    # permutation: p stays at the floor. ε = 8 and 20 steps are those of the two
-    # fixed_batches runs below: σ is calibrated once for the three.
+    # doc of audit.bounds.sampling). At σ = 1.25 (ε = 8's 1.24 before, not 3's 2.26) 60
+    # sampler canaries over one round of 20 steps give z = 9.0 with FAULT_KEY, 9.0-11.1
+    # over keys 0-3 (40 over two rounds at ε = 8 gave 12.6-13.2; 40 over one round 7.5-9.6
+    # over six keys), far past z = 6, which the maximum of six standardised statistics
+    # passes with a probability of about 6·10⁻⁹ per permutation: p stays at the floor.
+    # FIXED is the three fixed_batches runs' setting: σ given (no calibration) and one
+    # round (half the training; two rounds are the correct run's), so the three share the
+    # ledger's one PLD (20 steps at σ = 1.25, q = 0.25).
     out = {}
     for name, over, key in (
         ("correct", {}, CORRECT_KEY),
         (
             "fixed",
-            dict(inject_fault="fixed_batches", epsilon=8.0, local_steps=20, sampler_canaries=40),
+            dict(FIXED, canaries=500, canary_kind="gradient", sampler_canaries=60),
             FAULT_KEY,
         ),
     ):
@@ -189,20 +201,12 @@ def test_sampler_canaries_beside_input_canaries_are_tested(tmp_path):
     from audit.bundle.audit import audit_run
     from fl.run.engine import train
 
-    cfg = tiny_config(
-        epsilon=8.0,
-        batch_size=20,
-        local_steps=20,
-        sampler_canaries=100,
-        canaries=20,
-        canary_kind="mislabel",
-        inject_fault="fixed_batches",
-    )
+    cfg = tiny_config(**FIXED, sampler_canaries=100, canaries=20, canary_kind="mislabel")
     # with input canaries the rows are not a multiple of the batch, so the cycled
     # schedule's epoch is 4 or 5 steps depending on the draw: the test folds by both.
-    # 100 sampler canaries at ε = 8 (800 at ε = 3 before; z grows as √M/σ², σ = 1.24
-    # instead of 2.46): the phase z is 20 with FAULT_KEY (800 at ε = 3 gave 5.5-17.4,
-    # 400 gave 4.8-11.9, over fresh keys); without gradient canaries the test runs 1 999
+    # 100 sampler canaries at σ = 1.25 over one round (z grows as √(MT)/σ²): the phase z is
+    # 12.5 with FAULT_KEY, 8.5-14.5 over keys 0-3 (two rounds at ε = 8 gave 20; 800 at
+    # ε = 3 gave 5.5-17.4 over fresh keys); without gradient canaries the test runs 1 999
     # permutations and p <= 0.001 allows one exceedance
     train(cfg, tmp_path / "run", quiet=True, noise_key=FAULT_KEY)
     c = audit_run(tmp_path / "run", one_run=True)["one_run"]["conformance"]
@@ -213,20 +217,14 @@ def test_sampler_canaries_beside_input_canaries_are_tested(tmp_path):
 def test_sampler_canaries_alone_are_audited(tmp_path, capsys):
     """A run with sampler canaries and no membership canaries: the audit runs the sampling
     test (no ε lower bound, no implied ε, said so) instead of refusing; fixed_batches is a
-    mismatch, and the CLI shows the test. 50 sampler canaries at ε = 8 (800 at ε = 3
-    before; z grows as √M/σ², σ = 1.24 instead of 2.46): the phase z is 11.2-11.7 with
-    FAULT_KEY (200 at ε = 3 gave 6.2-8.5 over five fresh keys), at the floor of the 1 999
-    permutations. The CLI is ``fedlora audit``'s own entry point, called in this process."""
+    mismatch, and the CLI shows the test. 70 sampler canaries at σ = 1.25 over one round
+    (z grows as √(MT)/σ²): the phase z is 9.6 with FAULT_KEY, 9.6-15.2 over keys 0-3 (50
+    over two rounds at ε = 8 gave 11.2-11.7; 200 at ε = 3 gave 6.2-8.5 over five fresh
+    keys), at the floor of the 1 999 permutations. The CLI is ``fedlora audit``'s own entry point, called in this process."""
     from fl.run.engine import train
     from pipeline.cli import main
 
-    cfg = tiny_config(
-        epsilon=8.0,
-        batch_size=20,
-        local_steps=20,
-        sampler_canaries=50,
-        inject_fault="fixed_batches",
-    )
+    cfg = tiny_config(**FIXED, sampler_canaries=70)
     train(cfg, tmp_path / "run", quiet=True, noise_key=FAULT_KEY)
     rc = main(["audit", str(tmp_path / "run"), "--one-run"])
     out = capsys.readouterr()
