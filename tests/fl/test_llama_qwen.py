@@ -351,7 +351,8 @@ def test_lm_membership_signals_and_client_level_mia_run_on_a_llama_run(folders, 
     from pipeline.cli import main
 
     run = tmp_path / "run"
-    cfg = tiny_lm_config(model=folders["llama"], clients=4, members=40, noise_multiplier=1.0,
+    # σ = 3, not 1: a smaller PLD for the run's ε; the attacks read the run at any σ
+    cfg = tiny_lm_config(model=folders["llama"], clients=4, members=40, noise_multiplier=3.0,
                          insecure_deterministic_noise=True)  # fmt: skip
     train(cfg, run, quiet=True)
     out = tmp_path / "att"
