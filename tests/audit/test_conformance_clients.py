@@ -382,7 +382,7 @@ def test_fedpower_run_audit_reports_conformance_untested(tmp_path):
         local_steps=1,
         clip=0.5,
         canary_clients=50,
-        epsilon=3.0,
+        noise_multiplier=1.966796875,  # what ε = 3 calibrates to (ledger ε 2.9997)
     )
     train(cfg, tmp_path, quiet=True, noise_key=KEY)
     res = audit_run(tmp_path, one_run=True)
