@@ -23,8 +23,9 @@ This module removes the import cost without changing what Flower runs:
   (passed as file descriptors) to the server, which runs that entry point, relays
   SIGTERM/SIGINT to the forked child and exits with its exit code. Put ``DIR`` first on the SuperNode's (the
   SuperLink's) ``PATH``. If the server is not reachable the shim runs the real command
-  (the next one on ``PATH``): start the server before the SuperLink and SuperNodes for
-  their ``flower-superexec`` to be forked too.
+  (the next one on ``PATH``). The server listens before it imports: a shim that
+  connects meanwhile waits for its fork (start the server before the SuperLink and
+  SuperNodes, and their ``flower-superexec`` is forked too).
 
 The socket is created mode 0600 (only the SuperNode's user may use it). Optional:
 without it a SuperNode works as Flower ships it, only slower.
@@ -118,7 +119,6 @@ def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
 
 def serve(sock_path: str) -> None:
     """Run the warm server on ``sock_path`` until SIGTERM/SIGINT."""
-    preload()
     path = Path(sock_path)
     if path.exists():
         path.unlink()
@@ -130,6 +130,10 @@ def serve(sock_path: str) -> None:
     finally:
         os.umask(old_umask)
     srv.listen(64)
+    # Listening before the imports: a shim that connects meanwhile (a SuperExec started
+    # with its SuperNode) waits in the backlog for its fork instead of falling back to
+    # the real command.
+    preload()
     sel = selectors.DefaultSelector()
     sel.register(srv, selectors.EVENT_READ)
     waiting: dict[int, socket.socket] = {}  # child pid -> the shim's connection

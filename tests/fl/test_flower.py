@@ -442,19 +442,12 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
         write_shim(str(shim_dir), str(sock), "flwr-serverapp")
         write_shim(str(shim_dir), str(sock), "flower-superexec")
         start([sys.executable, "-m", "fl.flower.warm", "serve", str(sock)], "warm")
-        # The in-process reference meanwhile (the warm server is importing).
-        man_a, _ = _run(_small(tiny_cfg, **kw), tmp_path / "inprocess")
-
-        def wait(up, what):
-            while not up():
-                for p in procs:
-                    assert p.poll() is None, f"{p.args[:3]} exited\n{tails()}"
-                assert time.time() - t_start < DEPLOY_TIMEOUT / 2, f"{what} not up\n{tails()}"
-                time.sleep(0.2)
-
-        # The SuperLink and SuperNodes start their flower-superexec at once: the warm
-        # server must be up by then, or their shims fall back to the real command.
-        wait(sock.exists, "warm server")
+        # It listens at once and imports after: the SuperLink's and SuperNodes' SuperExecs
+        # (their shims) then wait in its backlog for their forks, never fall back.
+        while not sock.exists():
+            assert procs[0].poll() is None, f"warm server exited\n{tails()}"
+            assert time.time() - t_start < DEPLOY_TIMEOUT / 2, f"warm server not up\n{tails()}"
+            time.sleep(0.05)
         start(
             [
                 str(VENV_BIN / "flower-superlink"),
@@ -482,6 +475,8 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
                 FLWR_HOME=str(homes[f"node{k}"]),
                 PATH=f"{shim_dir}{os.pathsep}{base_env['PATH']}",
             )  # fmt: skip
+        # The in-process reference meanwhile (the processes above are starting up).
+        man_a, _ = _run(_small(tiny_cfg, **kw), tmp_path / "inprocess")
         rc = (
             f"out-dir='{out}' method='fedask' clients={CLIENTS} rounds=1 members=120 "
             "nonmembers=30 test=40 local-steps=1 dp-level='sample' noise-multiplier=1.0 "
@@ -489,7 +484,12 @@ def test_deployment_loopback(tmp_path, tiny_cfg):
         )
         # `flwr run` fails at once if the SuperLink is not listening yet; the ServerApp
         # itself waits (up to stage-timeout) for a SuperNode per client.
-        wait(lambda: _listening(link), "SuperLink")
+        while not (_listening(link) and sock.exists()):
+            assert procs[1].poll() is None, f"SuperLink exited\n{tails()}"
+            assert time.time() - t_start < DEPLOY_TIMEOUT / 2, (
+                f"SuperLink or warm server not up\n{tails()}"
+            )
+            time.sleep(0.2)
         budget = DEPLOY_TIMEOUT - (time.time() - t_start)
         run = subprocess.run(
             [str(VENV_BIN / "flwr"), "run", str(ROOT / "flower_app"), "loopback", "--stream",
