@@ -61,7 +61,10 @@ def runs(tmp_path_factory):
     out = {}
     for name, kw, fault in (
         ("correct", CLIENT, ""),
-        ("omitted", CLIENT, "server_noise_omitted"),
+        # two rounds (not three): what is tested of the omitted noise is blatant (observed
+        # over claimed 0.0012 on the scale test, 0.0017 on freshness, implied ε 39 against
+        # the ledger's 0.80), and a round of 4 000 canary clients is most of a run's time
+        ("omitted", dict(CLIENT, rounds=2), "server_noise_omitted"),
         ("half", CLIENT, "noise_scale=0.5"),
         ("poisson", POISSON, ""),
     ):
