@@ -104,7 +104,9 @@ def test_claims_mia_attacks_a_grid_run(tmp_path):
     root = tmp_path / "grid"
     run = root / "runs" / "claims-fedask-0000"
     cfg = dict(members=16, nonmembers=8, test=8, max_length=16, clients=1, rounds=1)
-    cfg.update(batch_size=8, lr=0.02, dp_level="sample", epsilon=8.0)
+    # σ 3 given, not ε 8 calibrated (its PLDs): the rows, not the run, say "eps8", and nothing
+    # checked (the selection, the attacks' rows, the resume) depends on σ
+    cfg.update(batch_size=8, lr=0.02, dp_level="sample", noise_multiplier=3.0)
     train(tiny_config(**cfg), run, quiet=True)
     rows = [
         {"grid": "claims-fedask", "group": "ffa/eps8", "seed": s, "key": f"k{s}",
