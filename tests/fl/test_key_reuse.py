@@ -13,6 +13,9 @@ from pipeline.cli import main
 
 SMALL = dict(members=60, nonmembers=20, test=20, max_length=16, clients=2, rounds=1,
              local_steps=2, batch_size=8)  # fmt: skip
+# σ 3, not 1: the runs' PLDs at σ 1 are most of their time, and nothing here (the binding,
+# the refusals, the NOT-private marks, the bit-exact replay) depends on σ
+SIGMA = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +24,7 @@ def first(tmp_path_factory):
     from fl.run.engine import train
 
     d = tmp_path_factory.mktemp("keyreuse") / "first"
-    cfg = tiny_config(**SMALL, noise_multiplier=1.0)
+    cfg = tiny_config(**SMALL, noise_multiplier=SIGMA)
     train(cfg, d, quiet=True)
     return d, cfg
 
@@ -46,12 +49,12 @@ def test_binding_file_is_operator_only_and_names_the_config(first):
 def test_reuse_on_another_config_is_refused(first, tmp_path, capsys):
     run, cfg = first
     out = tmp_path / "second"
-    flags = tiny_flags(**{**SMALL, "members": 59}, noise_multiplier=1.0)
+    flags = tiny_flags(**{**SMALL, "members": 59}, noise_multiplier=SIGMA)
     rc = main(["train", *flags, "--noise-key", str(run / "private" / "noise.key"),
                "--out", str(out)])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
-    changed = config_sha256(tiny_config(**{**SMALL, "members": 59}, noise_multiplier=1.0))
+    changed = config_sha256(tiny_config(**{**SMALL, "members": 59}, noise_multiplier=SIGMA))
     assert config_sha256(cfg) in err[0] and changed in err[0]
     assert "--allow-key-reuse" in err[0]
     assert not out.exists()  # a refused start leaves nothing
@@ -63,7 +66,7 @@ def test_key_without_binding_is_refused(first, tmp_path, capsys):
     lone.mkdir()
     (lone / "noise.key").write_bytes((run / "private" / "noise.key").read_bytes())
     (lone / "noise.key").chmod(0o600)
-    rc = main(["train", *tiny_flags(**SMALL, noise_multiplier=1.0), "--noise-key",
+    rc = main(["train", *tiny_flags(**SMALL, noise_multiplier=SIGMA), "--noise-key",
                str(lone / "noise.key"), "--out", str(tmp_path / "o")])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and "unknown configuration" in err
@@ -73,7 +76,7 @@ def test_key_without_binding_is_refused(first, tmp_path, capsys):
 def test_allowed_reuse_is_marked_not_private_and_export_refuses(first, tmp_path, capsys):
     run, cfg = first
     out = tmp_path / "second"
-    flags = tiny_flags(**{**SMALL, "members": 59}, noise_multiplier=1.0)
+    flags = tiny_flags(**{**SMALL, "members": 59}, noise_multiplier=SIGMA)
     rc = main(["train", *flags, "--noise-key", str(run / "private" / "noise.key"),
                "--allow-key-reuse", "--out", str(out)])  # fmt: skip
     assert rc == 0, capsys.readouterr().err
@@ -109,7 +112,7 @@ def test_allowed_reuse_is_marked_not_private_and_export_refuses(first, tmp_path,
 def test_same_config_replays_bit_exactly_and_stays_private(first, tmp_path, capsys):
     run, cfg = first
     out = tmp_path / "replay"
-    rc = main(["train", *tiny_flags(**SMALL, noise_multiplier=1.0), "--noise-key",
+    rc = main(["train", *tiny_flags(**SMALL, noise_multiplier=SIGMA), "--noise-key",
                str(run / "private" / "noise.key"), "--out", str(out)])  # fmt: skip
     assert rc == 0, capsys.readouterr().err
     a, b = _adapter(run), _adapter(out)
@@ -123,7 +126,7 @@ def test_insecure_run_is_not_exported(tmp_path, capsys):
     from fl.run.engine import train
 
     run = tmp_path / "insecure"
-    train(tiny_config(**SMALL, noise_multiplier=1.0, insecure_deterministic_noise=True), run,
+    train(tiny_config(**SMALL, noise_multiplier=SIGMA, insecure_deterministic_noise=True), run,
           quiet=True)  # fmt: skip
     capsys.readouterr()
     assert main(["export", str(run), "--out", str(tmp_path / "b")]) == 2
