@@ -234,13 +234,15 @@ def _safetensors_header(path):
     return json.loads(raw[8 : 8 + n])
 
 
-@pytest.fixture
-def canary_run(tmp_path, tiny_cfg):
+@pytest.fixture(scope="module")
+def canary_run(tmp_path_factory):
+    """One run for the file's two tests (both only read it; the export writes elsewhere)."""
     from fl.run.engine import train
+    from fl.testing import tiny_config
 
-    run = tmp_path / "run"
-    cfg = tiny_cfg(method="fedavg", dp_level="sample", noise_multiplier=2.0, canaries=4,
-                   nonmembers=60, rounds=2)  # fmt: skip
+    run = tmp_path_factory.mktemp("release") / "run"
+    cfg = tiny_config(method="fedavg", dp_level="sample", noise_multiplier=2.0, canaries=4,
+                      nonmembers=60, rounds=2)  # fmt: skip
     train(cfg, run, quiet=True)
     return run
 
@@ -277,7 +279,7 @@ def test_release_bundle_holds_only_allow_listed_fields(canary_run, tmp_path, cap
     key_hex = (run / "private" / "noise.key").read_text().strip()
     canaries = splits["canaries"]
     assert len(canaries) == 4
-    forbidden = list(FORBIDDEN_TEXT) + [key_hex, str(run), str(tmp_path)]
+    forbidden = list(FORBIDDEN_TEXT) + [key_hex, str(run), str(run.parent), str(tmp_path)]
     forbidden += [op["data"]["splits_sha256"], op["data"]["members_sha256"]]
     forbidden += [c["text"] for c in canaries] + [c["id"] for c in canaries]
     ids = splits["members"] + splits["nonmembers"] + splits["test"]
