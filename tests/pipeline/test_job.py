@@ -49,15 +49,20 @@ def test_quick_preset_end_to_end(tmp_path):
             assert "gradient canaries, one run" in vcells[4]
             assert 0 < float(lb.group(1)) <= eps and float(lb.group(2)) > 0
             assert f"empirical ε ≥ {lb.group(1)} at 95%" in vcells[-1]
-            # the conformance tests pass on a correct run, and the noise-implied ε is the
-            # ledger's (σ as claimed): columns 5 and 6
+            # the conformance tests pass on a correct run (column 5)
             assert vcells[5].startswith("pass ("), vcells[5]
             # the job replays every DP run on a neighbour (column 6: within the bound)
             assert re.fullmatch(
                 r"pass \(1 neighbour × \d+ releases, largest ‖Δq‖/bound (0\.\d+|1\.000)\)",
                 vcells[6],
             ), vcells[6]
-            assert float(vcells[7]) == pytest.approx(eps, rel=1e-3)
+            # the noise-implied ε is the ledger's with σ times the smallest upper confidence
+            # bound on the observed noise factor, capped at 1: never below the ledger's, and
+            # above it only where a bound falls under 1, which a correct run shows with
+            # probability at most 5 % (the bounds' joint level; each DP run draws fresh
+            # noise keys, so over five runs this is not rare: it was 8.02 for 7.99 once)
+            implied = float(vcells[7].removeprefix("≥ "))
+            assert eps * (1 - 1e-3) <= implied <= 1.25 * eps, vcells[7]
         # the Runs table row of this run shows the manifest's numbers
         runs_md = md.split("\n## Runs\n")[1]
         row = next(line for line in runs_md.splitlines() if line.startswith(f"| {r.name} |"))
